@@ -1,0 +1,207 @@
+"""The user-facing entry points: ``accelerate``, ``restore``, ``describe``.
+
+``accelerate`` works in two phases: plan (inspect every component and build every native module; any
+error leaves the pipeline untouched) and commit (swap modules, install hooks and patches). ``restore``
+undoes the commit exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffusers import DiffusionPipeline
+from torch import nn
+
+import omni_accel.patches as patches
+
+from .accelerated import AcceleratedTransformer
+from .attention import routing
+from .attention.base import AttentionRequest
+from .attention.selection import AttentionProviderError, AttentionSelector, resolve
+from .config import AccelConfig
+from .layers.attention import Attention
+from .models.registry import ModelSpec, output_class, spec_for
+from .report import AccelerationReport, ComponentReport
+from .weights import load_weights
+
+_STATE_ATTR = "_omni_accel_state"
+
+
+@dataclass
+class _Component:
+    name: str
+    original: nn.Module
+    spec: ModelSpec | None
+    report: ComponentReport
+    accelerated: AcceleratedTransformer | None = None
+    hook_handles: list = field(default_factory=list)
+    routes: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class _State:
+    config: AccelConfig
+    components: list[_Component]
+
+
+def accelerate(pipe: DiffusionPipeline, config: AccelConfig | None = None, **overrides: Any) -> DiffusionPipeline:
+    """Accelerates ``pipe`` in place and returns it; its call signature and outputs stay Diffusers'."""
+    if not isinstance(pipe, DiffusionPipeline):
+        raise TypeError(f"accelerate() takes a Diffusers pipeline, got {type(pipe).__name__}.")
+    if getattr(pipe, _STATE_ATTR, None) is not None:
+        raise RuntimeError("This pipeline is already accelerated; call omni_accel.restore(pipe) first.")
+    if config is not None and not isinstance(config, AccelConfig):
+        raise TypeError(f"config must be an omni_accel.AccelConfig, got {type(config).__name__}.")
+    config = (config or AccelConfig()).with_overrides(**overrides)
+
+    names = [n for n in config.components if isinstance(getattr(pipe, n, None), nn.Module)]
+    if not names:
+        raise ValueError(
+            f"{type(pipe).__name__} has no transformer component (looked for {list(config.components)}); "
+            "omni_accel accelerates transformer-based pipelines."
+        )
+    components = [_plan(name, getattr(pipe, name), config) for name in names]
+    for component in components:
+        _commit(pipe, component)
+    setattr(pipe, _STATE_ATTR, _State(config, components))
+    return pipe
+
+
+def restore(pipe: DiffusionPipeline) -> DiffusionPipeline:
+    """Puts the original Diffusers modules back (with the current weights, device and dtype)."""
+    state = _state(pipe)
+    for component in state.components:
+        for handle in component.hook_handles:
+            handle.remove()
+        for name, target in component.routes:
+            patches.revert(name, target)
+        if component.accelerated is not None:
+            object.__setattr__(pipe, component.name, component.accelerated.to_diffusers())
+    setattr(pipe, _STATE_ATTR, None)
+    return pipe
+
+
+def describe(pipe: DiffusionPipeline) -> AccelerationReport:
+    """What was swapped, which provider serves each attention role and why, and what was left as is."""
+    state = _state(pipe)
+    for component in state.components:
+        if component.accelerated is not None:
+            component.report.planned_attention = _planned_attention(component.accelerated.native,
+                                                                    component.report.selector)
+    return AccelerationReport(type(pipe).__name__, [c.report for c in state.components])
+
+
+def _state(pipe: DiffusionPipeline) -> _State:
+    state = getattr(pipe, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("This pipeline is not accelerated; call omni_accel.accelerate(pipe) first.")
+    return state
+
+
+def _plan(name: str, module: nn.Module, config: AccelConfig) -> _Component:
+    cls_name = type(module).__name__
+    if isinstance(module, AcceleratedTransformer):
+        raise RuntimeError(f"pipe.{name} is already an omni_accel module; restore it first.")
+    lora = sorted({n.split(".lora_")[0] for n, _ in module.named_modules() if ".lora_" in n})
+    if lora:
+        raise ValueError(
+            f"pipe.{name} has unfused LoRA layers ({lora[:3]}...). Fuse them first "
+            "(pipe.fuse_lora(); pipe.unload_lora_weights()) and then accelerate."
+        )
+    spec = spec_for(module)
+    selector = AttentionSelector(config.attention)
+    if spec is not None and spec.native and config.native:
+        native = _build_native(spec, module, selector)
+        report = ComponentReport(name, cls_name, "native", f"swapped for {type(native).__module__}."
+                                 f"{type(native).__name__}", selector)
+        accelerated = AcceleratedTransformer(native, module, list(module.state_dict()), output_class(spec))
+        return _Component(name, module, spec, report, accelerated=accelerated)
+    if spec is not None and spec.attention_routes:
+        for patch_name, _ in spec.attention_routes:
+            patches.check_applicable(patch_name)
+        why = "native acceleration disabled (native=False)" if spec.native else "no native implementation yet"
+        report = ComponentReport(
+            name, cls_name, "routed", f"{why}; Diffusers module kept, its attention routed through our providers",
+            selector, not_accelerated=["projections, norms and MLPs run as in Diffusers"],
+        )
+        return _Component(name, module, spec, report, routes=spec.attention_routes)
+    report = ComponentReport(
+        name, cls_name, "untouched", "no native implementation and no attention call site we can route",
+        not_accelerated=[f"{cls_name} runs exactly as in Diffusers"],
+    )
+    return _Component(name, module, spec, report)
+
+
+def _build_native(spec: ModelSpec, module: nn.Module, selector: AttentionSelector) -> nn.Module:
+    native = spec.native_class().from_diffusers_config(dict(module.config))
+    load_weights(native, module.state_dict(), native.weight_map)
+    native.eval()
+    for layer in native.modules():
+        if isinstance(layer, Attention):
+            layer.selector = selector
+    _planned_attention(native, selector, strict=True)  # an impossible explicit choice fails here, not mid-run
+    return native
+
+
+def _planned_attention(
+    native: nn.Module, selector: AttentionSelector, strict: bool = False
+) -> list[tuple[str, str, str, str]]:
+    """The provider each role would get for the model's current dtype and device (unmasked calls)."""
+    param = next(native.parameters())
+    rows = {}
+    for layer in native.modules():
+        if isinstance(layer, Attention) and layer.role not in rows:
+            request = AttentionRequest(
+                param.dtype, param.device.type, layer.head_dim,
+                compute_capability=AttentionRequest.for_call(param).compute_capability,
+            )
+            try:
+                found = resolve(selector.config, layer.role, layer.role_category, request)
+                rows[layer.role] = (layer.role, request.describe(), found.name, found.reason)
+            except AttentionProviderError as exc:
+                if strict:
+                    raise
+                rows[layer.role] = (layer.role, request.describe(), "error", str(exc))
+    return list(rows.values())
+
+
+def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
+    if component.accelerated is not None:
+        component.accelerated.train(component.original.training)
+        object.__setattr__(pipe, component.name, component.accelerated)
+        component.original.to("meta")
+        return
+    if not component.routes:
+        return
+    selector = component.report.selector
+    module = component.original
+    component.hook_handles += _scoped_hooks(
+        module, lambda: routing.enter_selector(selector), routing.leave_selector
+    )
+    roles = component.spec.attention_roles
+    for name, child in module.named_modules():
+        leaf = name.rpartition(".")[2]
+        if hasattr(child, "processor") and (leaf in roles or not roles):
+            role, category = roles.get(leaf, (f"{component.spec.family}.{leaf}", "self"))
+            component.hook_handles += _scoped_hooks(
+                child, lambda r=role, c=category: routing.enter_role(r, c), routing.leave_role
+            )
+    for name, target in component.routes:
+        patches.apply(name, target)
+
+
+def _scoped_hooks(module: nn.Module, enter, leave) -> list:
+    """A pre-hook that enters a context and a hook that always leaves it, even when forward raises."""
+    tokens = []
+
+    def pre_hook(_module, _args):
+        tokens.append(enter())
+
+    def post_hook(_module, _args, _output):
+        leave(tokens.pop())
+
+    return [
+        module.register_forward_pre_hook(pre_hook),
+        module.register_forward_hook(post_hook, always_call=True),
+    ]

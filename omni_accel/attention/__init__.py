@@ -1,0 +1,27 @@
+"""Attention providers: capability-checked kernels, resolved per role inside a scope."""
+
+from .base import AttentionProvider, AttentionRequest, Capabilities
+from .registry import get_provider, provider_names, register_provider
+from .selection import (
+    AttentionConfig,
+    AttentionProviderError,
+    AttentionSelector,
+    Resolution,
+    attention_scope,
+    resolve,
+)
+
+__all__ = [
+    "AttentionConfig",
+    "AttentionProvider",
+    "AttentionProviderError",
+    "AttentionRequest",
+    "AttentionSelector",
+    "Capabilities",
+    "Resolution",
+    "attention_scope",
+    "get_provider",
+    "provider_names",
+    "register_provider",
+    "resolve",
+]

@@ -1,0 +1,126 @@
+"""The provider contract: what an attention kernel declares, and the request it is checked against.
+
+Layout everywhere in omni_accel: ``q, k, v`` are ``[batch, seq, heads, head_dim]`` ("BSHD", the layout the
+projections produce without a transpose); the output has the query's shape; the log-sum-exp, when asked for,
+is ``[batch, heads, seq_q]`` in float32 (natural log).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """Everything about one attention call that decides which providers may serve it (hashable, so
+    resolution is cached per distinct request and never repeated on the hot path)."""
+
+    dtype: torch.dtype
+    device_type: str
+    head_dim: int
+    has_mask: bool = False
+    needs_lse: bool = False
+    compute_capability: tuple[int, int] | None = None
+
+    @classmethod
+    def for_call(
+        cls, query: torch.Tensor, *, has_mask: bool = False, needs_lse: bool = False
+    ) -> AttentionRequest:
+        device = query.device
+        capability = _compute_capability(device) if device.type == "cuda" else None
+        return cls(query.dtype, device.type, query.shape[-1], has_mask, needs_lse, capability)
+
+    def describe(self) -> str:
+        parts = [str(self.dtype).removeprefix("torch."), self.device_type, f"head_dim={self.head_dim}"]
+        if self.compute_capability:
+            parts.append("sm%d%d" % self.compute_capability)
+        if self.has_mask:
+            parts.append("masked")
+        if self.needs_lse:
+            parts.append("lse")
+        return ", ".join(parts)
+
+
+_CAPABILITY_BY_INDEX: dict[int, tuple[int, int]] = {}
+
+
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY_BY_INDEX:
+        _CAPABILITY_BY_INDEX[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY_BY_INDEX[index]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a provider can serve; selection enforces every field, so a flag nobody checks cannot exist."""
+
+    dtypes: frozenset[torch.dtype]
+    devices: frozenset[str]
+    max_head_dim: int = 256
+    head_dim_multiple: int = 1
+    supports_mask: bool = False
+    returns_lse: bool = False
+    lossless: bool = True
+    min_compute_capability: tuple[int, int] | None = None
+    requires: tuple[str, ...] = field(default_factory=tuple)
+
+    def reasons_against(self, request: AttentionRequest) -> list[str]:
+        """Why this capability set cannot serve ``request`` (empty when it can)."""
+        reasons = []
+        if request.device_type not in self.devices:
+            reasons.append(f"runs on {sorted(self.devices)}, not {request.device_type}")
+        if request.dtype not in self.dtypes:
+            names = sorted(str(d).removeprefix("torch.") for d in self.dtypes)
+            reasons.append(f"takes {names}, not {str(request.dtype).removeprefix('torch.')}")
+        if request.head_dim > self.max_head_dim or request.head_dim % self.head_dim_multiple:
+            reasons.append(
+                f"takes head sizes up to {self.max_head_dim} in multiples of {self.head_dim_multiple}, "
+                f"not {request.head_dim}"
+            )
+        if request.has_mask and not self.supports_mask:
+            reasons.append("cannot apply an attention mask")
+        if request.needs_lse and not self.returns_lse:
+            reasons.append("does not return the log-sum-exp")
+        if (
+            self.min_compute_capability
+            and request.device_type == "cuda"
+            and request.compute_capability is not None
+            and request.compute_capability < self.min_compute_capability
+        ):
+            reasons.append(
+                "needs compute capability >= %d.%d" % self.min_compute_capability
+                + ", this GPU has %d.%d" % request.compute_capability
+            )
+        return reasons
+
+
+class AttentionProvider(abc.ABC):
+    """One attention kernel behind a uniform call. Subclasses declare ``name`` and ``capabilities``."""
+
+    name: str
+    capabilities: Capabilities
+
+    def unavailable_reason(self) -> str | None:
+        """Why the provider cannot run in this process at all (a missing package...), or None."""
+        return None
+
+    def reasons_against(self, request: AttentionRequest) -> list[str]:
+        missing = self.unavailable_reason()
+        return ([missing] if missing else []) + self.capabilities.reasons_against(request)
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention over BSHD tensors; returns the output, or ``(output, lse)`` when ``return_lse``."""

@@ -1,0 +1,59 @@
+"""Provider names -> implementations, imported on first use so optional kernels cost nothing unless chosen."""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import AttentionProvider
+
+_TARGETS: dict[str, str] = {
+    "sdpa": "omni_accel.attention.providers.sdpa:SdpaProvider",
+    "sdpa_cudnn": "omni_accel.attention.providers.sdpa:SdpaCudnnProvider",
+    "sdpa_flash": "omni_accel.attention.providers.sdpa:SdpaFlashProvider",
+    "sdpa_efficient": "omni_accel.attention.providers.sdpa:SdpaEfficientProvider",
+    "sdpa_math": "omni_accel.attention.providers.sdpa:SdpaMathProvider",
+    "flashinfer": "omni_accel.attention.providers.flashinfer:FlashInferProvider",
+    "sage": "omni_accel.attention.providers.sage:SageProvider",
+}
+
+# Lossless providers tried in order under "auto". cuDNN leads on CUDA: measured fastest on H200 at FLUX's
+# shapes (docs/PERFORMANCE.md). FlashInfer is close behind but JIT-compiles each kernel on first use (tens of
+# seconds), so it is opt-in rather than an automatic pick. Lossy providers (sage) are never automatic.
+_PLATFORM_PREFERENCE: dict[str, tuple[str, ...]] = {
+    "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "sdpa_math"),
+}
+_DEFAULT_PREFERENCE = ("sdpa", "sdpa_math")
+
+_INSTANCES: dict[str, AttentionProvider] = {}
+
+
+def provider_names() -> list[str]:
+    return sorted(_TARGETS)
+
+
+def platform_preference(device_type: str) -> tuple[str, ...]:
+    return _PLATFORM_PREFERENCE.get(device_type, _DEFAULT_PREFERENCE)
+
+
+def check_provider_name(name: str, *, where: str) -> None:
+    if name != "auto" and name not in _TARGETS:
+        raise ValueError(
+            f"Unknown attention provider {name!r} in {where}. Valid names: 'auto', "
+            + ", ".join(repr(n) for n in provider_names())
+            + "."
+        )
+
+
+def get_provider(name: str) -> AttentionProvider:
+    check_provider_name(name, where="get_provider")
+    if name not in _INSTANCES:
+        module_name, class_name = _TARGETS[name].split(":")
+        _INSTANCES[name] = getattr(importlib.import_module(module_name), class_name)()
+    return _INSTANCES[name]
+
+
+def register_provider(name: str, target: str) -> None:
+    """Adds an out-of-tree provider given as ``"package.module:ClassName"``."""
+    if name in _TARGETS and _TARGETS[name] != target:
+        raise ValueError(f"Attention provider {name!r} is already registered as {_TARGETS[name]!r}.")
+    _TARGETS[name] = target

@@ -1,0 +1,59 @@
+"""Routing Diffusers' own attention calls through our providers, for transformers without a native port.
+
+A patched call site (see ``omni_accel.patches``) asks ``route`` first. Outside an accelerated transformer's
+forward, or for a call our providers do not model (causal, dropout, GQA, an explicit Diffusers backend or
+context-parallel config), ``route`` returns None and the original function runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import torch
+
+from .base import AttentionRequest
+from .selection import AttentionSelector
+
+_ACTIVE: contextvars.ContextVar[AttentionSelector | None] = contextvars.ContextVar(
+    "omni_accel_route_selector", default=None
+)
+_ROLE: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar(
+    "omni_accel_route_role", default=("diffusers.attention", "self")
+)
+
+
+def enter_role(role: str, category: str) -> contextvars.Token:
+    return _ROLE.set((role, category))
+
+
+def leave_role(token: contextvars.Token) -> None:
+    _ROLE.reset(token)
+
+
+def enter_selector(selector: AttentionSelector) -> contextvars.Token:
+    return _ACTIVE.set(selector)
+
+
+def leave_selector(token: contextvars.Token) -> None:
+    _ACTIVE.reset(token)
+
+
+def route(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    unsupported: str | None,
+) -> torch.Tensor | None:
+    """Attention over BSHD tensors through the active selector, or None to let the original run."""
+    selector = _ACTIVE.get()
+    if selector is None:
+        return None
+    role, category = _ROLE.get()
+    if unsupported:
+        selector.note_unrouted(role, unsupported)
+        return None
+    request = AttentionRequest.for_call(query, has_mask=attn_mask is not None)
+    provider = selector.resolve(role, category, request).provider
+    return provider.forward(query, key, value, attn_mask=attn_mask, scale=scale)

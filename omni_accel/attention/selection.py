@@ -1,0 +1,142 @@
+"""Per-site provider resolution: per_role[role] -> per_role[role_category] -> default -> platform best.
+
+Each accelerated pipeline owns one ``AttentionSelector``; ``attention_scope`` overrides it inside a ``with``
+block. Nothing is replaced globally, and every decision is kept for the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .base import AttentionProvider, AttentionRequest
+from .registry import check_provider_name, get_provider, platform_preference
+
+
+class AttentionProviderError(RuntimeError):
+    """An explicitly requested provider cannot serve a call; the message says why and what would."""
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Which provider serves which attention site. ``"auto"`` means the best lossless provider available."""
+
+    default: str = "auto"
+    per_role: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_provider_name(self.default, where="AttentionConfig.default")
+        for role, name in self.per_role.items():
+            check_provider_name(name, where=f"AttentionConfig.per_role[{role!r}]")
+        object.__setattr__(self, "per_role", MappingProxyType(dict(self.per_role)))
+
+    def __hash__(self) -> int:
+        return hash((self.default, tuple(sorted(self.per_role.items()))))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, AttentionConfig)
+            and self.default == other.default
+            and dict(self.per_role) == dict(other.per_role)
+        )
+
+
+@dataclass(frozen=True)
+class Resolution:
+    provider: AttentionProvider
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return self.provider.name
+
+
+_SCOPED_CONFIG: contextvars.ContextVar[AttentionConfig | None] = contextvars.ContextVar(
+    "omni_accel_attention_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def attention_scope(
+    config: AttentionConfig | None = None, *, default: str | None = None, per_role: Mapping[str, str] | None = None
+) -> Iterator[AttentionConfig]:
+    """Overrides the attention choice of every accelerated model called inside the block."""
+    if config is None:
+        config = AttentionConfig(default=default or "auto", per_role=per_role or {})
+    elif default is not None or per_role is not None:
+        raise TypeError("attention_scope takes either a config or default/per_role, not both.")
+    token = _SCOPED_CONFIG.set(config)
+    try:
+        yield config
+    finally:
+        _SCOPED_CONFIG.reset(token)
+
+
+def resolve(config: AttentionConfig, role: str, category: str, request: AttentionRequest) -> Resolution:
+    explicit = (
+        (f"per_role[{role!r}]", config.per_role.get(role)),
+        (f"per_role[{category!r}]", config.per_role.get(category)),
+        ("default", config.default),
+    )
+    for source, name in explicit:
+        if name is None:
+            continue
+        if name == "auto":
+            break
+        provider = get_provider(name)
+        reasons = provider.reasons_against(request)
+        if reasons:
+            usable = [n for n in platform_preference(request.device_type) if not get_provider(n).reasons_against(request)]
+            raise AttentionProviderError(
+                f"Attention provider {name!r}, chosen by {source} for role {role!r}, cannot serve this call "
+                f"({request.describe()}): {'; '.join(reasons)}. Choose a provider that can "
+                f"(here: {', '.join(map(repr, usable))}) or 'auto'."
+            )
+        return Resolution(provider, f"{source} = {name!r}")
+
+    skipped = []
+    for name in platform_preference(request.device_type):
+        provider = get_provider(name)
+        reasons = provider.reasons_against(request)
+        if not reasons:
+            note = f"; skipped {'; '.join(skipped)}" if skipped else ""
+            return Resolution(provider, f"auto: best lossless provider for {request.device_type}{note}")
+        skipped.append(f"{name} ({', '.join(reasons)})")
+    raise AttentionProviderError(f"No attention provider can serve {request.describe()}: {'; '.join(skipped)}.")
+
+
+class AttentionSelector:
+    """Resolves and remembers the provider of each (role, request); one per accelerated model."""
+
+    def __init__(self, config: AttentionConfig | None = None) -> None:
+        self.config = config or AttentionConfig()
+        self._cache: dict[tuple, Resolution] = {}
+        self.unrouted: dict[tuple[str, str], int] = {}
+
+    def resolve(self, role: str, category: str, request: AttentionRequest) -> Resolution:
+        config = _SCOPED_CONFIG.get() or self.config
+        key = (config, role, category, request)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = resolve(config, role, category, request)
+        return found
+
+    def note_unrouted(self, role: str, reason: str) -> None:
+        """Counts a call left to Diffusers' own kernel, so the report can say which and why."""
+        self.unrouted[(role, reason)] = self.unrouted.get((role, reason), 0) + 1
+
+    def decisions(self) -> list[tuple[str, str, str, str]]:
+        """(role, request, provider, reason) for every distinct call seen so far."""
+        rows = {(role, req.describe(), r.name, r.reason) for (_, role, _, req), r in self._cache.items()}
+        return sorted(rows)
+
+
+_DEFAULT_SELECTOR = AttentionSelector()
+
+
+def default_selector() -> AttentionSelector:
+    """Used by layers that were built outside ``accelerate`` (e.g. directly in a test)."""
+    return _DEFAULT_SELECTOR

@@ -1,0 +1,1 @@
+"""Exact (bitwise lossless) reuse of conditioning projections."""

@@ -1,0 +1,51 @@
+"""``AccelConfig``: everything ``accelerate`` can be told, validated before anything is touched."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .attention.selection import AttentionConfig
+
+
+@dataclass(frozen=True)
+class AccelConfig:
+    """``attention``: which provider serves which role. ``native``: swap in native transformers where one
+    exists (False keeps Diffusers' modules and only routes their attention). ``components``: the pipeline
+    attributes treated as denoisers."""
+
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    native: bool = True
+    components: tuple[str, ...] = ("transformer", "transformer_2")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attention, AttentionConfig):
+            object.__setattr__(self, "attention", _attention_config(self.attention))
+        if not isinstance(self.native, bool):
+            raise TypeError(f"native must be True or False, got {self.native!r}.")
+        if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
+            raise TypeError(f"components must be a tuple of attribute names, got {self.components!r}.")
+        object.__setattr__(self, "components", tuple(self.components))
+
+    def with_overrides(self, **overrides: Any) -> AccelConfig:
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"accelerate() got unknown option(s) {unknown}; valid options: {sorted(names)}.")
+        return dataclasses.replace(self, **overrides)
+
+
+def _attention_config(value: Any) -> AttentionConfig:
+    """Accepts a provider name for every site, or a mapping with ``default`` / ``per_role``."""
+    if isinstance(value, str):
+        return AttentionConfig(default=value)
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"default", "per_role"})
+        if unknown:
+            raise TypeError(f"attention options {unknown} are unknown; use 'default' and 'per_role'.")
+        return AttentionConfig(**value)
+    raise TypeError(
+        f"attention must be an AttentionConfig, a provider name or a mapping, got {type(value).__name__}."
+    )

@@ -1,0 +1,1 @@
+"""Native transformers and the registry that selects them by Diffusers class."""

@@ -1,0 +1,80 @@
+"""The selection boundary: a Diffusers transformer class -> what omni_accel can do for it.
+
+This is the only place (with the model files) where model names appear. A class that is not listed still
+gets attention routing when its module calls Diffusers' ``dispatch_attention_fn``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What omni_accel knows about one Diffusers transformer class.
+
+    ``native`` is the ``"module:Class"`` of a native implementation, if one exists. ``attention_routes``
+    names the patches (in ``omni_accel.patches``) that route a Diffusers model's attention calls through our
+    providers, each with the module it patches. ``attention_roles`` maps the attribute name of an attention
+    module (``attn1``...) to its ``(role, role_category)``.
+    """
+
+    family: str
+    native: str | None = None
+    output_class: str = "diffusers.models.modeling_outputs:Transformer2DModelOutput"
+    attention_routes: tuple[tuple[str, str], ...] = ()
+    attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+    def native_class(self) -> type[nn.Module] | None:
+        return _import(self.native) if self.native else None
+
+
+def _import(target: str):
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+_TRANSFORMERS = "diffusers.models.transformers"
+
+_SPECS: dict[str, ModelSpec] = {
+    "FluxTransformer2DModel": ModelSpec(family="flux", native="omni_accel.models.flux:FluxTransformer"),
+    "WanTransformer3DModel": ModelSpec(
+        family="wan",
+        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_wan"),),
+        attention_roles={"attn1": ("wan.self", "self"), "attn2": ("wan.cross", "cross")},
+    ),
+    "QwenImageTransformer2DModel": ModelSpec(
+        family="qwenimage",
+        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_qwenimage"),),
+        attention_roles={"attn": ("qwenimage.joint", "self")},
+    ),
+    "SD3Transformer2DModel": ModelSpec(
+        family="sd3",
+        attention_routes=(("functional_sdpa", "diffusers.models.attention_processor"),),
+        attention_roles={"attn": ("sd3.joint", "self"), "attn2": ("sd3.self", "self")},
+    ),
+}
+
+
+def spec_for(transformer: nn.Module) -> ModelSpec | None:
+    """The spec of the closest registered class in the MRO, or a generic one, or None."""
+    for cls in type(transformer).__mro__:
+        if cls.__name__ in _SPECS and cls.__module__.startswith("diffusers."):
+            return _SPECS[cls.__name__]
+    module = sys.modules.get(type(transformer).__module__)
+    if module is not None and hasattr(module, "dispatch_attention_fn"):
+        return ModelSpec(family="generic", attention_routes=(("dispatch_attention", module.__name__),))
+    return None
+
+
+def registered_classes() -> list[str]:
+    return sorted(_SPECS)
+
+
+def output_class(spec: ModelSpec) -> type:
+    return _import(spec.output_class)

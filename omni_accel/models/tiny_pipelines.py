@@ -1,0 +1,511 @@
+"""Tiny, offline Diffusers pipelines with random weights, for tests, examples and notebooks.
+
+Real checkpoints weigh gigabytes and live on the Hugging Face Hub, but acceleration code only needs the same
+classes, call paths and tensor layouts. Every builder here wires the genuine Diffusers / Transformers classes
+at toy sizes, so a two-step 32x32 generation takes well under a second on CPU, nothing is downloaded, and
+every weight follows from ``seed`` alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import string
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    AutoencoderKLWan,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    ModelMixin,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from tokenizers import pre_tokenizers
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+
+__all__ = [
+    "flux_rope_axes",
+    "tiny_flux_pipeline",
+    "tiny_qwenimage_pipeline",
+    "tiny_sd3_pipeline",
+    "tiny_wan_pipeline",
+]
+
+# Text encoders are never what is being accelerated, so they share one fixed toy size.
+_TEXT_HIDDEN = 32
+_TEXT_LAYERS = 2
+_TEXT_HEADS = 2
+# Latent channels of the released FLUX / SD3 / Wan / QwenImage VAEs; kept so the packing maths is the real one.
+_LATENT_CHANNELS = 16
+# Default image side (pixels) the image pipelines fall back to when called without height/width.
+_DEFAULT_IMAGE_SIZE = 32
+
+_BYTE_ALPHABET = sorted(pre_tokenizers.ByteLevel.alphabet())
+_QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@contextmanager
+def _seeded(seed: int, component: str) -> Iterator[None]:
+    """Seed the CPU generator from (seed, component) and restore the caller's RNG state afterwards.
+
+    A per-component seed makes each component's weights independent of what was built before it (changing
+    one size knob does not reshuffle every other component), and forking keeps the builders free of side
+    effects on the caller's global random stream.
+    """
+    digest = hashlib.sha256(f"{seed}/{component}".encode()).digest()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int.from_bytes(digest[:8], "little"))
+        yield
+
+
+def _randomize_(model: torch.nn.Module) -> None:
+    """Redraw every parameter of a denoiser in place so each one influences the output.
+
+    Default init leaves biases at zero and norm scales at one, so whole parameter groups would start out
+    inert and a kernel that mishandles them could still pass a parity test. Matrices get N(0, 1/fan_in),
+    which keeps activations O(1) through the blocks and attention logits far from uniform; vectors keep
+    their init plus N(0, 0.1^2) noise, so norm scales stay near one and biases become non-zero.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, param[0].numel() ** -0.5)
+            else:
+                param.add_(torch.randn_like(param), alpha=0.1)
+
+
+def flux_rope_axes(attention_head_dim: int) -> tuple[int, int, int]:
+    """Split a head dim into the (index, height, width) RoPE axes FLUX-style transformers need.
+
+    The axes must be even (rotary pairs) and sum to the head dim; height and width get about 7/16 each, the
+    proportion of the released models' (16, 56, 56) split for 128-dim heads.
+    """
+    if attention_head_dim % 2 or attention_head_dim < 6:
+        raise ValueError(
+            f"attention_head_dim must be even and >= 6 for 3-axis RoPE, got {attention_head_dim}"
+        )
+    spatial = max(2, attention_head_dim * 7 // 32 * 2)
+    return attention_head_dim - 2 * spatial, spatial, spatial
+
+
+def _cast_(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating weights the way ``from_pretrained(torch_dtype=dtype)`` would.
+
+    Diffusers keeps a model's ``_keep_in_fp32_modules`` (Wan's norms and time embedder, for instance) in
+    float32 when loading in low precision; a plain ``.to(dtype)`` would not, so the tiny pipeline would run
+    different numerics from the real one.
+    """
+    keep_fp32 = (isinstance(model, ModelMixin) and model._keep_in_fp32_modules) or []
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if tensor.is_floating_point():
+                fp32 = any(module in name.split(".") for module in keep_fp32)
+                tensor.data = tensor.data.to(torch.float32 if fp32 else dtype)
+
+
+def _finish(pipe: DiffusionPipeline, dtype: torch.dtype, device: torch.device | str) -> DiffusionPipeline:
+    """Put every model in eval mode at ``dtype`` on ``device`` and silence the progress bars for tests."""
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+            _cast_(component, dtype)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _clip_tokenizer() -> CLIPTokenizer:
+    """Byte-level CLIP tokenizer without merges: every byte is its own token, so any string encodes exactly."""
+    tokens = [
+        *_BYTE_ALPHABET,
+        *(char + "</w>" for char in _BYTE_ALPHABET),
+        "<|startoftext|>",
+        "<|endoftext|>",
+    ]
+    return CLIPTokenizer(vocab={token: i for i, token in enumerate(tokens)}, merges=[], model_max_length=77)
+
+
+def _t5_tokenizer() -> T5Tokenizer:
+    """Unigram T5 tokenizer over printable ASCII, as bare and word-initial pieces.
+
+    Anything else maps to <unk>, as unseen characters do with the real SentencePiece vocabulary, so any string
+    encodes. ``model_max_length`` is the real 512: the pipelines pad to their own ``max_sequence_length`` and
+    the relative-position encoder accepts any length.
+    """
+    chars = [char for char in string.printable if not char.isspace()]
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [("\u2581" + char, -2.0) for char in chars] + [(char, -3.0) for char in chars]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def _qwen_tokenizer(template: str) -> Qwen2Tokenizer:
+    """Byte-level Qwen2 tokenizer whose merges spell out each word of the pipeline's prompt template.
+
+    Bytes alone cover any string. The merges make the template's fixed prefix come out as the same number of
+    tokens as with the real vocabulary, which QwenImagePipeline relies on when it drops its first
+    ``prompt_template_encode_start_idx`` tokens, so only the user's prompt reaches the transformer.
+    """
+    splitter = Qwen2Tokenizer().backend_tokenizer.pre_tokenizer
+    # Special tokens and the "{}" prompt slot are not spelled with merges, so split them out first.
+    separators = "|".join(re.escape(token) for token in (*_QWEN_SPECIAL_TOKENS, "{}"))
+    words = [
+        word for segment in re.split(separators, template) for word, _ in splitter.pre_tokenize_str(segment)
+    ]
+    vocab = {char: i for i, char in enumerate(_BYTE_ALPHABET)}
+    merges: list[tuple[str, str]] = []
+    for word in words:
+        for end in range(2, len(word) + 1):
+            if word[:end] not in vocab:
+                merges.append((word[: end - 1], word[end - 1]))
+                vocab[word[:end]] = len(vocab)
+    for token in _QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]),
+    )
+
+
+def _clip_text_encoder(
+    model_cls: type[CLIPTextModel] | type[CLIPTextModelWithProjection],
+    tokenizer: CLIPTokenizer,
+    seed: int,
+    component: str,
+) -> CLIPTextModel | CLIPTextModelWithProjection:
+    """Tiny CLIP text tower whose special-token ids come from ``tokenizer``, so the pooled EOS lookup is right."""
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=_TEXT_HIDDEN,
+        intermediate_size=2 * _TEXT_HIDDEN,
+        projection_dim=_TEXT_HIDDEN,
+        num_hidden_layers=_TEXT_LAYERS,
+        num_attention_heads=_TEXT_HEADS,
+        max_position_embeddings=tokenizer.model_max_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with _seeded(seed, component):
+        return model_cls(config)
+
+
+def _t5_encoder(
+    model_cls: type[T5EncoderModel] | type[UMT5EncoderModel],
+    tokenizer: T5Tokenizer,
+    d_model: int,
+    seed: int,
+    component: str,
+) -> T5EncoderModel | UMT5EncoderModel:
+    """Tiny gated-GELU (T5 v1.1 / UMT5 style) encoder whose special-token ids come from ``tokenizer``."""
+    config_cls = UMT5Config if model_cls is UMT5EncoderModel else T5Config
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=d_model // _TEXT_HEADS,
+        d_ff=2 * d_model,
+        num_layers=_TEXT_LAYERS,
+        num_heads=_TEXT_HEADS,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    with _seeded(seed, component):
+        return model_cls(config)
+
+
+def _image_vae(seed: int, scaling_factor: float, shift_factor: float) -> AutoencoderKL:
+    """Two-level 2D VAE with 16 latent channels.
+
+    It downsamples 2x per side instead of the released 8x, so a 32x32 image still gives 8x8 = 64 packed tokens.
+    """
+    with _seeded(seed, "vae"):
+        return AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            latent_channels=_LATENT_CHANNELS,
+            norm_num_groups=8,
+            sample_size=_DEFAULT_IMAGE_SIZE,
+            scaling_factor=scaling_factor,
+            shift_factor=shift_factor,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+
+
+def tiny_flux_pipeline(
+    *,
+    seed: int = 0,
+    guidance_embeds: bool = False,
+    num_layers: int = 2,
+    num_single_layers: int = 2,
+    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    axes_dims_rope: tuple[int, int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> FluxPipeline:
+    """FLUX.1 text-to-image pipeline (dual + single stream MMDiT, CLIP + T5, 2x2 latent packing) at toy size.
+
+    ``guidance_embeds=True`` gives the guidance-distilled (FLUX.1-dev) variant that embeds ``guidance_scale``.
+    ``axes_dims_rope`` defaults to :func:`flux_rope_axes` of the head dim. Called without height/width the
+    pipeline renders 32x32 instead of the real default 1024x1024.
+    """
+    clip_tokenizer = _clip_tokenizer()
+    t5_tokenizer = _t5_tokenizer()
+    text_encoder = _clip_text_encoder(CLIPTextModel, clip_tokenizer, seed, "text_encoder")
+    text_encoder_2 = _t5_encoder(T5EncoderModel, t5_tokenizer, _TEXT_HIDDEN, seed, "text_encoder_2")
+    with _seeded(seed, "transformer"):
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * _LATENT_CHANNELS,
+            num_layers=num_layers,
+            num_single_layers=num_single_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=text_encoder_2.config.d_model,
+            pooled_projection_dim=text_encoder.config.hidden_size,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=axes_dims_rope or flux_rope_axes(attention_head_dim),
+        )
+        _randomize_(transformer)
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=_image_vae(seed, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=text_encoder,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+    pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
+    return _finish(pipe, dtype, device)
+
+
+def tiny_sd3_pipeline(
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> StableDiffusion3Pipeline:
+    """Stable Diffusion 3 pipeline (MMDiT, two projected CLIP towers + T5, classifier-free guidance) at toy size.
+
+    The T5 width is the sum of both CLIP widths, as in the real model, because the pipeline zero-pads the
+    concatenated CLIP states to the T5 width. Called without height/width it renders 32x32.
+    """
+    clip_tokenizer = _clip_tokenizer()
+    t5_tokenizer = _t5_tokenizer()
+    text_encoder = _clip_text_encoder(CLIPTextModelWithProjection, clip_tokenizer, seed, "text_encoder")
+    text_encoder_2 = _clip_text_encoder(CLIPTextModelWithProjection, clip_tokenizer, seed, "text_encoder_2")
+    text_encoder_3 = _t5_encoder(T5EncoderModel, t5_tokenizer, 2 * _TEXT_HIDDEN, seed, "text_encoder_3")
+    vae = _image_vae(seed, scaling_factor=1.5305, shift_factor=0.0609)
+    with _seeded(seed, "transformer"):
+        transformer = SD3Transformer2DModel(
+            sample_size=_DEFAULT_IMAGE_SIZE // 2 ** (len(vae.config.block_out_channels) - 1),
+            patch_size=2,
+            in_channels=_LATENT_CHANNELS,
+            out_channels=_LATENT_CHANNELS,
+            num_layers=num_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=text_encoder_3.config.d_model,
+            caption_projection_dim=num_attention_heads * attention_head_dim,
+            pooled_projection_dim=text_encoder.config.projection_dim + text_encoder_2.config.projection_dim,
+        )
+        _randomize_(transformer)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=_clip_tokenizer(),
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=t5_tokenizer,
+    )
+    return _finish(pipe, dtype, device)
+
+
+def tiny_wan_pipeline(
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> WanPipeline:
+    """Wan 2.1 text-to-video pipeline (3D DiT with cross-attention, UMT5, causal video VAE) at toy size.
+
+    The VAE keeps Wan's 4x temporal compression (so ``num_frames`` must be 4k+1, e.g. 5) but compresses space
+    only 4x, so small clips still give several tokens per frame; height and width must be multiples of 8.
+    Call it with small sizes (e.g. ``num_frames=5, height=32, width=32``): the pipeline's own defaults are
+    the real 81x480x832.
+    """
+    tokenizer = _t5_tokenizer()
+    text_encoder = _t5_encoder(UMT5EncoderModel, tokenizer, _TEXT_HIDDEN, seed, "text_encoder")
+    with _seeded(seed, "vae"):
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=_LATENT_CHANNELS,
+            dim_mult=[1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            latents_mean=[0.0] * _LATENT_CHANNELS,
+            latents_std=[1.0] * _LATENT_CHANNELS,
+            scale_factor_spatial=4,
+            scale_factor_temporal=4,
+        )
+    inner_dim = num_attention_heads * attention_head_dim
+    with _seeded(seed, "transformer"):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=num_attention_heads,
+            attention_head_dim=attention_head_dim,
+            in_channels=_LATENT_CHANNELS,
+            out_channels=_LATENT_CHANNELS,
+            text_dim=text_encoder.config.d_model,
+            freq_dim=inner_dim,
+            ffn_dim=2 * inner_dim,
+            num_layers=num_layers,
+        )
+        _randomize_(transformer)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        ),
+        transformer=transformer,
+    )
+    return _finish(pipe, dtype, device)
+
+
+def tiny_qwenimage_pipeline(
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    axes_dims_rope: tuple[int, int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> QwenImagePipeline:
+    """Qwen-Image text-to-image pipeline (MMDiT, Qwen2.5-VL text encoder, causal VAE) at toy size.
+
+    The Qwen2.5-VL model includes a one-block vision tower only because the class requires one; prompts never
+    reach it. ``axes_dims_rope`` defaults to :func:`flux_rope_axes` of the head dim. Called without
+    height/width the pipeline renders 32x32.
+    """
+    # Built bare only to read the prompt template the tokenizer's merges are learned from.
+    template = QwenImagePipeline(
+        scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
+    )
+    tokenizer = _qwen_tokenizer(template.prompt_template_encode)
+    vision_token_ids = range(len(tokenizer), len(tokenizer) + 4)  # reserved ids the tokenizer never emits
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer) + len(vision_token_ids),
+            "hidden_size": _TEXT_HIDDEN,
+            "intermediate_size": 2 * _TEXT_HIDDEN,
+            "num_hidden_layers": _TEXT_LAYERS,
+            "num_attention_heads": _TEXT_HEADS,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                # temporal / height / width share of the head's rotary frequency pairs
+                "mrope_section": [2, 3, 3],
+            },
+            "bos_token_id": None,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": _TEXT_HIDDEN,
+            "fullatt_block_indexes": [0],
+        },
+        image_token_id=vision_token_ids[0],
+        video_token_id=vision_token_ids[1],
+        vision_start_token_id=vision_token_ids[2],
+        vision_end_token_id=vision_token_ids[3],
+    )
+    with _seeded(seed, "text_encoder"):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    with _seeded(seed, "vae"):
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=_LATENT_CHANNELS,
+            dim_mult=[1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[0.0] * _LATENT_CHANNELS,
+            latents_std=[1.0] * _LATENT_CHANNELS,
+        )
+    with _seeded(seed, "transformer"):
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4 * _LATENT_CHANNELS,
+            out_channels=_LATENT_CHANNELS,
+            num_layers=num_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=_TEXT_HIDDEN,
+            axes_dims_rope=axes_dims_rope or flux_rope_axes(attention_head_dim),
+        )
+        _randomize_(transformer)
+    pipe = QwenImagePipeline(
+        # Modeled on the released Qwen-Image scheduler: resolution-dependent shift, sigmas ending at 0.02.
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02
+        ),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
+    return _finish(pipe, dtype, device)

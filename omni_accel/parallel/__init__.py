@@ -1,0 +1,1 @@
+"""Process groups and collectives for tensor, sequence and CFG parallelism."""

@@ -1,0 +1,20 @@
+"""The few collectives the layers need, written once so every caller gets the same semantics."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenates every rank's ``tensor`` along ``dim`` (equal shapes on every rank)."""
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)

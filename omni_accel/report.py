@@ -1,0 +1,47 @@
+"""What ``describe(pipe)`` returns: a structured record with a readable ``str``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .attention.selection import AttentionSelector
+
+
+@dataclass
+class ComponentReport:
+    """One pipeline component: what was done to it and why."""
+
+    name: str
+    diffusers_class: str
+    mode: str  # "native", "routed" or "untouched"
+    detail: str
+    selector: AttentionSelector | None = None
+    planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
+    not_accelerated: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [f"{self.name} ({self.diffusers_class}): {self.mode} - {self.detail}"]
+        if self.selector is not None:
+            config = self.selector.config
+            out.append(f"  attention config: default={config.default!r}, per_role={dict(config.per_role)}")
+            seen = self.selector.decisions()
+            rows = seen or self.planned_attention
+            label = "resolved" if seen else "planned (no call yet)"
+            for role, request, provider, reason in rows:
+                out.append(f"  attention {label}: {role} [{request}] -> {provider} ({reason})")
+            for (role, reason), count in sorted(self.selector.unrouted.items()):
+                out.append(f"  attention left to Diffusers: {role}: {reason} ({count} calls)")
+        out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
+        return out
+
+
+@dataclass
+class AccelerationReport:
+    pipeline_class: str
+    components: list[ComponentReport]
+
+    def __str__(self) -> str:
+        lines = [f"omni_accel report for {self.pipeline_class}"]
+        for component in self.components:
+            lines.extend(component.lines())
+        return "\n".join(lines)

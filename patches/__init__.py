@@ -1,0 +1,59 @@
+"""Version-guarded, scoped, reversible patches of third-party code (installed as ``omni_accel.patches``).
+
+Each patch is one module naming its target, the versions it was checked against and why it exists, with
+``apply(target)`` / ``revert(target)``. Applications are reference-counted per target, so two accelerated
+pipelines share a patch and the last ``restore`` removes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from types import ModuleType
+
+from packaging.version import Version
+
+_APPLIED: Counter[tuple[str, str]] = Counter()
+
+
+def _patch_module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def check_version(package: str, patch: ModuleType) -> None:
+    from importlib.metadata import version
+
+    installed = Version(version(package))
+    low, high = (Version(v) for v in patch.CHECKED_VERSIONS)
+    if not low <= installed < high:
+        raise RuntimeError(
+            f"Patch {patch.__name__} was checked against {package} {low} to < {high}; {installed} is installed. "
+            f"Install a checked version or disable the feature that needs it."
+        )
+
+
+def check_applicable(name: str) -> None:
+    """Raises if the installed third-party version is outside the range the patch was checked against."""
+    patch = _patch_module(name)
+    check_version(patch.PACKAGE, patch)
+
+
+def apply(name: str, target: str) -> None:
+    patch = _patch_module(name)
+    if _APPLIED[(name, target)] == 0:
+        check_version(patch.PACKAGE, patch)
+        patch.apply(importlib.import_module(target))
+    _APPLIED[(name, target)] += 1
+
+
+def revert(name: str, target: str) -> None:
+    if _APPLIED[(name, target)] == 0:
+        raise RuntimeError(f"Patch {name} on {target} is not applied.")
+    _APPLIED[(name, target)] -= 1
+    if _APPLIED[(name, target)] == 0:
+        del _APPLIED[(name, target)]
+        _patch_module(name).revert(importlib.import_module(target))
+
+
+def applied() -> dict[tuple[str, str], int]:
+    return dict(_APPLIED)

@@ -1,0 +1,82 @@
+"""Routes ``dispatch_attention_fn`` as seen by one Diffusers transformer module through our providers.
+
+Target: the module-level name ``dispatch_attention_fn`` inside a Diffusers transformer module (e.g.
+``diffusers.models.transformers.transformer_wan``); only that module's lookups change, not Diffusers'
+function. Why: Diffusers picks its attention backend per processor or globally, with no per-pipeline scope
+and no capability record; routing the call lets a non-native model use the providers chosen for this
+pipeline. Outside an accelerated forward the original function runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+from omni_accel.attention.routing import route
+
+PACKAGE = "diffusers"
+CHECKED_VERSIONS = ("0.42.0", "0.43.0")
+_ORIGINAL = "_omni_accel_original_dispatch_attention_fn"
+
+
+def _unsupported(attn_mask, dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config) -> str | None:
+    if is_causal:
+        return "causal attention"
+    if dropout_p:
+        return "dropout"
+    if enable_gqa:
+        return "grouped-query attention"
+    if attention_kwargs:
+        return f"backend-specific arguments {sorted(attention_kwargs)}"
+    if backend is not None:
+        return f"Diffusers backend {backend!s} set on the processor"
+    if parallel_config is not None:
+        return "Diffusers context parallelism"
+    return None
+
+
+def apply(module: ModuleType) -> None:
+    original = module.dispatch_attention_fn
+
+    @functools.wraps(original)
+    def dispatch_attention_fn(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+        attention_kwargs=None,
+        *,
+        backend=None,
+        parallel_config=None,
+    ):
+        unsupported = _unsupported(
+            attn_mask, dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
+        )
+        out = route(query, key, value, attn_mask=attn_mask, scale=scale, unsupported=unsupported)
+        if out is not None:
+            return out
+        return original(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            attention_kwargs=attention_kwargs,
+            backend=backend,
+            parallel_config=parallel_config,
+        )
+
+    setattr(module, _ORIGINAL, original)
+    module.dispatch_attention_fn = dispatch_attention_fn
+
+
+def revert(module: ModuleType) -> None:
+    module.dispatch_attention_fn = getattr(module, _ORIGINAL)
+    delattr(module, _ORIGINAL)
