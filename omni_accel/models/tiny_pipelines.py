@@ -498,10 +498,8 @@ def tiny_qwenimage_pipeline(
         )
         _randomize_(transformer)
     pipe = QwenImagePipeline(
-        # Modeled on the released Qwen-Image scheduler: resolution-dependent shift, sigmas ending at 0.02.
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            use_dynamic_shifting=True, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02
-        ),
+        # Dynamic shifting because the pipeline always passes a resolution-dependent ``mu``.
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,

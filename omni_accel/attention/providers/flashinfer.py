@@ -175,7 +175,9 @@ class FlashInferProvider(AttentionProvider):
         reasons = super().reasons_against(request)
         # max_head_dim and head_dim_multiple admit 192, which FlashInfer has no kernel for.
         declared = self.capabilities
-        fits_declared = request.head_dim <= declared.max_head_dim and request.head_dim % declared.head_dim_multiple == 0
+        fits_declared = (
+            request.head_dim <= declared.max_head_dim and request.head_dim % declared.head_dim_multiple == 0
+        )
         if fits_declared and request.head_dim not in HEAD_DIMS:
             reasons.append(f"takes head sizes {', '.join(map(str, HEAD_DIMS))}, not {request.head_dim}")
         return reasons

@@ -84,7 +84,9 @@ def sage_attention(
 
     version = installed_version()
     if return_lse and not capabilities_for(version).returns_lse:
-        raise ValueError(f"sageattention {version} does not return a trusted LSE; {LSE_VERSION} or newer does.")
+        raise ValueError(
+            f"sageattention {version} does not return a trusted LSE; {LSE_VERSION} or newer does."
+        )
     query, key, value = (_unit_last_stride(t) for t in (query, key, value))
     # 2.x calls torch.cuda.set_device on every call; the context restores the caller's device afterwards.
     with torch.cuda.device(query.device):
@@ -95,7 +97,13 @@ def sage_attention(
         else:
             smoothed_key = key - key.mean(dim=1, keepdim=True)
             result = sageattn(
-                query, smoothed_key, value, tensor_layout="NHD", is_causal=False, sm_scale=scale, smooth_k=False
+                query,
+                smoothed_key,
+                value,
+                tensor_layout="NHD",
+                is_causal=False,
+                sm_scale=scale,
+                smooth_k=False,
             )
     out, lse = (result[0], result[1]) if return_lse else (result, query.new_empty(0, dtype=torch.float32))
     # 2.x slices padded head sizes back with a view; the fake output (and callers) expect dense tensors.
@@ -130,7 +138,9 @@ class SageProvider(AttentionProvider):
                 and request.head_dim % capabilities.head_dim_multiple == 0
             )
             if fits_declared and request.head_dim not in V1_HEAD_DIMS:
-                reasons.append(f"takes head sizes {', '.join(map(str, V1_HEAD_DIMS))}, not {request.head_dim}")
+                reasons.append(
+                    f"takes head sizes {', '.join(map(str, V1_HEAD_DIMS))}, not {request.head_dim}"
+                )
         return reasons
 
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
