@@ -7,6 +7,7 @@ undoes the commit exactly.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,16 +180,21 @@ def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
     component.hook_handles += _scoped_hooks(
         module, lambda: routing.enter_selector(selector), routing.leave_selector
     )
-    roles = component.spec.attention_roles
     for name, child in module.named_modules():
-        leaf = name.rpartition(".")[2]
-        if hasattr(child, "processor") and (leaf in roles or not roles):
-            role, category = roles.get(leaf, (f"{component.spec.family}.{leaf}", "self"))
+        if hasattr(child, "processor"):
+            role, category = _role_of(component.spec, name)
             component.hook_handles += _scoped_hooks(
                 child, lambda r=role, c=category: routing.enter_role(r, c), routing.leave_role
             )
     for name, target in component.routes:
         patches.apply(name, target)
+
+
+def _role_of(spec: ModelSpec, module_name: str) -> tuple[str, str]:
+    for pattern, role in spec.attention_roles.items():
+        if re.fullmatch(pattern, module_name):
+            return role
+    return f"{spec.family}.{module_name.rpartition('.')[2]}", "self"
 
 
 def _scoped_hooks(module: nn.Module, enter, leave) -> list:

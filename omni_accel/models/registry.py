@@ -21,7 +21,7 @@ class ModelSpec:
     ``native`` is the ``"module:Class"`` of a native implementation, if one exists. ``attention_routes``
     names the patches (in ``omni_accel.patches``) that route a Diffusers model's attention calls through our
     providers, each with the module it patches. ``attention_roles`` maps the attribute name of an attention
-    module (``attn1``...) to its ``(role, role_category)``.
+    module's full name (a regex, matched whole) to its ``(role, role_category)``.
     """
 
     family: str
@@ -42,21 +42,29 @@ def _import(target: str):
 _TRANSFORMERS = "diffusers.models.transformers"
 
 _SPECS: dict[str, ModelSpec] = {
-    "FluxTransformer2DModel": ModelSpec(family="flux", native="omni_accel.models.flux:FluxTransformer"),
+    "FluxTransformer2DModel": ModelSpec(
+        family="flux",
+        native="omni_accel.models.flux:FluxTransformer",
+        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_flux"),),
+        attention_roles={
+            r"transformer_blocks\.\d+\.attn": ("flux.joint", "self"),
+            r"single_transformer_blocks\.\d+\.attn": ("flux.single", "self"),
+        },
+    ),
     "WanTransformer3DModel": ModelSpec(
         family="wan",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_wan"),),
-        attention_roles={"attn1": ("wan.self", "self"), "attn2": ("wan.cross", "cross")},
+        attention_roles={r".*\.attn1": ("wan.self", "self"), r".*\.attn2": ("wan.cross", "cross")},
     ),
     "QwenImageTransformer2DModel": ModelSpec(
         family="qwenimage",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_qwenimage"),),
-        attention_roles={"attn": ("qwenimage.joint", "self")},
+        attention_roles={r".*\.attn": ("qwenimage.joint", "self")},
     ),
     "SD3Transformer2DModel": ModelSpec(
         family="sd3",
         attention_routes=(("functional_sdpa", "diffusers.models.attention_processor"),),
-        attention_roles={"attn": ("sd3.joint", "self"), "attn2": ("sd3.self", "self")},
+        attention_roles={r".*\.attn": ("sd3.joint", "self"), r".*\.attn2": ("sd3.self", "self")},
     ),
 }
 

@@ -1,0 +1,74 @@
+"""Pipelines without a native transformer: Diffusers' modules kept, attention routed through providers."""
+
+import pytest
+import torch
+from conftest import rel_err
+
+import omni_accel
+import omni_accel.patches as patches
+
+CASES = {
+    "wan": (omni_accel.tiny_wan_pipeline, dict(height=32, width=32, num_frames=5), {"wan.self", "wan.cross"}),
+    "sd3": (omni_accel.tiny_sd3_pipeline, dict(height=32, width=32), {"sd3.joint"}),
+    "qwenimage": (omni_accel.tiny_qwenimage_pipeline, dict(height=32, width=32), {"qwenimage.joint"}),
+}
+
+
+def _latents(pipe, call):
+    return pipe(
+        prompt="a cat", num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(0), **call
+    )
+
+
+def _out(result):
+    return result.frames if hasattr(result, "frames") else result.images
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_routed_pipeline_matches_and_restores(family):
+    build, call, roles = CASES[family]
+    pipe = build(seed=0)
+    module = type(pipe.transformer)
+    expected = _out(_latents(pipe, call))
+
+    omni_accel.accelerate(pipe, attention={"default": "auto", "per_role": {"cross": "sdpa_math"}})
+    assert type(pipe.transformer) is module  # not swapped
+    got = _out(_latents(pipe, call))
+    assert rel_err(got, expected) <= 1e-5
+
+    report = omni_accel.describe(pipe)
+    component = report.components[0]
+    assert component.mode == "routed"
+    seen = {role for role, *_ in component.selector.decisions()}
+    assert seen == roles
+    if family == "wan":
+        providers = {role: provider for role, _, provider, _ in component.selector.decisions()}
+        assert providers == {"wan.self": "sdpa", "wan.cross": "sdpa_math"}
+    assert "no native implementation yet" in str(report)
+    assert patches.applied()
+
+    omni_accel.restore(pipe)
+    assert not patches.applied()
+    assert not pipe.transformer._forward_pre_hooks and not pipe.transformer._forward_hooks
+    assert torch.equal(_out(_latents(pipe, call)), expected)
+
+
+def test_routing_is_scoped_to_the_accelerated_pipeline():
+    """A second, plain pipeline of the same class keeps Diffusers' kernel while the patch is applied."""
+    build, call, _ = CASES["wan"]
+    plain = build(seed=0)
+    reference = _out(_latents(plain, call))
+    fast = omni_accel.accelerate(build(seed=0), attention="sdpa_math")
+    assert not torch.equal(_out(_latents(fast, call)), reference)  # the math kernel rounds differently
+    assert torch.equal(_out(_latents(plain, call)), reference)
+    omni_accel.restore(fast)
+
+
+def test_native_false_routes_flux_instead_of_swapping():
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), native=False)
+    assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"
+    pipe("x", height=32, width=32, num_inference_steps=1, output_type="latent")
+    component = omni_accel.describe(pipe).components[0]
+    assert component.mode == "routed"
+    assert {role for role, *_ in component.selector.decisions()} == {"flux.joint", "flux.single"}
+    omni_accel.restore(pipe)
