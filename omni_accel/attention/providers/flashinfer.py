@@ -78,7 +78,7 @@ def ragged_indptr(batch: int, seq: int) -> torch.Tensor:
 def natural_lse(lse_log2: torch.Tensor, batch: int) -> torch.Tensor:
     """FlashInfer's ``[B*S, H]`` base-2 LSE as the contract's ``[B, H, S]`` natural log."""
     rows, heads = lse_log2.shape
-    return lse_log2.view(batch, rows // batch, heads).mul(_LN2).contiguous()
+    return lse_log2.view(batch, rows // batch, heads).transpose(1, 2).mul(_LN2).contiguous()
 
 
 def _planned_wrapper(

@@ -19,6 +19,7 @@ import functools
 import importlib.metadata
 
 import torch
+import sageattention
 from packaging.version import InvalidVersion, Version
 
 from ..base import AttentionProvider, AttentionRequest, Capabilities

@@ -1,0 +1,98 @@
+"""Bad input to accelerate/restore/describe: clear errors, and the pipeline is left untouched."""
+
+import pytest
+import torch
+
+import omni_accel
+import omni_accel.patches as patches
+from omni_accel import AccelConfig, AttentionProviderError
+
+
+@pytest.fixture
+def pipe():
+    return omni_accel.tiny_flux_pipeline(seed=0)
+
+
+def _untouched(pipe):
+    assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"
+    assert not pipe.transformer.x_embedder.weight.is_meta
+    with pytest.raises(ValueError, match="not accelerated"):
+        omni_accel.describe(pipe)
+
+
+def test_not_a_pipeline():
+    with pytest.raises(TypeError, match="takes a Diffusers pipeline, got Linear"):
+        omni_accel.accelerate(torch.nn.Linear(2, 2))
+
+
+def test_unknown_option_lists_valid_ones(pipe):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['atention'\]; valid options: \['attention'"):
+        omni_accel.accelerate(pipe, atention="sdpa")
+    _untouched(pipe)
+
+
+def test_config_of_the_wrong_type(pipe):
+    with pytest.raises(TypeError, match="must be an omni_accel.AccelConfig"):
+        omni_accel.accelerate(pipe, {"attention": "sdpa"})
+    with pytest.raises(TypeError, match="native must be True or False"):
+        AccelConfig(native="yes")
+    with pytest.raises(TypeError, match="attention must be"):
+        AccelConfig(attention=3)
+    with pytest.raises(TypeError, match="components must be a tuple"):
+        AccelConfig(components="transformer")
+
+
+def test_unknown_provider(pipe):
+    with pytest.raises(ValueError, match="Unknown attention provider 'fa3'"):
+        omni_accel.accelerate(pipe, attention="fa3")
+    _untouched(pipe)
+
+
+def test_explicit_provider_that_cannot_run_here_fails_before_swapping(pipe):
+    with pytest.raises(AttentionProviderError, match="'sdpa_cudnn'.*runs on \\['cuda'\\], not cpu"):
+        omni_accel.accelerate(pipe, attention="sdpa_cudnn")
+    _untouched(pipe)
+
+
+def test_missing_optional_package_names_the_install_command(pipe):
+    with pytest.raises(AttentionProviderError, match="omni-accel\\[sage\\]"):
+        omni_accel.accelerate(pipe, attention={"per_role": {"flux.single": "sage"}})
+    _untouched(pipe)
+
+
+def test_accelerating_twice_is_refused(pipe):
+    omni_accel.accelerate(pipe)
+    with pytest.raises(RuntimeError, match="already accelerated"):
+        omni_accel.accelerate(pipe)
+
+
+def test_restore_and_describe_need_an_accelerated_pipeline(pipe):
+    with pytest.raises(ValueError, match="not accelerated"):
+        omni_accel.restore(pipe)
+    with pytest.raises(ValueError, match="not accelerated"):
+        omni_accel.describe(pipe)
+
+
+def test_pipeline_without_transformer(pipe):
+    pipe.transformer = None
+    with pytest.raises(ValueError, match="has no transformer component"):
+        omni_accel.accelerate(pipe)
+
+
+def test_unfused_lora_is_refused(pipe):
+    """PEFT names its adapter layers ``lora_A``/``lora_B``; the native model has no slot for them."""
+    pipe.transformer.transformer_blocks[0].attn.to_q.add_module("lora_A", torch.nn.ModuleDict())
+    with pytest.raises(ValueError, match="fuse_lora"):
+        omni_accel.accelerate(pipe)
+    assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"
+
+
+def test_patch_outside_its_checked_versions_is_refused(monkeypatch):
+    import omni_accel.patches.dispatch_attention as patch
+
+    monkeypatch.setattr(patch, "CHECKED_VERSIONS", ("0.1.0", "0.2.0"))
+    pipe = omni_accel.tiny_wan_pipeline(seed=0)
+    with pytest.raises(RuntimeError, match="checked against diffusers 0.1.0 to < 0.2.0"):
+        omni_accel.accelerate(pipe)
+    assert not pipe.transformer._forward_pre_hooks
+    assert not patches.applied()
