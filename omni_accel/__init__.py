@@ -1,16 +1,27 @@
 """omni_accel: one line makes a Diffusers pipeline faster, with the same outputs and the same API.
 
-    pipe = omni_accel.accelerate(pipe)
+pipe = omni_accel.accelerate(pipe)
 """
 
 from .api import accelerate, describe, restore
 from .attention import AttentionConfig, AttentionProviderError, attention_scope, provider_names
 from .config import AccelConfig
-from .models.tiny_pipelines import tiny_flux_pipeline, tiny_qwenimage_pipeline, tiny_sd3_pipeline, tiny_wan_pipeline
 from .report import AccelerationReport
 from .weights import WeightLoadError
 
 __version__ = "0.1.0"
+
+_TINY_BUILDERS = ("tiny_flux_pipeline", "tiny_qwenimage_pipeline", "tiny_sd3_pipeline", "tiny_wan_pipeline")
+
+
+def __getattr__(name: str):
+    # The tiny pipelines import text encoders from transformers: load them only when asked for.
+    if name in _TINY_BUILDERS:
+        from .models import tiny_pipelines
+
+        return getattr(tiny_pipelines, name)
+    raise AttributeError(f"module 'omni_accel' has no attribute {name!r}")
+
 
 __all__ = [
     "AccelConfig",

@@ -30,9 +30,7 @@ class AcceleratedTransformer(ModelMixin):
         object.__setattr__(self, "_original", original)
         object.__setattr__(self, "_source_names", source_names)
         object.__setattr__(self, "_output_class", output_class)
-        object.__setattr__(
-            self, "_extra_buffers", _non_persistent_buffers(original)
-        )
+        object.__setattr__(self, "_extra_buffers", _non_persistent_buffers(original))
 
     @property
     def config(self):

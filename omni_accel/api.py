@@ -46,7 +46,9 @@ class _State:
     components: list[_Component]
 
 
-def accelerate(pipe: DiffusionPipeline, config: AccelConfig | None = None, **overrides: Any) -> DiffusionPipeline:
+def accelerate(
+    pipe: DiffusionPipeline, config: AccelConfig | None = None, **overrides: Any
+) -> DiffusionPipeline:
     """Accelerates ``pipe`` in place and returns it; its call signature and outputs stay Diffusers'."""
     if not isinstance(pipe, DiffusionPipeline):
         raise TypeError(f"accelerate() takes a Diffusers pipeline, got {type(pipe).__name__}.")
@@ -88,8 +90,9 @@ def describe(pipe: DiffusionPipeline) -> AccelerationReport:
     state = _state(pipe)
     for component in state.components:
         if component.accelerated is not None:
-            component.report.planned_attention = _planned_attention(component.accelerated.native,
-                                                                    component.report.selector)
+            component.report.planned_attention = _planned_attention(
+                component.accelerated.native, component.report.selector
+            )
     return AccelerationReport(type(pipe).__name__, [c.report for c in state.components])
 
 
@@ -114,8 +117,13 @@ def _plan(name: str, module: nn.Module, config: AccelConfig) -> _Component:
     selector = AttentionSelector(config.attention)
     if spec is not None and spec.native and config.native:
         native = _build_native(spec, module, selector)
-        report = ComponentReport(name, cls_name, "native", f"swapped for {type(native).__module__}."
-                                 f"{type(native).__name__}", selector)
+        report = ComponentReport(
+            name,
+            cls_name,
+            "native",
+            f"swapped for {type(native).__module__}.{type(native).__name__}",
+            selector,
+        )
         accelerated = AcceleratedTransformer(native, module, list(module.state_dict()), output_class(spec))
         return _Component(name, module, spec, report, accelerated=accelerated)
     if spec is not None and spec.attention_routes:
@@ -123,12 +131,19 @@ def _plan(name: str, module: nn.Module, config: AccelConfig) -> _Component:
             patches.check_applicable(patch_name)
         why = "native acceleration disabled (native=False)" if spec.native else "no native implementation yet"
         report = ComponentReport(
-            name, cls_name, "routed", f"{why}; Diffusers module kept, its attention routed through our providers",
-            selector, not_accelerated=["projections, norms and MLPs run as in Diffusers"],
+            name,
+            cls_name,
+            "routed",
+            f"{why}; Diffusers module kept, its attention routed through our providers",
+            selector,
+            not_accelerated=["projections, norms and MLPs run as in Diffusers"],
         )
         return _Component(name, module, spec, report, routes=spec.attention_routes)
     report = ComponentReport(
-        name, cls_name, "untouched", "no native implementation and no attention call site we can route",
+        name,
+        cls_name,
+        "untouched",
+        "no native implementation and no attention call site we can route",
         not_accelerated=[f"{cls_name} runs exactly as in Diffusers"],
     )
     return _Component(name, module, spec, report)
@@ -154,7 +169,9 @@ def _planned_attention(
     for layer in native.modules():
         if isinstance(layer, Attention) and layer.role not in rows:
             request = AttentionRequest(
-                param.dtype, param.device.type, layer.head_dim,
+                param.dtype,
+                param.device.type,
+                layer.head_dim,
                 compute_capability=AttentionRequest.for_call(param).compute_capability,
             )
             try:

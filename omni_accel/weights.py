@@ -99,7 +99,9 @@ def load_weights(native: nn.Module, source: Mapping[str, torch.Tensor], weight_m
         raise WeightLoadError("\n".join(lines))
 
 
-def export_weights(native: nn.Module, source_names: Iterable[str], weight_map: WeightMap) -> dict[str, torch.Tensor]:
+def export_weights(
+    native: nn.Module, source_names: Iterable[str], weight_map: WeightMap
+) -> dict[str, torch.Tensor]:
     """The Diffusers-layout tensors for ``source_names``, rebuilt from the native parameters."""
     params = dict(native.named_parameters())
     exported = {}

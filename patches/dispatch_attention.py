@@ -19,7 +19,9 @@ CHECKED_VERSIONS = ("0.42.0", "0.43.0")
 _ORIGINAL = "_omni_accel_original_dispatch_attention_fn"
 
 
-def _unsupported(attn_mask, dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config) -> str | None:
+def _unsupported(
+    attn_mask, dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
+) -> str | None:
     if is_causal:
         return "causal attention"
     if dropout_p:

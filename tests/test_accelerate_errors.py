@@ -1,10 +1,10 @@
 """Bad input to accelerate/restore/describe: clear errors, and the pipeline is left untouched."""
 
+import omni_accel.patches as patches
 import pytest
 import torch
 
 import omni_accel
-import omni_accel.patches as patches
 from omni_accel import AccelConfig, AttentionProviderError
 
 

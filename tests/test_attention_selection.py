@@ -62,7 +62,11 @@ def test_per_role_auto_overrides_an_explicit_default():
             AttentionRequest(torch.float16, "cuda", 64, has_mask=True, compute_capability=(9, 0)),
             ["mask"],
         ),
-        ("sdpa_cudnn", AttentionRequest(torch.float16, "cuda", 64, compute_capability=(7, 5)), ["8.0", "7.5"]),
+        (
+            "sdpa_cudnn",
+            AttentionRequest(torch.float16, "cuda", 64, compute_capability=(7, 5)),
+            ["8.0", "7.5"],
+        ),
         ("sdpa", AttentionRequest(torch.float32, "cpu", 64, needs_lse=True), ["log-sum-exp"]),
     ],
 )
@@ -113,7 +117,9 @@ def test_scope_does_not_leak_between_pipelines():
     b = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
     for pipe in (a, b):
         pipe("x", height=32, width=32, num_inference_steps=1, output_type="latent")
-    assert {row[2] for row in a.transformer.native.double_blocks[0].attn.selector.decisions()} == {"sdpa_math"}
+    assert {row[2] for row in a.transformer.native.double_blocks[0].attn.selector.decisions()} == {
+        "sdpa_math"
+    }
     assert {row[2] for row in b.transformer.native.double_blocks[0].attn.selector.decisions()} == {"sdpa"}
 
 

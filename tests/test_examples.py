@@ -43,7 +43,6 @@ def test_quickstart_notebook_runs_without_errors() -> None:
     assert all(not cell.get("outputs") for cell in notebook.cells), "store the notebook without outputs"
 
     # kernel "python3" is ipykernel in the interpreter running the tests, so it sees this omni_accel.
-    NotebookClient(notebook, kernel_name="python3", timeout=300, resources={"metadata": {"path": path.parent}})
     client = NotebookClient(
         notebook, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(path.parent)}}
     )

@@ -20,10 +20,18 @@ def _native(model):
         ({}, dict(batch=2, image_tokens=12, text_tokens=5)),
         ({"guidance_embeds": True}, dict(batch=1, image_tokens=7, text_tokens=3)),
         (
-            {"num_attention_heads": 5, "attention_head_dim": 8, "axes_dims_rope": (2, 2, 4), "in_channels": 12},
+            {
+                "num_attention_heads": 5,
+                "attention_head_dim": 8,
+                "axes_dims_rope": (2, 2, 4),
+                "in_channels": 12,
+            },
             dict(batch=3, image_tokens=9, text_tokens=11),
         ),
-        ({"out_channels": 4, "num_layers": 1, "num_single_layers": 1}, dict(batch=2, image_tokens=16, text_tokens=1)),
+        (
+            {"out_channels": 4, "num_layers": 1, "num_single_layers": 1},
+            dict(batch=2, image_tokens=16, text_tokens=1),
+        ),
     ],
 )
 def test_native_matches_diffusers(overrides, shapes):

@@ -86,7 +86,9 @@ def test_callback_on_step_end_sees_and_can_change_latents(pipes):
         seen.setdefault(id(pipe), []).append(step)
         return {"latents": tensors["latents"] * 0.5}
 
-    kwargs = dict(prompt="a cat", callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"])
+    kwargs = dict(
+        prompt="a cat", callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"]
+    )
     _assert_same_latents(plain, fast, **kwargs)
     assert seen[id(fast)] == [0, 1]
 

@@ -28,7 +28,9 @@ _CACHED_PROBES = (flashinfer_module._unavailable, sage_module._unavailable, sage
 
 
 def cuda_request(head_dim: int = 128, *, needs_lse: bool = False, capability=(9, 0)) -> AttentionRequest:
-    return AttentionRequest(torch.bfloat16, "cuda", head_dim, needs_lse=needs_lse, compute_capability=capability)
+    return AttentionRequest(
+        torch.bfloat16, "cuda", head_dim, needs_lse=needs_lse, compute_capability=capability
+    )
 
 
 @pytest.fixture(autouse=True)

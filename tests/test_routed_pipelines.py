@@ -1,11 +1,11 @@
 """Pipelines without a native transformer: Diffusers' modules kept, attention routed through providers."""
 
+import omni_accel.patches as patches
 import pytest
 import torch
 from conftest import rel_err
 
 import omni_accel
-import omni_accel.patches as patches
 
 CASES = {
     "wan": (omni_accel.tiny_wan_pipeline, dict(height=32, width=32, num_frames=5), {"wan.self", "wan.cross"}),
@@ -16,7 +16,11 @@ CASES = {
 
 def _latents(pipe, call):
     return pipe(
-        prompt="a cat", num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(0), **call
+        prompt="a cat",
+        num_inference_steps=2,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        **call,
     )
 
 

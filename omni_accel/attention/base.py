@@ -36,7 +36,7 @@ class AttentionRequest:
     def describe(self) -> str:
         parts = [str(self.dtype).removeprefix("torch."), self.device_type, f"head_dim={self.head_dim}"]
         if self.compute_capability:
-            parts.append("sm%d%d" % self.compute_capability)
+            parts.append("sm{}{}".format(*self.compute_capability))
         if self.has_mask:
             parts.append("masked")
         if self.needs_lse:
@@ -91,9 +91,9 @@ class Capabilities:
             and request.compute_capability is not None
             and request.compute_capability < self.min_compute_capability
         ):
+            need, have = self.min_compute_capability, request.compute_capability
             reasons.append(
-                "needs compute capability >= %d.%d" % self.min_compute_capability
-                + ", this GPU has %d.%d" % request.compute_capability
+                f"needs compute capability >= {need[0]}.{need[1]}, this GPU has {have[0]}.{have[1]}"
             )
         return reasons
 

@@ -8,6 +8,7 @@ context-parallel config), ``route`` returns None and the original function runs 
 from __future__ import annotations
 
 import contextvars
+
 import torch
 
 from .base import AttentionRequest

@@ -61,7 +61,10 @@ _SCOPED_CONFIG: contextvars.ContextVar[AttentionConfig | None] = contextvars.Con
 
 @contextlib.contextmanager
 def attention_scope(
-    config: AttentionConfig | None = None, *, default: str | None = None, per_role: Mapping[str, str] | None = None
+    config: AttentionConfig | None = None,
+    *,
+    default: str | None = None,
+    per_role: Mapping[str, str] | None = None,
 ) -> Iterator[AttentionConfig]:
     """Overrides the attention choice of every accelerated model called inside the block."""
     if config is None:
@@ -89,7 +92,11 @@ def resolve(config: AttentionConfig, role: str, category: str, request: Attentio
         provider = get_provider(name)
         reasons = provider.reasons_against(request)
         if reasons:
-            usable = [n for n in platform_preference(request.device_type) if not get_provider(n).reasons_against(request)]
+            usable = [
+                n
+                for n in platform_preference(request.device_type)
+                if not get_provider(n).reasons_against(request)
+            ]
             raise AttentionProviderError(
                 f"Attention provider {name!r}, chosen by {source} for role {role!r}, cannot serve this call "
                 f"({request.describe()}): {'; '.join(reasons)}. Choose a provider that can "
@@ -105,7 +112,9 @@ def resolve(config: AttentionConfig, role: str, category: str, request: Attentio
             note = f"; skipped {'; '.join(skipped)}" if skipped else ""
             return Resolution(provider, f"auto: best lossless provider for {request.device_type}{note}")
         skipped.append(f"{name} ({', '.join(reasons)})")
-    raise AttentionProviderError(f"No attention provider can serve {request.describe()}: {'; '.join(skipped)}.")
+    raise AttentionProviderError(
+        f"No attention provider can serve {request.describe()}: {'; '.join(skipped)}."
+    )
 
 
 class AttentionSelector:

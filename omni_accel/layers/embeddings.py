@@ -12,11 +12,18 @@ from .linear import ReplicatedLinear
 
 
 def timestep_sinusoid(
-    t: torch.Tensor, dim: int, *, flip_sin_to_cos: bool = True, freq_shift: float = 0.0, max_period: int = 10000
+    t: torch.Tensor,
+    dim: int,
+    *,
+    flip_sin_to_cos: bool = True,
+    freq_shift: float = 0.0,
+    max_period: int = 10000,
 ) -> torch.Tensor:
     """Sinusoidal features of a 1-D tensor of (possibly fractional) timesteps, in float32."""
     half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / (half - freq_shift)
+    exponent = (
+        -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / (half - freq_shift)
+    )
     angles = t[:, None].float() * torch.exp(exponent)[None, :]
     sin, cos = torch.sin(angles), torch.cos(angles)
     features = torch.cat([cos, sin] if flip_sin_to_cos else [sin, cos], dim=-1)

@@ -31,10 +31,14 @@ def _empty_param(*shape: int) -> nn.Parameter:
 
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int]) -> None:
     if tuple(tensor.shape) != tuple(expected):
-        raise ValueError(f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(expected)}.")
+        raise ValueError(
+            f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(expected)}."
+        )
 
 
-def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: str | None = None) -> torch.Tensor:
+def default_weight_loader(
+    param: nn.Parameter, tensor: torch.Tensor, shard_id: str | None = None
+) -> torch.Tensor:
     check_shape("parameter", tensor, param.shape)
     return tensor.detach()
 
@@ -97,7 +101,11 @@ class ColumnParallelLinear(nn.Module):
         piece = tensor.detach().narrow(0, self.tp_rank * local, local)
         if len(self.full_sizes) == 1 and self.tp_size == 1:
             return piece
-        target = torch.empty(param.shape, dtype=tensor.dtype, device=tensor.device) if param.is_meta else param.data
+        target = (
+            torch.empty(param.shape, dtype=tensor.dtype, device=tensor.device)
+            if param.is_meta
+            else param.data
+        )
         if (tensor.dtype, tensor.device) != (target.dtype, target.device):
             raise TypeError(
                 f"shard {shard_id!r} is {tensor.dtype} on {tensor.device} but the packed parameter holds "
@@ -147,7 +155,9 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"input_blocks {blocks} do not add up to in_features={in_features}.")
         for block in blocks:
             if block % self.tp_size:
-                raise ValueError(f"Input block of size {block} cannot be split evenly over tp={self.tp_size}.")
+                raise ValueError(
+                    f"Input block of size {block} cannot be split evenly over tp={self.tp_size}."
+                )
         self.blocks = blocks
         self.in_features, self.out_features = in_features, out_features
         self.weight = _empty_param(out_features, in_features // self.tp_size)
@@ -168,7 +178,9 @@ class RowParallelLinear(nn.Module):
             start += block
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
-    def _load_weight(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: str | None = None) -> torch.Tensor:
+    def _load_weight(
+        self, param: nn.Parameter, tensor: torch.Tensor, shard_id: str | None = None
+    ) -> torch.Tensor:
         check_shape("weight", tensor, (self.out_features, self.in_features))
         return self._local_columns(tensor.detach()).contiguous()
 

@@ -12,7 +12,9 @@ def _frequency_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type in ("mps", "npu") else torch.float64
 
 
-def rope_cos_sin(ids: torch.Tensor, axes_dim: Sequence[int], theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    ids: torch.Tensor, axes_dim: Sequence[int], theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``ids`` is ``[seq, n_axes]``; returns float32 ``cos, sin`` of shape ``[seq, sum(axes_dim)]`` in which
     every frequency appears twice in a row, matching the interleaved (even, odd) pairs of ``apply_rope``."""
     dtype = _frequency_dtype(ids.device)

@@ -72,13 +72,21 @@ class FluxDoubleBlock(nn.Module):
         return q_norm(q), k_norm(k), v
 
     def forward(
-        self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        temb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = self.img_mod(temb)
         t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = self.txt_mod(temb)
 
-        iq, ik, iv = self._qkv(self.img_qkv, self.img_q_norm, self.img_k_norm, modulate(layer_norm(img), i_shift, i_scale))
-        tq, tk, tv = self._qkv(self.txt_qkv, self.txt_q_norm, self.txt_k_norm, modulate(layer_norm(txt), t_shift, t_scale))
+        iq, ik, iv = self._qkv(
+            self.img_qkv, self.img_q_norm, self.img_k_norm, modulate(layer_norm(img), i_shift, i_scale)
+        )
+        tq, tk, tv = self._qkv(
+            self.txt_qkv, self.txt_q_norm, self.txt_k_norm, modulate(layer_norm(txt), t_shift, t_scale)
+        )
         q = apply_rope(torch.cat([tq, iq], dim=1), *rope)
         k = apply_rope(torch.cat([tk, ik], dim=1), *rope)
         v = torch.cat([tv, iv], dim=1)
@@ -94,7 +102,9 @@ class FluxDoubleBlock(nn.Module):
 class FluxSingleBlock(nn.Module):
     """One stream over [text, image]; attention QKV and the MLP up projection share one packed GEMM."""
 
-    def __init__(self, dim: int, head_dim: int, tp_group: dist.ProcessGroup | None, mlp_ratio: float = 4.0) -> None:
+    def __init__(
+        self, dim: int, head_dim: int, tp_group: dist.ProcessGroup | None, mlp_ratio: float = 4.0
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         mlp_dim = int(dim * mlp_ratio)
@@ -106,7 +116,9 @@ class FluxSingleBlock(nn.Module):
         self.attn = Attention(head_dim, role="flux.single", role_category="self")
         self.out = RowParallelLinear(dim + mlp_dim, dim, tp_group=tp_group, input_blocks=(dim, mlp_dim))
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         shift, scale, gate = self.mod(temb)
         q, k, v, mlp = self.qkv_mlp.split(self.qkv_mlp(modulate(layer_norm(x), shift, scale)))
         q = apply_rope(self.q_norm(q.unflatten(-1, (-1, self.head_dim))), *rope)
@@ -122,21 +134,57 @@ class FluxTransformer(nn.Module):
     weight_map = WeightMap(
         [
             (r"transformer_blocks\.(\d+)\.norm1\.linear\.(\w+)", r"double_blocks.\1.img_mod.linear.\2", None),
-            (r"transformer_blocks\.(\d+)\.norm1_context\.linear\.(\w+)", r"double_blocks.\1.txt_mod.linear.\2", None),
+            (
+                r"transformer_blocks\.(\d+)\.norm1_context\.linear\.(\w+)",
+                r"double_blocks.\1.txt_mod.linear.\2",
+                None,
+            ),
             (r"transformer_blocks\.(\d+)\.attn\.to_([qkv])\.(\w+)", r"double_blocks.\1.img_qkv.\3", "\\2"),
-            (r"transformer_blocks\.(\d+)\.attn\.add_([qkv])_proj\.(\w+)", r"double_blocks.\1.txt_qkv.\3", "\\2"),
-            (r"transformer_blocks\.(\d+)\.attn\.norm_([qk])\.weight", r"double_blocks.\1.img_\2_norm.weight", None),
-            (r"transformer_blocks\.(\d+)\.attn\.norm_added_([qk])\.weight", r"double_blocks.\1.txt_\2_norm.weight", None),
+            (
+                r"transformer_blocks\.(\d+)\.attn\.add_([qkv])_proj\.(\w+)",
+                r"double_blocks.\1.txt_qkv.\3",
+                "\\2",
+            ),
+            (
+                r"transformer_blocks\.(\d+)\.attn\.norm_([qk])\.weight",
+                r"double_blocks.\1.img_\2_norm.weight",
+                None,
+            ),
+            (
+                r"transformer_blocks\.(\d+)\.attn\.norm_added_([qk])\.weight",
+                r"double_blocks.\1.txt_\2_norm.weight",
+                None,
+            ),
             (r"transformer_blocks\.(\d+)\.attn\.to_out\.0\.(\w+)", r"double_blocks.\1.img_out.\2", None),
             (r"transformer_blocks\.(\d+)\.attn\.to_add_out\.(\w+)", r"double_blocks.\1.txt_out.\2", None),
             (r"transformer_blocks\.(\d+)\.ff\.net\.0\.proj\.(\w+)", r"double_blocks.\1.img_mlp.up.\2", None),
             (r"transformer_blocks\.(\d+)\.ff\.net\.2\.(\w+)", r"double_blocks.\1.img_mlp.down.\2", None),
-            (r"transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj\.(\w+)", r"double_blocks.\1.txt_mlp.up.\2", None),
-            (r"transformer_blocks\.(\d+)\.ff_context\.net\.2\.(\w+)", r"double_blocks.\1.txt_mlp.down.\2", None),
-            (r"single_transformer_blocks\.(\d+)\.norm\.linear\.(\w+)", r"single_blocks.\1.mod.linear.\2", None),
-            (r"single_transformer_blocks\.(\d+)\.attn\.to_([qkv])\.(\w+)", r"single_blocks.\1.qkv_mlp.\3", "\\2"),
+            (
+                r"transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj\.(\w+)",
+                r"double_blocks.\1.txt_mlp.up.\2",
+                None,
+            ),
+            (
+                r"transformer_blocks\.(\d+)\.ff_context\.net\.2\.(\w+)",
+                r"double_blocks.\1.txt_mlp.down.\2",
+                None,
+            ),
+            (
+                r"single_transformer_blocks\.(\d+)\.norm\.linear\.(\w+)",
+                r"single_blocks.\1.mod.linear.\2",
+                None,
+            ),
+            (
+                r"single_transformer_blocks\.(\d+)\.attn\.to_([qkv])\.(\w+)",
+                r"single_blocks.\1.qkv_mlp.\3",
+                "\\2",
+            ),
             (r"single_transformer_blocks\.(\d+)\.proj_mlp\.(\w+)", r"single_blocks.\1.qkv_mlp.\2", "mlp"),
-            (r"single_transformer_blocks\.(\d+)\.attn\.norm_([qk])\.weight", r"single_blocks.\1.\2_norm.weight", None),
+            (
+                r"single_transformer_blocks\.(\d+)\.attn\.norm_([qk])\.weight",
+                r"single_blocks.\1.\2_norm.weight",
+                None,
+            ),
             (r"single_transformer_blocks\.(\d+)\.proj_out\.(\w+)", r"single_blocks.\1.out.\2", None),
         ]
     )
@@ -184,10 +232,19 @@ class FluxTransformer(nn.Module):
 
     @classmethod
     def from_diffusers_config(cls, config: dict[str, Any], **kwargs: Any) -> FluxTransformer:
-        keys = (
-            "patch_size in_channels out_channels num_layers num_single_layers attention_head_dim "
-            "num_attention_heads joint_attention_dim pooled_projection_dim guidance_embeds axes_dims_rope"
-        ).split()
+        keys = [
+            "patch_size",
+            "in_channels",
+            "out_channels",
+            "num_layers",
+            "num_single_layers",
+            "attention_head_dim",
+            "num_attention_heads",
+            "joint_attention_dim",
+            "pooled_projection_dim",
+            "guidance_embeds",
+            "axes_dims_rope",
+        ]
         return cls(**{k: config[k] for k in keys if k in config}, **kwargs)
 
     def _conditioning(self, timestep, guidance, pooled, dtype) -> torch.Tensor:
@@ -195,8 +252,12 @@ class FluxTransformer(nn.Module):
         temb = embed.timestep_embedder(timestep_sinusoid(timestep.to(dtype) * 1000, 256).to(pooled.dtype))
         if guidance is not None:
             if not hasattr(embed, "guidance_embedder"):
-                raise ValueError("This FLUX transformer has no guidance embedding (schnell); do not pass guidance.")
-            temb = temb + embed.guidance_embedder(timestep_sinusoid(guidance.to(dtype) * 1000, 256).to(pooled.dtype))
+                raise ValueError(
+                    "This FLUX transformer has no guidance embedding (schnell); do not pass guidance."
+                )
+            temb = temb + embed.guidance_embedder(
+                timestep_sinusoid(guidance.to(dtype) * 1000, 256).to(pooled.dtype)
+            )
         elif hasattr(embed, "guidance_embedder"):
             raise ValueError("This FLUX transformer embeds guidance (dev): pass `guidance`.")
         return temb + embed.text_embedder(pooled)
@@ -238,14 +299,18 @@ class FluxTransformer(nn.Module):
         for index, block in enumerate(self.single_blocks):
             x = block(x, temb, rope)
             if controlnet_single_block_samples is not None:
-                residual = _controlnet_residual(controlnet_single_block_samples, index, len(self.single_blocks), False)
+                residual = _controlnet_residual(
+                    controlnet_single_block_samples, index, len(self.single_blocks), False
+                )
                 x = torch.cat([x[:, :text_len], x[:, text_len:] + residual], dim=1)
         img = x[:, text_len:]
         scale, shift = self.norm_out(temb)
         return self.proj_out(modulate(layer_norm(img), shift, scale))
 
 
-def _controlnet_residual(samples: list[torch.Tensor], index: int, num_blocks: int, repeat: bool) -> torch.Tensor:
+def _controlnet_residual(
+    samples: list[torch.Tensor], index: int, num_blocks: int, repeat: bool
+) -> torch.Tensor:
     if repeat:
         return samples[index % len(samples)]
     interval = -(-num_blocks // len(samples))

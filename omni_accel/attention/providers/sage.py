@@ -62,7 +62,7 @@ def _unavailable() -> str | None:
     version = installed_version()
     if version is None:
         return f"the sageattention package is not installed: {INSTALL_HINT}"
-    if str(version) < str(MIN_VERSION):
+    if version < MIN_VERSION:
         return f"sageattention {version} is older than {MIN_VERSION}: {INSTALL_HINT}"
     try:
         import sageattention  # noqa: F401

@@ -25,7 +25,10 @@ class SdpaProvider(AttentionProvider):
 
     name = "sdpa"
     capabilities = Capabilities(
-        dtypes=_FLOATS, devices=frozenset({"cpu", "cuda", "xpu", "mps"}), max_head_dim=1024, supports_mask=True
+        dtypes=_FLOATS,
+        devices=frozenset({"cpu", "cuda", "xpu", "mps"}),
+        max_head_dim=1024,
+        supports_mask=True,
     )
     backends: list[SDPBackend] | None = None
 
@@ -84,7 +87,9 @@ class SdpaFlashProvider(SdpaProvider):
         if not return_lse:
             return super().forward(query, key, value, attn_mask=attn_mask, scale=scale)
         q, k, v = _to_bhsd(query, key, value)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, False, False, scale=scale
+        )[:2]
         return out.transpose(1, 2), lse.reshape(q.shape[:3])
 
 
