@@ -46,7 +46,8 @@ def test_quickstart_notebook_runs_without_errors() -> None:
     client = NotebookClient(
         notebook, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(path.parent)}}
     )
-    client.execute()  # raises CellExecutionError, with the failing cell's traceback, if any cell fails
+    client.execute()  # raises CellExecutionError, with the failing cell's traceback, on the first error
 
+    # Cells tagged ``raises-exception`` would not stop execute(); the quickstart should have none.
     errors = [out for cell in notebook.cells for out in cell.get("outputs", []) if out.output_type == "error"]
     assert not errors

@@ -1,0 +1,297 @@
+"""ExactProjectionCache: reuse a projection's output when its input and weights are bit-for-bit the same.
+
+Diffusion models project the same conditioning again and again: the text K/V of cross-attention at every
+step, AdaLN modulation for a timestep schedule that repeats across requests with the same prompt, a
+timestep embedding shared by both CFG branches. This cache stores the actual outputs and hands them back
+only when reuse is provably exact:
+
+* the conditioning tensor matches a stored one bit for bit (compared on the device as integers, so NaN
+  payloads and signed zeros count, and no hash can collide);
+* the projection name matches and the module's parameters and buffers are the very tensors, storage and
+  version counters seen when the output was stored (an in-place edit, ``.data`` swap, dtype or device move
+  each invalidate);
+* the numerical settings at the ``project`` call are the same (autocast, matmul precision, TF32 and
+  reduced-precision reduction flags);
+* the returned tensor was not modified since (its version counter is checked before every hit).
+
+The original computation runs whenever reuse cannot be proven: gradients enabled, compiling, any forward
+hook on the module or its children or a global one, or weights without a version counter (inference-mode
+tensors).
+
+Cost: ``prepare`` compares the conditioning with every stored one of the same shape in one device
+operation and reads the verdict back: one host synchronisation per prepared tensor (under tensor
+parallelism the all-ranks vote rides in the same read). ``project`` does host-side checks only: no
+synchronisation, no device work on a hit.
+
+Admission: entries are admitted while they fit the byte budget and are never evicted to make room. A
+denoising schedule is a cycle (step 1..N, then again for the next request); when the cycle does not fit,
+LRU or FIFO evict each entry just before its reuse and hit nothing, while a frozen set keeps hitting on the
+part that fits. Invalid entries are dropped as soon as they are seen, which frees room for new ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.modules.module as module_globals
+from torch import nn
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_PREPARED = 64
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit pattern as integers, so equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
+    t = t.detach()
+    if t.is_floating_point() or t.is_complex():
+        t = t.contiguous().view(_INT_VIEW[t.element_size()])
+    return t
+
+
+def _numerics(device_type: str) -> tuple:
+    """Every global setting that can change a projection's result, captured at each call."""
+    return (
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None,
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        torch.backends.cudnn.allow_tf32,
+    )
+
+
+def _module_state(module: nn.Module) -> tuple | None:
+    """Identity, storage and version of every parameter and buffer; None if one has no version counter."""
+    state = []
+    for t in (*module.parameters(), *module.buffers()):
+        if t.is_inference():
+            return None
+        state.append((id(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape))
+    return tuple(state)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    if (
+        module_globals._global_forward_hooks
+        or module_globals._global_forward_pre_hooks
+        or module_globals._global_forward_hooks_always_called
+    ):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+@dataclass
+class _Entry:
+    output: torch.Tensor
+    output_version: int
+    module: weakref.ref
+    module_state: tuple
+    numerics: tuple
+    nbytes: int
+
+    def is_valid(self, module_state: tuple | None = None) -> bool:
+        """Output untouched and module unchanged (``module_state`` given, or read from the module now)."""
+        if self.output._version != self.output_version:
+            return False
+        if module_state is None:
+            module = self.module()
+            module_state = _module_state(module) if module is not None else None
+        return module_state == self.module_state
+
+
+@dataclass
+class _Prepared:
+    tensor: weakref.ref
+    version: int
+    cond_id: int | None  # None: not stored (over budget), so nothing under it can be stored either
+    reuse: bool  # every rank of the TP group holds this conditioning with the same, valid entries
+
+
+class ExactProjectionCache:
+    """See the module docstring. One instance per model; ``max_bytes=0`` disables it at no cost."""
+
+    def __init__(self, max_bytes: int = 256 * 1024**2, *, tp_group: dist.ProcessGroup | None = None) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+            raise TypeError(f"max_bytes must be an int number of bytes, got {max_bytes!r}.")
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 (0 disables the cache), got {max_bytes}.")
+        self.max_bytes = max_bytes
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.hits = 0
+        self.misses = 0
+        self.bypasses = 0
+        self._conds: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        self._entries: dict[tuple[int, str], _Entry] = {}
+        self._prepared: dict[int, _Prepared] = {}
+        self._next_id = 0
+        self._bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    def clear(self) -> None:
+        """Drops every stored conditioning and output (counters are kept)."""
+        self._conds.clear()
+        self._entries.clear()
+        self._prepared.clear()
+        self._bytes = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "bypasses": self.bypasses,
+            "entries": len(self._entries),
+            "bytes_used": self._bytes,
+            "max_bytes": self.max_bytes,
+        }
+
+    @staticmethod
+    def _must_bypass() -> bool:
+        return torch.is_grad_enabled() or torch.compiler.is_compiling()
+
+    def prepare(self, conditioning: torch.Tensor) -> None:
+        """Matches ``conditioning`` against the stored ones (one host sync, the TP vote included)."""
+        if not self.enabled or self._must_bypass() or conditioning.is_inference():
+            return
+        bits = _bits(conditioning)
+        bucket_key = (tuple(bits.shape), bits.dtype, bits.device)
+        bucket = self._conds.get(bucket_key, [])
+        local, agreed = self._match(bits, bucket)
+        if local is None:
+            cond_id = self._admit_conditioning(bucket_key, bits)
+        else:
+            cond_id = bucket[local][0]
+            if not agreed:  # this rank holds it but another does not (or differs): recompute everywhere
+                for key in [k for k in self._entries if k[0] == cond_id]:
+                    self._drop(key)
+        if len(self._prepared) >= _MAX_PREPARED:
+            self._prepared.pop(next(iter(self._prepared)))
+        self._prepared[id(conditioning)] = _Prepared(
+            weakref.ref(conditioning), conditioning._version, cond_id, reuse=local is not None and agreed
+        )
+
+    def _match(self, bits: torch.Tensor, bucket: list[tuple[int, torch.Tensor]]) -> tuple[int | None, bool]:
+        """Index of the stored conditioning equal to ``bits`` here, and whether every TP rank matched the
+        same one with the same valid entries (always True without TP)."""
+        device = bits.device
+        if bucket:
+            stored = torch.stack([b for _, b in bucket])
+            equal = (stored == bits.unsqueeze(0)).flatten(1).all(dim=1)
+            first = torch.where(equal.any(), equal.int().argmax(), torch.tensor(-1, device=device))
+        else:
+            first = torch.tensor(-1, device=device)
+        if self.tp_size == 1:
+            index = int(first.item())
+            return (None, False) if index < 0 else (index, True)
+        digests = torch.tensor([self._entries_digest(cond_id) for cond_id, _ in bucket] + [0], device=device)
+        digest = digests[first]  # index -1 picks the trailing 0
+        vote = torch.stack([first, digest, -first, -digest]).to(torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.tp_group)
+        local, low, low_digest, neg_high, neg_high_digest = torch.cat([first.view(1).long(), vote]).tolist()
+        agreed = low == -neg_high and low_digest == -neg_high_digest
+        return (None, False) if local < 0 else (local, agreed)
+
+    def _entries_digest(self, cond_id: int) -> int:
+        """A host-side summary of the entries held for one conditioning and whether each is still valid, so
+        ranks whose caches diverged (one cleared, one edited a weight) all decide to recompute."""
+        summary = sorted(
+            (name, entry.is_valid())
+            for (entry_cond, name), entry in self._entries.items()
+            if entry_cond == cond_id
+        )
+        # hashlib, not hash(): string hashes are salted per process, and every rank must agree.
+        return int.from_bytes(hashlib.blake2b(repr(summary).encode(), digest_size=7).digest(), "little")
+
+    def _admit_conditioning(self, bucket_key: tuple, bits: torch.Tensor) -> int | None:
+        nbytes = bits.numel() * bits.element_size()
+        if self._bytes + nbytes > self.max_bytes:
+            return None
+        cond_id = self._next_id
+        self._next_id += 1
+        self._conds.setdefault(bucket_key, []).append((cond_id, bits.clone()))
+        self._bytes += nbytes
+        return cond_id
+
+    def project(
+        self, name: str, module: nn.Module, conditioning: torch.Tensor, compute: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """``compute()``'s result, reused when provably identical. ``compute`` must depend only on
+        ``conditioning``, ``module``'s weights and fixed preprocessing."""
+        if not self.enabled:
+            return compute()
+        prepared = self._prepared.get(id(conditioning))
+        module_state = None
+        if not (
+            self._must_bypass()
+            or prepared is None
+            or prepared.tensor() is not conditioning
+            or prepared.version != conditioning._version
+            or _has_hooks(module)
+        ):
+            module_state = _module_state(module)
+        if module_state is None:
+            self.bypasses += 1
+            return compute()
+
+        numerics = _numerics(conditioning.device.type)
+        key = (prepared.cond_id, name)
+        entry = self._entries.get(key)
+        if entry is not None:
+            valid = entry.is_valid(module_state) and entry.numerics == numerics
+            if valid and prepared.reuse:
+                self.hits += 1
+                return entry.output
+            if not valid and self.tp_size > 1 and prepared.reuse:
+                raise RuntimeError(
+                    f"Projection {name!r} changed between prepare() and project() on this rank only; under tensor "
+                    "parallelism weights and settings must change on every rank between forwards, not within one."
+                )
+            self._drop(key)
+
+        self.misses += 1
+        output = self._lookup_precomputed(name, module, conditioning) if self.tp_size == 1 else None
+        if output is None:
+            output = compute()
+        if prepared.cond_id is not None:
+            self._admit_entry(key, output, module, module_state, numerics)
+        return output
+
+    def _admit_entry(
+        self,
+        key: tuple[int, str],
+        output: torch.Tensor,
+        module: nn.Module,
+        module_state: tuple,
+        numerics: tuple,
+    ) -> None:
+        nbytes = output.numel() * output.element_size()
+        if self._bytes + nbytes > self.max_bytes:
+            return
+        entry = _Entry(output.detach(), output._version, weakref.ref(module), module_state, numerics, nbytes)
+        self._entries[key] = entry
+        self._bytes += nbytes
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        self._bytes -= self._entries.pop(key).nbytes
+
+    def _lookup_precomputed(
+        self, name: str, module: nn.Module, conditioning: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Extension point for validated offline results; consulted only at TP size 1 on a runtime miss.
+
+        An override returns the exact output ``compute()`` would give, or None. Artifact validation and
+        weight binding are the override's job."""
+        return None
