@@ -5,6 +5,7 @@ pipe = omni_accel.accelerate(pipe)
 
 from .api import accelerate, describe, restore
 from .attention import AttentionConfig, AttentionProviderError, attention_scope, provider_names
+from .cache import ExactProjectionCache
 from .config import AccelConfig
 from .report import AccelerationReport
 from .weights import WeightLoadError
@@ -28,6 +29,7 @@ __all__ = [
     "AccelerationReport",
     "AttentionConfig",
     "AttentionProviderError",
+    "ExactProjectionCache",
     "WeightLoadError",
     "accelerate",
     "attention_scope",

@@ -1,0 +1,294 @@
+"""Sequence-parallel attention: Ulysses all-to-all, ring attention, and the two combined.
+
+Every rank holds a contiguous slice of the sequence (tensors are BSHD, so the sequence is dim 1). Attention
+needs every query to see every key, which the two schemes provide differently:
+
+* Ulysses trades the sequence split for a head split with one all-to-all, runs the kernel on full-length
+  sequences for a subset of heads, and trades back. Cheap in steps, but its degree is capped by the head count
+  and its all-to-all wants a fast interconnect.
+* Ring keeps the query where it is and passes K/V blocks around the ring; each block yields a partial result
+  that is merged exactly through the log-sum-exp. Any degree works and P2P hides behind the kernel, but the
+  kernel must return the LSE.
+
+The hybrid runs Ulysses inside each ``ulysses_group`` and the ring across them. The sequence slice a rank
+holds is ``ring_rank * ulysses_degree + ulysses_rank`` (ulysses inner): the ranks of one Ulysses group hold
+adjacent slices, so after their all-to-all each holds one contiguous chunk of the sequence for its heads, and
+the ring rotates those chunks. Put the Ulysses group on the fastest links (inside a node), since its
+all-to-all is the bandwidth-heavy exchange.
+
+Everything is exact for non-causal attention without a mask: shards may be uneven or empty, and the head
+count need not divide the Ulysses degree (heads are split unevenly, see ``_exchange``). This is inference
+code: the collectives are not differentiable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+Attend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+]
+"""``attend(q, k, v, need_lse)`` on BSHD tensors: the output, or ``(output, lse)`` when ``need_lse``."""
+
+_SEQ, _HEADS = 1, 2
+
+
+def split_sizes(length: int, world: int) -> list[int]:
+    """Sizes of ``length`` split over ``world`` ranks, as even as possible, earlier ranks taking the extra
+    one; with fewer items than ranks the last ranks get none, which every function here accepts."""
+    if length < 0 or world < 1:
+        raise ValueError(f"cannot split {length} items over {world} ranks")
+    base, extra = divmod(length, world)
+    return [base + (rank < extra) for rank in range(world)]
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def shard(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (``sizes`` defaults to ``split_sizes``); no communication,
+    since every rank already holds the full tensor."""
+    sizes = split_sizes(x.shape[dim], _size(group)) if sizes is None else sizes
+    rank = _rank(group)
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+def gather(
+    x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | None, sizes: Sequence[int]
+) -> torch.Tensor:
+    """The full tensor from every rank's slice along ``dim``; slices may differ in size (``sizes``, known to
+    every rank). Pads to the largest slice because ``all_gather`` (gloo's at least) needs equal shapes, then
+    trims: the padding never reaches the result."""
+    if _size(group) == 1:
+        return x_local
+    longest = max(sizes)
+    padded = x_local.new_zeros(*x_local.shape[:dim], longest, *x_local.shape[dim + 1 :])
+    padded.narrow(dim, 0, x_local.shape[dim]).copy_(x_local)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes, strict=True)], dim=dim)
+
+
+def _exchange(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    scatter_dim: int,
+    scatter_sizes: Sequence[int],
+    gather_dim: int,
+    gather_sizes: Sequence[int],
+) -> torch.Tensor:
+    """All-to-all: piece ``j`` of ``x`` along ``scatter_dim`` goes to rank ``j``; what arrives from rank ``i``
+    is ``gather_sizes[i]`` long along ``gather_dim`` and is concatenated there.
+
+    Flat buffers with per-peer element counts let both splits be uneven, which is why heads are split
+    unevenly rather than zero-padded: uneven sequence shards already need variable splits, so uneven heads
+    cost nothing more, while padding would move and attend zeros that are thrown away.
+    """
+    if _size(group) == 1:
+        return x
+    pieces = x.split(list(scatter_sizes), dim=scatter_dim)
+    send = torch.cat([piece.reshape(-1) for piece in pieces])
+    shapes = []
+    for size in gather_sizes:
+        shape = list(x.shape)
+        shape[scatter_dim], shape[gather_dim] = scatter_sizes[_rank(group)], size
+        shapes.append(shape)
+    counts = [torch.Size(shape).numel() for shape in shapes]
+    recv = x.new_empty(sum(counts))
+    dist.all_to_all_single(recv, send, counts, [piece.numel() for piece in pieces], group=group)
+    return torch.cat(
+        [part.view(shape) for part, shape in zip(recv.split(counts), shapes, strict=True)], dim=gather_dim
+    )
+
+
+def merge_partials(
+    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Folds attention over one more key block into the running ``(out, lse)``.
+
+    Each partial is softmax-normalised over its own keys; rescaling by ``exp(lse_part - lse_total)`` turns
+    them into weights of the softmax over all keys, so the merge is exact. Kept in (at least) float32 because
+    the weights are differences of large logits. ``out`` is BSHD, ``lse`` ``[batch, heads, seq]``.
+    """
+    dtype = torch.promote_types(block_out.dtype, torch.float32)
+    block_out, block_lse = block_out.to(dtype), block_lse.to(dtype)
+    if out is None or lse is None:
+        return block_out, block_lse
+    total = torch.logaddexp(lse, block_lse)
+
+    def weight(part_lse: torch.Tensor) -> torch.Tensor:
+        return torch.exp(part_lse - total).transpose(1, 2).unsqueeze(-1)
+
+    return out * weight(lse) + block_out * weight(block_lse), total
+
+
+def _attend_out(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The output alone; a rank with no queries or no heads skips the kernel, which may not take empties."""
+    if q.numel() == 0:
+        return q.new_empty(*q.shape[:3], v.shape[-1])
+    return attend(q, k, v, False)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attend: Attend,
+    group: dist.ProcessGroup | None,
+    kv_sizes: Sequence[int],
+) -> torch.Tensor:
+    """Attention of the local queries over the K/V blocks of every rank in ``group`` (``kv_sizes[i]`` tokens
+    on rank ``i``). Block ``i`` travels rank to rank; the transfer of the next block is posted before the
+    kernel runs on the current one, so communication overlaps compute."""
+    world = _size(group)
+    if world == 1:
+        return _attend_out(attend, q, k, v)
+    rank = _rank(group)
+    k, v = k.contiguous(), v.contiguous()  # sent as they are
+    send_to = dist.get_global_rank(group, (rank + 1) % world)
+    recv_from = dist.get_global_rank(group, (rank - 1) % world)
+    out = lse = None
+    block = rank
+    for step in range(world):
+        if step < world - 1:
+            block = (block - 1) % world  # the block the previous rank holds now
+            next_k = k.new_empty(k.shape[0], kv_sizes[block], *k.shape[2:])
+            next_v = v.new_empty(v.shape[0], kv_sizes[block], *v.shape[2:])
+            ops = [dist.P2POp(dist.isend, t, send_to, group) for t in (k, v)]
+            ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in (next_k, next_v)]
+            requests = dist.batch_isend_irecv(ops)
+        if q.numel() and k.shape[_SEQ]:
+            out, lse = merge_partials(out, lse, *attend(q, k, v, True))
+        if step < world - 1:
+            for request in requests:
+                request.wait()
+            k, v = next_k, next_v
+    if out is None:  # no queries or no heads here
+        return q.new_empty(*q.shape[:3], v.shape[-1])
+    return out.to(q.dtype)
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """How one sequence is spread over a Ulysses x ring grid of ranks, and attention over it.
+
+    ``sizes[i]`` is the query length held by sequence slice ``i = ring_rank * ulysses_degree + ulysses_rank``;
+    ``kv_sizes`` is the same for K/V when they are sharded with another length (cross attention), ``None``
+    when they follow ``sizes``. A group left ``None`` has degree 1. Build one with ``plan``.
+    """
+
+    sizes: tuple[int, ...]
+    kv_sizes: tuple[int, ...] | None = None
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        for name, sizes in (("sizes", self.sizes), ("kv_sizes", self.kv_sizes)):
+            if sizes is not None and (len(sizes) != self.degree or sum(sizes) == 0):
+                raise ValueError(
+                    f"{name} must give a length to each of the {self.degree} ranks, and a nonzero total "
+                    f"(got {sizes})"
+                )
+
+    @classmethod
+    def plan(
+        cls,
+        length: int,
+        *,
+        kv_length: int | None = None,
+        ulysses_group: dist.ProcessGroup | None = None,
+        ring_group: dist.ProcessGroup | None = None,
+    ) -> SequenceParallel:
+        """The even split of a ``length``-token sequence (and of ``kv_length`` K/V tokens, if they differ)."""
+        degree = _size(ulysses_group) * _size(ring_group)
+        kv_sizes = None if kv_length is None else tuple(split_sizes(kv_length, degree))
+        return cls(tuple(split_sizes(length, degree)), kv_sizes, ulysses_group, ring_group)
+
+    @property
+    def degree(self) -> int:
+        return _size(self.ulysses_group) * _size(self.ring_group)
+
+    @property
+    def index(self) -> int:
+        """Which slice of the sequence this rank holds."""
+        return _rank(self.ring_group) * _size(self.ulysses_group) + _rank(self.ulysses_group)
+
+    def _sizes(self, kv: bool) -> tuple[int, ...]:
+        return self.kv_sizes if kv and self.kv_sizes is not None else self.sizes
+
+    def _chunk(self, sizes: Sequence[int]) -> Sequence[int]:
+        """The slice sizes inside this rank's Ulysses group."""
+        start = _rank(self.ring_group) * _size(self.ulysses_group)
+        return sizes[start : start + _size(self.ulysses_group)]
+
+    def _ring_blocks(self, sizes: Sequence[int]) -> list[int]:
+        """The sequence length each ring rank holds once its Ulysses group has gathered the sequence."""
+        ulysses = _size(self.ulysses_group)
+        return [sum(sizes[start : start + ulysses]) for start in range(0, len(sizes), ulysses)]
+
+    def shard(self, x: torch.Tensor, dim: int = _SEQ, *, kv: bool = False) -> torch.Tensor:
+        """This rank's slice of a full tensor (``kv`` picks the K/V plan)."""
+        sizes = self._sizes(kv)
+        return x.narrow(dim, sum(sizes[: self.index]), sizes[self.index])
+
+    def gather(self, x_local: torch.Tensor, dim: int = _SEQ, *, kv: bool = False) -> torch.Tensor:
+        """The full tensor on every rank: within the Ulysses group, then across the ring."""
+        sizes = self._sizes(kv)
+        chunk = gather(x_local, dim, self.ulysses_group, self._chunk(sizes))
+        return gather(chunk, dim, self.ring_group, self._ring_blocks(sizes))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attend: Attend,
+        *,
+        kv_replicated: bool = False,
+    ) -> torch.Tensor:
+        """Full attention of this rank's queries over the whole sequence; returns this rank's output slice.
+
+        ``q`` (and ``k``/``v`` unless ``kv_replicated``) are this rank's BSHD slices. With ``kv_replicated``
+        every rank passes the full K/V (e.g. text embeddings in cross attention): they are only cut by heads,
+        and no ring is needed since every rank already sees every key.
+        """
+        self._check(q, self.sizes, "query")
+        if not kv_replicated:
+            self._check(k, self._sizes(kv=True), "key")
+        if k.shape[_HEADS] != q.shape[_HEADS]:
+            raise ValueError(
+                f"query has {q.shape[_HEADS]} heads but key {k.shape[_HEADS]}; expand K/V heads first"
+            )
+        group = self.ulysses_group
+        heads = split_sizes(q.shape[_HEADS], _size(group))
+        chunk = self._chunk(self.sizes)
+        q = _exchange(q, group, _HEADS, heads, _SEQ, chunk)
+        if kv_replicated:
+            start = sum(heads[: _rank(group)])
+            k, v = (t.narrow(_HEADS, start, heads[_rank(group)]) for t in (k, v))
+            out = _attend_out(attend, q, k, v)
+        else:
+            kv_sizes = self._sizes(kv=True)
+            # K and V travel as one tensor: one all-to-all instead of two.
+            kv = _exchange(torch.cat([k, v], dim=-1), group, _HEADS, heads, _SEQ, self._chunk(kv_sizes))
+            k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+            out = ring_attention(q, k, v, attend, self.ring_group, self._ring_blocks(kv_sizes))
+        return _exchange(out, group, _SEQ, chunk, _HEADS, heads)
+
+    def _check(self, x: torch.Tensor, sizes: Sequence[int], name: str) -> None:
+        if x.shape[_SEQ] != sizes[self.index]:
+            raise ValueError(
+                f"{name} holds {x.shape[_SEQ]} tokens on sequence slice {self.index}, the plan says "
+                f"{sizes[self.index]} (plan: {tuple(sizes)})"
+            )

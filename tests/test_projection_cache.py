@@ -1,0 +1,251 @@
+"""Every exactness rule of ExactProjectionCache has a test that fails when the rule is broken."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import omni_accel
+from omni_accel.cache import ExactProjectionCache
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _linear(seed=0, i=8, o=16):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(i, o)
+
+
+def _cond(value=1.0, shape=(2, 8)):
+    return torch.linspace(-1, 1, shape[0] * shape[1]).reshape(shape) * value
+
+
+def _project(cache, lin, cond, name="mod"):
+    cache.prepare(cond)
+    return cache.project(name, lin, cond, lambda: lin(F.silu(cond)))
+
+
+def test_exported_from_the_package():
+    assert omni_accel.ExactProjectionCache is ExactProjectionCache
+
+
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.5, TypeError), ("1", TypeError), (True, TypeError)])
+def test_invalid_budget(bad, error):
+    with pytest.raises(error, match="max_bytes"):
+        ExactProjectionCache(max_bytes=bad)
+
+
+def test_hit_is_bitwise_and_counted():
+    cache, lin = ExactProjectionCache(), _linear()
+    first = _project(cache, lin, _cond())
+    second = _project(cache, lin, _cond())  # a new tensor with the same content
+    assert torch.equal(first, second) and second.data_ptr() == first.data_ptr()
+    assert (cache.hits, cache.misses) == (1, 1)
+
+
+def test_disabled_cache_computes_every_time():
+    cache, lin = ExactProjectionCache(max_bytes=0), _linear()
+    calls = []
+    for _ in range(3):
+        cond = _cond()
+        cache.prepare(cond)
+        cache.project("m", lin, cond, lambda c=cond: calls.append(1) or lin(c))
+    assert len(calls) == 3 and cache.stats()["entries"] == 0 and cache.hits == 0
+
+
+def test_different_content_misses():
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    changed = _cond()
+    changed[1, 3] = torch.nextafter(changed[1, 3], torch.tensor(10.0))  # one ulp
+    assert torch.equal(_project(cache, lin, changed), lin(F.silu(changed)))
+    assert cache.hits == 0
+
+
+def test_signed_zero_is_a_different_input():
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, torch.zeros(2, 8))
+    _project(cache, lin, -torch.zeros(2, 8))
+    assert cache.hits == 0
+
+
+def test_projection_name_is_part_of_the_key():
+    cache, lin, other = ExactProjectionCache(), _linear(0), _linear(1)
+    cond = _cond()
+    cache.prepare(cond)
+    cache.project("a", lin, cond, lambda: lin(cond))
+    got = cache.project("b", other, cond, lambda: other(cond))
+    assert torch.equal(got, other(cond)) and cache.hits == 0
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda lin: lin.weight.add_(1e-3),  # in-place edit
+        lambda lin: setattr(lin.weight, "data", lin.weight.data.clone() * 2),  # storage swap
+        lambda lin: lin.double(),  # dtype change
+        lambda lin: lin.bias.zero_(),
+    ],
+)
+def test_weight_changes_invalidate(edit):
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    edit(lin)
+    cond = _cond().to(lin.weight.dtype)
+    got = _project(cache, lin, cond)
+    assert torch.equal(got, lin(F.silu(cond)))
+    assert cache.hits == 0
+
+
+def test_buffer_changes_invalidate():
+    cache = ExactProjectionCache()
+    norm = torch.nn.BatchNorm1d(8).eval()
+    cond = _cond()
+    cache.prepare(cond)
+    cache.project("n", norm, cond, lambda: norm(cond))
+    norm.running_mean.add_(1.0)
+    cond = _cond()
+    cache.prepare(cond)
+    assert torch.equal(cache.project("n", norm, cond, lambda: norm(cond)), norm(cond)) and cache.hits == 0
+
+
+def test_autocast_entered_after_prepare_is_not_served_the_fp32_result():
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    cond = _cond()
+    cache.prepare(cond)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cache.project("mod", lin, cond, lambda: lin(F.silu(cond)))
+        assert got.dtype == torch.bfloat16
+    assert cache.hits == 0
+
+
+def test_matmul_precision_is_part_of_the_key():
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium" if previous != "medium" else "high")
+        _project(cache, lin, _cond())
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert cache.hits == 0 and cache.misses == 2
+
+
+def test_grad_mode_runs_the_original():
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    with torch.enable_grad():
+        out = _project(cache, lin, _cond())
+        assert out.requires_grad
+    assert cache.hits == 0 and cache.bypasses == 1
+
+
+@pytest.mark.parametrize("where", ["module_pre", "module_post", "child", "global_pre", "global_post"])
+def test_hooks_run_the_original(where):
+    cache = ExactProjectionCache()
+    seq = torch.nn.Sequential(_linear())
+    _project(cache, seq, _cond())
+    seen = []
+    hook = lambda *args: seen.append(1)  # noqa: E731
+    handle = {
+        "module_pre": lambda: seq.register_forward_pre_hook(hook),
+        "module_post": lambda: seq.register_forward_hook(hook),
+        "child": lambda: seq[0].register_forward_hook(hook),
+        "global_pre": lambda: torch.nn.modules.module.register_module_forward_pre_hook(hook),
+        "global_post": lambda: torch.nn.modules.module.register_module_forward_hook(hook),
+    }[where]()
+    try:
+        _project(cache, seq, _cond())
+    finally:
+        handle.remove()
+    assert seen and cache.hits == 0
+
+
+def test_inference_mode_weights_run_the_original():
+    cache = ExactProjectionCache()
+    with torch.inference_mode():
+        lin = _linear()
+    for _ in range(2):
+        cond = _cond()
+        cache.prepare(cond)
+        cache.project("m", lin, cond, lambda c=cond: lin(c))
+    assert cache.hits == 0 and cache.bypasses == 2
+
+
+def test_compiling_runs_the_original(monkeypatch):
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    _project(cache, lin, _cond())
+    assert cache.hits == 0
+
+
+def test_input_mutated_after_prepare_runs_the_original():
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    cond = _cond()
+    cache.prepare(cond)
+    cond.mul_(2)
+    assert torch.equal(cache.project("mod", lin, cond, lambda: lin(F.silu(cond))), lin(F.silu(cond)))
+    assert cache.hits == 0
+
+
+def test_caller_mutating_a_returned_tensor_cannot_corrupt_the_cache():
+    cache, lin = ExactProjectionCache(), _linear()
+    expected = lin(F.silu(_cond()))
+    _project(cache, lin, _cond()).mul_(0)  # mutate the miss result
+    got = _project(cache, lin, _cond())
+    assert torch.equal(got, expected)
+    got.chunk(2, dim=-1)[0].add_(5)  # mutate a hit result through a view
+    assert torch.equal(_project(cache, lin, _cond()), expected)
+
+
+def test_byte_budget_is_never_exceeded_and_cyclic_schedules_keep_hitting():
+    lin = _linear(o=32)
+    steps = [_cond(v) for v in torch.linspace(0.1, 1, 10).tolist()]
+    per_step = 2 * 8 * 4 + 2 * 32 * 4  # stored conditioning + output
+    cache = ExactProjectionCache(max_bytes=4 * per_step + 10)  # room for 4 of 10 steps
+    for _request in range(3):
+        for cond in steps:
+            _project(cache, lin, cond.clone())
+            assert cache.bytes_used <= cache.max_bytes
+    # A frozen set keeps the first 4 steps: 4 hits per request after the first. LRU would give 0.
+    assert cache.hits == 8
+
+
+def test_clear_forgets_everything():
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    cache.clear()
+    assert cache.bytes_used == 0
+    _project(cache, lin, _cond())
+    assert cache.hits == 0
+
+
+def test_precomputed_lookup_is_consulted_only_on_a_runtime_miss():
+    lin = _linear()
+    asked = []
+
+    class Precomputed(ExactProjectionCache):
+        def _lookup_precomputed(self, name, module, conditioning):
+            asked.append(name)
+            return module(F.silu(conditioning))
+
+    cache = Precomputed()
+    _project(cache, lin, _cond())
+    _project(cache, lin, _cond())
+    assert asked == ["mod"] and cache.hits == 1
+
+
+def test_two_conditionings_in_one_forward():
+    cache, lin = ExactProjectionCache(), _linear()
+    a, b = _cond(1.0), _cond(2.0)
+    cache.prepare(a)
+    cache.prepare(b)
+    assert torch.equal(cache.project("m", lin, a, lambda: lin(a)), lin(a))
+    assert torch.equal(cache.project("m", lin, b, lambda: lin(b)), lin(b))
+    assert cache.hits == 0 and cache.misses == 2
