@@ -161,7 +161,8 @@ def ring_attention(
     out = lse = None
     block = rank
     for step in range(world):
-        if step < world - 1:
+        last = step == world - 1
+        if not last:
             block = (block - 1) % world  # the block the previous rank holds now
             next_k = k.new_empty(k.shape[0], kv_sizes[block], *k.shape[2:])
             next_v = v.new_empty(v.shape[0], kv_sizes[block], *v.shape[2:])
@@ -170,13 +171,40 @@ def ring_attention(
             requests = dist.batch_isend_irecv(ops)
         if q.numel() and k.shape[_SEQ]:
             out, lse = merge_partials(out, lse, *attend(q, k, v, True))
-        if step < world - 1:
+        if not last:
             for request in requests:
                 request.wait()
             k, v = next_k, next_v
     if out is None:  # no queries or no heads here
         return q.new_empty(*q.shape[:3], v.shape[-1])
     return out.to(q.dtype)
+
+
+def grid_groups(
+    ulysses_degree: int, ring_degree: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's ``(ulysses_group, ring_group)`` over all ranks, ``None`` for a degree of 1.
+
+    Ulysses groups are runs of adjacent ranks, which launchers place on one node, so the all-to-all stays on
+    the fast links while the ring crosses nodes; slice ``SequenceParallel.index`` then equals the rank. Every
+    rank must call this, as every rank must call ``new_group``.
+    """
+    world = dist.get_world_size()
+    if ulysses_degree * ring_degree != world:
+        raise ValueError(f"ulysses {ulysses_degree} x ring {ring_degree} does not cover {world} ranks")
+    rank = dist.get_rank()
+    ulysses = ring = None
+    if ulysses_degree > 1:
+        for start in range(0, world, ulysses_degree):
+            members = list(range(start, start + ulysses_degree))
+            group = dist.new_group(members)
+            ulysses = group if rank in members else ulysses
+    if ring_degree > 1:
+        for offset in range(ulysses_degree):
+            members = list(range(offset, world, ulysses_degree))
+            group = dist.new_group(members)
+            ring = group if rank in members else ring
+    return ulysses, ring
 
 
 @dataclass(frozen=True)
@@ -280,9 +308,9 @@ class SequenceParallel:
             out = _attend_out(attend, q, k, v)
         else:
             kv_sizes = self._sizes(kv=True)
-            # K and V travel as one tensor: one all-to-all instead of two.
-            kv = _exchange(torch.cat([k, v], dim=-1), group, _HEADS, heads, _SEQ, self._chunk(kv_sizes))
-            k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+            if _size(group) > 1:  # K and V travel as one tensor: one all-to-all instead of two
+                kv = _exchange(torch.cat([k, v], dim=-1), group, _HEADS, heads, _SEQ, self._chunk(kv_sizes))
+                k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
             out = ring_attention(q, k, v, attend, self.ring_group, self._ring_blocks(kv_sizes))
         return _exchange(out, group, _SEQ, chunk, _HEADS, heads)
 

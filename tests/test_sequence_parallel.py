@@ -1,0 +1,239 @@
+"""Sequence-parallel attention against single-process full attention.
+
+Spawning a rank costs seconds of imports, so each world size is spawned once and runs every check for that
+size; a check that fails reports its traceback and the rest still run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import time
+import traceback
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from omni_accel.attention.providers.sdpa import SdpaMathProvider
+from omni_accel.parallel.sequence import (
+    SequenceParallel,
+    gather,
+    grid_groups,
+    merge_partials,
+    shard,
+    split_sizes,
+)
+
+PROVIDER = SdpaMathProvider()
+TOLERANCE = 1e-5
+
+
+def attend(q, k, v, need_lse):
+    return PROVIDER.forward(q, k, v, return_lse=need_lse)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def make_inputs(seed: int, q_len: int, kv_len: int, heads: int, v_dim: int, batch: int = 2, dim: int = 8):
+    """The same full tensors on every rank: each then takes its own shard."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_len, heads, dim, generator=g)
+    k = torch.randn(batch, kv_len, heads, dim, generator=g) * 2  # sharper softmax: merge errors show
+    v = torch.randn(batch, kv_len, heads, v_dim, generator=g)
+    return q, k, v
+
+
+def check_attention(
+    groups: dict,
+    *,
+    q_len: int,
+    heads: int,
+    kv_len: int | None = None,
+    v_dim: int = 8,
+    kv_replicated: bool = False,
+) -> None:
+    q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim)
+    want = PROVIDER.forward(q, k, v)
+    sharded_kv_len = None if kv_replicated else kv_len
+    sp = SequenceParallel.plan(q_len, kv_length=sharded_kv_len, **groups)
+    if kv_replicated:
+        local_k, local_v = k, v
+    else:
+        local_k, local_v = sp.shard(k, kv=True), sp.shard(v, kv=True)
+    local_q = sp.shard(q)
+    out = sp.attention(local_q, local_k, local_v, attend, kv_replicated=kv_replicated)
+    assert out.shape == (*local_q.shape[:3], v_dim)
+    err = rel_err(sp.gather(out), want)
+    assert err <= TOLERANCE, f"relative error {err:.2e}"
+
+
+def check_shard_gather(group, length: int) -> None:
+    x = torch.arange(2 * length * 3, dtype=torch.float32).view(2, length, 3)
+    sizes = split_sizes(length, dist.get_world_size(group))
+    local = shard(x, 1, group)
+    assert local.shape[1] == sizes[dist.get_rank(group)]
+    assert torch.equal(gather(local, 1, group, sizes), x)
+
+
+# Cases run under every scheme; together they cover uneven and empty shards, heads that do not divide the
+# Ulysses degree (down to ranks with no head), cross attention (sharded or replicated K/V, another value
+# width), and batch 2 throughout.
+TWO_RANK_CASES = [
+    dict(q_len=8, heads=4),
+    dict(q_len=7, heads=3),
+    dict(q_len=1, heads=2),
+    dict(q_len=5, heads=1),
+    dict(q_len=7, kv_len=4, heads=3, v_dim=5),
+    dict(q_len=6, kv_len=1, heads=2),
+    dict(q_len=7, kv_len=6, heads=3, kv_replicated=True),
+]
+FOUR_RANK_CASES = [
+    dict(q_len=8, heads=4),
+    dict(q_len=37, heads=3),
+    dict(q_len=5, heads=3),
+    dict(q_len=3, heads=6),
+    dict(q_len=37, kv_len=11, heads=3, v_dim=5),
+    dict(q_len=9, kv_len=2, heads=2),
+    dict(q_len=37, kv_len=6, heads=3, kv_replicated=True),
+]
+
+
+def two_rank_checks() -> list:
+    world = dist.group.WORLD
+    checks = [(f"shard/gather length {n}", partial(check_shard_gather, world, n)) for n in (5, 1)]
+    for scheme, groups in (("ulysses", dict(ulysses_group=world)), ("ring", dict(ring_group=world))):
+        checks += [(f"{scheme} {case}", partial(check_attention, groups, **case)) for case in TWO_RANK_CASES]
+    return checks
+
+
+def four_rank_checks() -> list:
+    schemes = {}
+    for name, degrees in (("ulysses2 x ring2", (2, 2)), ("ulysses4", (4, 1)), ("ring4", (1, 4))):
+        ulysses, ring = grid_groups(*degrees)
+        schemes[name] = dict(ulysses_group=ulysses, ring_group=ring)
+    return [
+        (f"{name} {case}", partial(check_attention, groups, **case))
+        for name, groups in schemes.items()
+        for case in FOUR_RANK_CASES
+    ]
+
+
+CHECKS = {2: two_rank_checks, 4: four_rank_checks}
+
+
+def worker(rank: int, world: int, init_file: str, results) -> None:
+    failures, ran = [], 0
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        for name, check in CHECKS[world]():
+            ran += 1
+            try:
+                check()
+            except Exception:
+                failures.append(f"[rank {rank}] {name}\n{traceback.format_exc()}")
+    except BaseException:
+        failures.append(f"[rank {rank}] setup\n{traceback.format_exc()}")
+    finally:
+        results.put((rank, ran, failures))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, tmp_path, deadline_s: float = 150) -> None:
+    """Runs ``worker`` on ``world`` spawned ranks; fails with every rank's tracebacks, never hangs."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=worker, args=(rank, world, str(tmp_path / "store"), results))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    reports = {}
+    deadline = time.monotonic() + deadline_s
+    try:
+        while len(reports) < world and time.monotonic() < deadline:
+            try:
+                rank, ran, failures = results.get(timeout=1)
+                reports[rank] = (ran, failures)
+            except queue.Empty:
+                if not any(proc.is_alive() for proc in procs) and results.empty():
+                    break
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+    missing = sorted(set(range(world)) - set(reports))
+    assert not missing, f"ranks {missing} did not report (exit codes {[p.exitcode for p in procs]})"
+    failures = [failure for _, rank_failures in reports.values() for failure in rank_failures]
+    assert not failures, "\n".join(failures)
+    assert all(ran for ran, _ in reports.values())
+
+
+@pytest.mark.multirank
+def test_two_ranks(tmp_path):
+    """Ulysses 2 and ring 2 on every case, plus the uneven shard/gather helpers."""
+    run_ranks(2, tmp_path)
+
+
+@pytest.mark.multirank
+def test_four_ranks(tmp_path):
+    """Ulysses 2 x ring 2, Ulysses 4 and ring 4 on every case."""
+    run_ranks(4, tmp_path)
+
+
+def test_split_sizes():
+    assert split_sizes(37, 4) == [10, 9, 9, 9]
+    assert split_sizes(8, 4) == [2, 2, 2, 2]
+    assert split_sizes(2, 4) == [1, 1, 0, 0]
+    with pytest.raises(ValueError):
+        split_sizes(3, 0)
+
+
+def test_merge_partials_is_exact_where_averaging_is_not():
+    """Ring attention is only as right as this merge: blocks of unequal length and sharpness must be weighted
+    by their softmax mass, which averaging the block outputs gets wrong."""
+    q, k, v = make_inputs(0, q_len=6, kv_len=11, heads=3, v_dim=5)
+    want = PROVIDER.forward(q, k, v)
+    out = lse = None
+    block_outs = []
+    for k_blk, v_blk in zip(k.split([3, 8], dim=1), v.split([3, 8], dim=1), strict=True):
+        block_out, block_lse = attend(q, k_blk, v_blk, True)
+        block_outs.append(block_out)
+        out, lse = merge_partials(out, lse, block_out, block_lse)
+    assert rel_err(out, want) <= 1e-6
+    assert rel_err(sum(block_outs) / len(block_outs), want) > 0.05
+    assert rel_err(lse, PROVIDER.forward(q, k, v, return_lse=True)[1]) <= 1e-6
+
+
+def test_single_rank_plan_is_plain_attention():
+    q, k, v = make_inputs(1, q_len=5, kv_len=7, heads=3, v_dim=8)
+    sp = SequenceParallel.plan(5, kv_length=7)
+    assert sp.degree == 1 and sp.index == 0
+    assert rel_err(sp.attention(q, k, v, attend), PROVIDER.forward(q, k, v)) <= 1e-6
+
+
+def test_plan_refuses_what_it_cannot_serve():
+    with pytest.raises(ValueError, match="nonzero total"):
+        SequenceParallel.plan(0)
+    with pytest.raises(ValueError, match="each of the 1 ranks"):
+        SequenceParallel((3, 4))
+    q, k, v = make_inputs(2, q_len=5, kv_len=5, heads=2, v_dim=8)
+    with pytest.raises(ValueError, match="plan says 4"):
+        SequenceParallel.plan(4).attention(q, k, v, attend)
+    with pytest.raises(ValueError, match="heads"):
+        SequenceParallel.plan(5).attention(q, k[:, :, :1], v[:, :, :1], attend)
