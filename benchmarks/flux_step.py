@@ -47,7 +47,8 @@ def inputs(batch: int, image_tokens: int, text_tokens: int, device: str, dtype: 
     g = torch.Generator(device).manual_seed(1)
     side = int(image_tokens**0.5)
     img_ids = torch.stack(
-        torch.meshgrid(torch.zeros(1), torch.arange(side), torch.arange(side), indexing="ij"), -1
+        torch.meshgrid(torch.zeros(1), torch.arange(side).float(), torch.arange(side).float(), indexing="ij"),
+        -1,
     ).reshape(-1, 3)
     return dict(
         hidden_states=torch.randn(batch, image_tokens, 64, generator=g, device=device, dtype=dtype),

@@ -45,3 +45,5 @@ class AccelerationReport:
         for component in self.components:
             lines.extend(component.lines())
         return "\n".join(lines)
+
+    __repr__ = __str__  # a notebook cell ending in describe(pipe) shows the readable text

@@ -32,14 +32,16 @@ CUSTOM_OPS = {"flashinfer": "flashinfer_attention", "sage": "sage_attention"}
 SAME = {"atol": 2e-3, "rtol": 2e-2}
 
 
-def _request(*, needs_lse: bool = False) -> AttentionRequest:
+def _request(*, needs_lse: bool = False, kv_len: int | None = None) -> AttentionRequest:
     capability = torch.cuda.get_device_capability()
-    return AttentionRequest(DTYPE, "cuda", HEAD_DIM, needs_lse=needs_lse, compute_capability=capability)
+    return AttentionRequest(
+        DTYPE, "cuda", HEAD_DIM, needs_lse=needs_lse, compute_capability=capability, kv_len=kv_len
+    )
 
 
-def _usable(name: str, *, needs_lse: bool = False) -> AttentionProvider:
+def _usable(name: str, *, needs_lse: bool = False, kv_len: int | None = None) -> AttentionProvider:
     provider = get_provider(name)
-    reasons = provider.reasons_against(_request(needs_lse=needs_lse))
+    reasons = provider.reasons_against(_request(needs_lse=needs_lse, kv_len=kv_len))
     if reasons:
         pytest.skip(f"{name}: {'; '.join(reasons)}")
     return provider
@@ -87,7 +89,7 @@ def _flash_error(seq_q: int, seq_kv: int) -> float:
 @pytest.mark.parametrize("seq_q, seq_kv", SHAPES)
 @pytest.mark.parametrize("name", provider_names())
 def test_output_matches_fp64_reference(name, seq_q, seq_kv):
-    provider = _usable(name)
+    provider = _usable(name, kv_len=seq_kv)
     query, key, value = _inputs(seq_q, seq_kv)
     out = provider.forward(query, key, value)
     assert out.shape == query.shape and out.dtype == DTYPE
@@ -108,7 +110,7 @@ def test_output_matches_fp64_reference(name, seq_q, seq_kv):
 @pytest.mark.parametrize("seq_q, seq_kv", [(333, 333), (1024, 333)])
 @pytest.mark.parametrize("name", provider_names())
 def test_batch_equals_each_sequence_alone(name, seq_q, seq_kv):
-    provider = _usable(name)
+    provider = _usable(name, kv_len=seq_kv)
     query, key, value = _inputs(seq_q, seq_kv)
     batched = provider.forward(query, key, value)
     for b in range(BATCH):
@@ -119,7 +121,7 @@ def test_batch_equals_each_sequence_alone(name, seq_q, seq_kv):
 @pytest.mark.parametrize("seq_q, seq_kv", SHAPES)
 @pytest.mark.parametrize("name", provider_names())
 def test_lse_matches_fp64_reference(name, seq_q, seq_kv):
-    provider = _usable(name, needs_lse=True)
+    provider = _usable(name, needs_lse=True, kv_len=seq_kv)
     query, key, value = _inputs(seq_q, seq_kv)
     out, lse = provider.forward(query, key, value, return_lse=True)
     assert lse.shape == (BATCH, HEADS, seq_q) and lse.dtype == torch.float32

@@ -32,7 +32,9 @@ def test_exported_from_the_package():
     assert omni_accel.ExactProjectionCache is ExactProjectionCache
 
 
-@pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.5, TypeError), ("1", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "bad, error", [(-1, ValueError), (1.5, TypeError), ("1", TypeError), (True, TypeError)]
+)
 def test_invalid_budget(bad, error):
     with pytest.raises(error, match="max_bytes"):
         ExactProjectionCache(max_bytes=bad)

@@ -1,10 +1,9 @@
 """Attention providers: capability-checked kernels, resolved per role inside a scope."""
 
-from .base import AttentionProvider, AttentionRequest, Capabilities
+from .base import AttentionProvider, AttentionProviderError, AttentionRequest, Capabilities
 from .registry import get_provider, provider_names, register_provider
 from .selection import (
     AttentionConfig,
-    AttentionProviderError,
     AttentionSelector,
     Resolution,
     attention_scope,

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+class AttentionProviderError(ValueError):
+    """An attention provider was asked for that does not exist or cannot serve a call; the message says
+    why and what would."""
+
+
 @dataclass(frozen=True)
 class AttentionRequest:
     """Everything about one attention call that decides which providers may serve it (hashable, so
@@ -24,14 +29,21 @@ class AttentionRequest:
     has_mask: bool = False
     needs_lse: bool = False
     compute_capability: tuple[int, int] | None = None
+    kv_len: int | None = None  # None: not known yet (planning before the first call)
 
     @classmethod
     def for_call(
-        cls, query: torch.Tensor, *, has_mask: bool = False, needs_lse: bool = False
+        cls,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        *,
+        has_mask: bool = False,
+        needs_lse: bool = False,
     ) -> AttentionRequest:
         device = query.device
         capability = _compute_capability(device) if device.type == "cuda" else None
-        return cls(query.dtype, device.type, query.shape[-1], has_mask, needs_lse, capability)
+        kv_len = key.shape[1] if key is not None else None
+        return cls(query.dtype, device.type, query.shape[-1], has_mask, needs_lse, capability, kv_len)
 
     def describe(self) -> str:
         parts = [str(self.dtype).removeprefix("torch."), self.device_type, f"head_dim={self.head_dim}"]
@@ -66,6 +78,7 @@ class Capabilities:
     returns_lse: bool = False
     lossless: bool = True
     min_compute_capability: tuple[int, int] | None = None
+    kv_len_multiple: int = 1
     requires: tuple[str, ...] = field(default_factory=tuple)
 
     def reasons_against(self, request: AttentionRequest) -> list[str]:
@@ -83,6 +96,10 @@ class Capabilities:
             )
         if request.has_mask and not self.supports_mask:
             reasons.append("cannot apply an attention mask")
+        if request.kv_len is not None and request.kv_len % self.kv_len_multiple:
+            reasons.append(
+                f"needs a key length that is a multiple of {self.kv_len_multiple}, not {request.kv_len}"
+            )
         if request.needs_lse and not self.returns_lse:
             reasons.append("does not return the log-sum-exp")
         if (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import AttentionProvider
+from .base import AttentionProvider, AttentionProviderError
 
 _TARGETS: dict[str, str] = {
     "sdpa": "omni_accel.attention.providers.sdpa:SdpaProvider",
@@ -37,7 +37,7 @@ def platform_preference(device_type: str) -> tuple[str, ...]:
 
 def check_provider_name(name: str, *, where: str) -> None:
     if name != "auto" and name not in _TARGETS:
-        raise ValueError(
+        raise AttentionProviderError(
             f"Unknown attention provider {name!r} in {where}. Valid names: 'auto', "
             + ", ".join(repr(n) for n in provider_names())
             + "."

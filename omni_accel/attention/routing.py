@@ -55,6 +55,6 @@ def route(
     if unsupported:
         selector.note_unrouted(role, unsupported)
         return None
-    request = AttentionRequest.for_call(query, has_mask=attn_mask is not None)
+    request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None)
     provider = selector.resolve(role, category, request).provider
     return provider.forward(query, key, value, attn_mask=attn_mask, scale=scale)

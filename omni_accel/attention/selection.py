@@ -12,12 +12,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .base import AttentionProvider, AttentionRequest
+from .base import AttentionProvider, AttentionProviderError, AttentionRequest
 from .registry import check_provider_name, get_provider, platform_preference
-
-
-class AttentionProviderError(RuntimeError):
-    """An explicitly requested provider cannot serve a call; the message says why and what would."""
 
 
 @dataclass(frozen=True)
@@ -138,8 +134,12 @@ class AttentionSelector:
         self.unrouted[(role, reason)] = self.unrouted.get((role, reason), 0) + 1
 
     def decisions(self) -> list[tuple[str, str, str, str]]:
-        """(role, request, provider, reason) for every distinct call seen so far."""
-        rows = {(role, req.describe(), r.name, r.reason) for (_, role, _, req), r in self._cache.items()}
+        """(role, request, provider, reason) for every distinct call seen so far; choices made under an
+        ``attention_scope`` say so."""
+        rows = set()
+        for (config, role, _, request), found in self._cache.items():
+            reason = found.reason if config == self.config else f"attention_scope: {found.reason}"
+            rows.add((role, request.describe(), found.name, reason))
         return sorted(rows)
 
 

@@ -37,7 +37,7 @@ class Attention(nn.Module):
         value: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        request = AttentionRequest.for_call(query, has_mask=attn_mask is not None)
+        request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None)
         selector = self.selector or default_selector()
         provider = selector.resolve(self.role, self.role_category, request).provider
         return provider.forward(query, key, value, attn_mask=attn_mask, scale=self.scale)
