@@ -1,13 +1,14 @@
 """The user-facing entry points: ``accelerate``, ``restore``, ``describe``.
 
 ``accelerate`` works in two phases: plan (inspect every component and build every native module; any
-error leaves the pipeline untouched) and commit (swap modules, install hooks and patches). ``restore``
-undoes the commit exactly.
+error leaves the pipeline untouched) and commit (swap modules, install hooks, patches and cache sites,
+each recording its own undo). ``restore`` runs the undos in reverse order.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,9 @@ import omni_accel.patches as patches
 
 from .accelerated import AcceleratedTransformer
 from .attention import routing
-from .attention.base import AttentionRequest
-from .attention.selection import AttentionProviderError, AttentionSelector, resolve
+from .attention.base import AttentionProviderError, AttentionRequest
+from .attention.selection import AttentionSelector, resolve
+from .cache import ExactProjectionCache, attach, wrap_sites
 from .config import AccelConfig
 from .layers.attention import Attention
 from .models.registry import ModelSpec, output_class, spec_for
@@ -28,6 +30,18 @@ from .weights import load_weights
 
 _STATE_ATTR = "_omni_accel_state"
 
+# Pipeline methods after which cached projections may be stale (adapters change the effective weights).
+_LORA_METHODS = (
+    "load_lora_weights",
+    "fuse_lora",
+    "unfuse_lora",
+    "set_adapters",
+    "delete_adapters",
+    "unload_lora_weights",
+    "enable_lora",
+    "disable_lora",
+)
+
 
 @dataclass
 class _Component:
@@ -35,15 +49,21 @@ class _Component:
     original: nn.Module
     spec: ModelSpec | None
     report: ComponentReport
+    cache: ExactProjectionCache | None = None
     accelerated: AcceleratedTransformer | None = None
-    hook_handles: list = field(default_factory=list)
-    routes: tuple[tuple[str, str], ...] = ()
+    undo: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def module(self) -> nn.Module:
+        """The module that runs in the pipeline after commit."""
+        return self.accelerated if self.accelerated is not None else self.original
 
 
 @dataclass
 class _State:
     config: AccelConfig
     components: list[_Component]
+    undo: list[Callable[[], None]]
 
 
 def accelerate(
@@ -67,7 +87,9 @@ def accelerate(
     components = [_plan(name, getattr(pipe, name), config) for name in names]
     for component in components:
         _commit(pipe, component)
-    setattr(pipe, _STATE_ATTR, _State(config, components))
+    caches = [c.cache for c in components if c.cache is not None]
+    undo = [_override(pipe, method, _clearing(caches)) for method in _LORA_METHODS if hasattr(pipe, method)]
+    setattr(pipe, _STATE_ATTR, _State(config, components, undo))
     return pipe
 
 
@@ -75,18 +97,20 @@ def restore(pipe: DiffusionPipeline) -> DiffusionPipeline:
     """Puts the original Diffusers modules back (with the current weights, device and dtype)."""
     state = _state(pipe)
     for component in state.components:
-        for handle in component.hook_handles:
-            handle.remove()
-        for name, target in component.routes:
-            patches.revert(name, target)
+        for undo in reversed(component.undo):
+            undo()
+        if component.cache is not None:
+            component.cache.clear()
         if component.accelerated is not None:
             object.__setattr__(pipe, component.name, component.accelerated.to_diffusers())
+    for undo in reversed(state.undo):
+        undo()
     setattr(pipe, _STATE_ATTR, None)
     return pipe
 
 
 def describe(pipe: DiffusionPipeline) -> AccelerationReport:
-    """What was swapped, which provider serves each attention role and why, and what was left as is."""
+    """What was swapped, which provider serves each attention role and why, cache use, and what was left."""
     state = _state(pipe)
     for component in state.components:
         if component.accelerated is not None:
@@ -115,17 +139,14 @@ def _plan(name: str, module: nn.Module, config: AccelConfig) -> _Component:
         )
     spec = spec_for(module)
     selector = AttentionSelector(config.attention)
+    cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
     if spec is not None and spec.native and config.native:
         native = _build_native(spec, module, selector)
-        report = ComponentReport(
-            name,
-            cls_name,
-            "native",
-            f"swapped for {type(native).__module__}.{type(native).__name__}",
-            selector,
-        )
+        attach(native, cache)
+        detail = f"swapped for {type(native).__module__}.{type(native).__name__}"
+        report = ComponentReport(name, cls_name, "native", detail, selector, cache=cache)
         accelerated = AcceleratedTransformer(native, module, list(module.state_dict()), output_class(spec))
-        return _Component(name, module, spec, report, accelerated=accelerated)
+        return _Component(name, module, spec, report, cache, accelerated=accelerated)
     if spec is not None and spec.attention_routes:
         for patch_name, _ in spec.attention_routes:
             patches.check_applicable(patch_name)
@@ -136,9 +157,11 @@ def _plan(name: str, module: nn.Module, config: AccelConfig) -> _Component:
             "routed",
             f"{why}; Diffusers module kept, its attention routed through our providers",
             selector,
-            not_accelerated=["projections, norms and MLPs run as in Diffusers"],
+            cache=cache if spec.cache_sites else None,
+            not_accelerated=["projections, norms and MLPs run as in Diffusers"]
+            + ([] if spec.cache_sites else ["no projection-cache sites are registered for this model"]),
         )
-        return _Component(name, module, spec, report, routes=spec.attention_routes)
+        return _Component(name, module, spec, report, cache if spec.cache_sites else None)
     report = ComponentReport(
         name,
         cls_name,
@@ -165,14 +188,12 @@ def _planned_attention(
 ) -> list[tuple[str, str, str, str]]:
     """The provider each role would get for the model's current dtype and device (unmasked calls)."""
     param = next(native.parameters())
+    capability = AttentionRequest.for_call(param).compute_capability
     rows = {}
     for layer in native.modules():
         if isinstance(layer, Attention) and layer.role not in rows:
             request = AttentionRequest(
-                param.dtype,
-                param.device.type,
-                layer.head_dim,
-                compute_capability=AttentionRequest.for_call(param).compute_capability,
+                param.dtype, param.device.type, layer.head_dim, compute_capability=capability
             )
             try:
                 found = resolve(selector.config, layer.role, layer.role_category, request)
@@ -189,22 +210,30 @@ def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
         component.accelerated.train(component.original.training)
         object.__setattr__(pipe, component.name, component.accelerated)
         component.original.to("meta")
-        return
-    if not component.routes:
+    else:
+        _route_attention(component)
+        if component.cache is not None:
+            component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
+    if component.cache is not None:
+        # Moving the model (pipe.to, .half(), ...) goes through _apply: stored outputs would be stale.
+        component.undo.append(_override(component.module, "_apply", _clearing([component.cache])))
+
+
+def _route_attention(component: _Component) -> None:
+    if not component.spec or not component.spec.attention_routes:
         return
     selector = component.report.selector
     module = component.original
-    component.hook_handles += _scoped_hooks(
-        module, lambda: routing.enter_selector(selector), routing.leave_selector
-    )
+    component.undo += _scoped_hooks(module, lambda: routing.enter_selector(selector), routing.leave_selector)
     for name, child in module.named_modules():
         if hasattr(child, "processor"):
             role, category = _role_of(component.spec, name)
-            component.hook_handles += _scoped_hooks(
+            component.undo += _scoped_hooks(
                 child, lambda r=role, c=category: routing.enter_role(r, c), routing.leave_role
             )
-    for name, target in component.routes:
+    for name, target in component.spec.attention_routes:
         patches.apply(name, target)
+        component.undo.append(lambda name=name, target=target: patches.revert(name, target))
 
 
 def _role_of(spec: ModelSpec, module_name: str) -> tuple[str, str]:
@@ -214,7 +243,7 @@ def _role_of(spec: ModelSpec, module_name: str) -> tuple[str, str]:
     return f"{spec.family}.{module_name.rpartition('.')[2]}", "self"
 
 
-def _scoped_hooks(module: nn.Module, enter, leave) -> list:
+def _scoped_hooks(module: nn.Module, enter, leave) -> list[Callable[[], None]]:
     """A pre-hook that enters a context and a hook that always leaves it, even when forward raises."""
     tokens = []
 
@@ -224,7 +253,30 @@ def _scoped_hooks(module: nn.Module, enter, leave) -> list:
     def post_hook(_module, _args, _output):
         leave(tokens.pop())
 
-    return [
+    handles = [
         module.register_forward_pre_hook(pre_hook),
         module.register_forward_hook(post_hook, always_call=True),
     ]
+    return [handle.remove for handle in handles]
+
+
+def _clearing(caches: list[ExactProjectionCache]):
+    """Wraps a method so that the caches are cleared after it runs."""
+
+    def wrap(method):
+        def wrapped(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            finally:
+                for cache in caches:
+                    cache.clear()
+
+        return wrapped
+
+    return wrap
+
+
+def _override(obj: Any, name: str, wrap) -> Callable[[], None]:
+    """Shadows ``obj.name`` on this instance only; returns the undo."""
+    object.__setattr__(obj, name, wrap(getattr(obj, name)))
+    return lambda: object.__delattr__(obj, name)

@@ -13,11 +13,13 @@ from .attention.selection import AttentionConfig
 @dataclass(frozen=True)
 class AccelConfig:
     """``attention``: which provider serves which role. ``native``: swap in native transformers where one
-    exists (False keeps Diffusers' modules and only routes their attention). ``components``: the pipeline
+    exists (False keeps Diffusers' modules and only routes their attention). ``projection_cache_bytes``:
+    budget of the exact projection cache per transformer (0 turns it off). ``components``: the pipeline
     attributes treated as denoisers."""
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
+    projection_cache_bytes: int = 256 * 1024**2
     components: tuple[str, ...] = ("transformer", "transformer_2")
 
     def __post_init__(self) -> None:
@@ -25,6 +27,12 @@ class AccelConfig:
             object.__setattr__(self, "attention", _attention_config(self.attention))
         if not isinstance(self.native, bool):
             raise TypeError(f"native must be True or False, got {self.native!r}.")
+        if isinstance(self.projection_cache_bytes, bool) or not isinstance(self.projection_cache_bytes, int):
+            raise TypeError(f"projection_cache_bytes must be an int, got {self.projection_cache_bytes!r}.")
+        if self.projection_cache_bytes < 0:
+            raise ValueError(
+                f"projection_cache_bytes must be >= 0 (0 turns it off), got {self.projection_cache_bytes}."
+            )
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"components must be a tuple of attribute names, got {self.components!r}.")
         object.__setattr__(self, "components", tuple(self.components))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .attention.selection import AttentionSelector
+from .cache.projection import ExactProjectionCache
 
 
 @dataclass
@@ -16,6 +17,7 @@ class ComponentReport:
     mode: str  # "native", "routed" or "untouched"
     detail: str
     selector: AttentionSelector | None = None
+    cache: ExactProjectionCache | None = None
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
 
@@ -31,6 +33,12 @@ class ComponentReport:
                 out.append(f"  attention {label}: {role} [{request}] -> {provider} ({reason})")
             for (role, reason), count in sorted(self.selector.unrouted.items()):
                 out.append(f"  attention left to Diffusers: {role}: {reason} ({count} calls)")
+        if self.cache is not None:
+            stats = self.cache.stats()
+            out.append(
+                "  exact projection cache: {hits} hits, {misses} misses, {bypasses} bypassed, {entries} entries, "
+                "{bytes_used} of {max_bytes} bytes".format(**stats)
+            )
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out
 

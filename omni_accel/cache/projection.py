@@ -183,6 +183,24 @@ class ExactProjectionCache:
             weakref.ref(conditioning), conditioning._version, cond_id, reuse=local is not None and agreed
         )
 
+    def ensure_prepared(self, conditioning: torch.Tensor) -> None:
+        """``prepare`` unless this very tensor, unmodified, was already prepared (a host-side check), so a
+        tensor fed to many projections costs one comparison."""
+        prepared = self._prepared.get(id(conditioning))
+        if (
+            prepared is None
+            or prepared.tensor() is not conditioning
+            or prepared.version != conditioning._version
+        ):
+            self.prepare(conditioning)
+        elif not prepared.reuse and prepared.cond_id is not None:
+            # Stored when first seen (a miss then); the same unmodified tensor is reusable from now on. Under
+            # TP that must be agreed again by every rank.
+            if self.tp_size == 1:
+                prepared.reuse = True
+            else:
+                self.prepare(conditioning)
+
     def _match(self, bits: torch.Tensor, bucket: list[tuple[int, torch.Tensor]]) -> tuple[int | None, bool]:
         """Index of the stored conditioning equal to ``bits`` here, and whether every TP rank matched the
         same one with the same valid entries (always True without TP)."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.projection import ExactProjectionCache
 from ..layers import (
     Attention,
     ColumnParallelLinear,
@@ -130,6 +131,9 @@ class FluxSingleBlock(nn.Module):
 
 class FluxTransformer(nn.Module):
     """Takes and returns exactly what Diffusers' FluxTransformer2DModel.forward does."""
+
+    projection_cache: ExactProjectionCache | None = None
+    projection_name: str = ""
 
     weight_map = WeightMap(
         [
@@ -283,6 +287,8 @@ class FluxTransformer(nn.Module):
             )
         img = self.x_embedder(hidden_states)
         temb = self._conditioning(timestep, guidance, pooled_projections, img.dtype)
+        if self.projection_cache is not None:
+            self.projection_cache.prepare(temb)  # every modulation projects this same tensor
         txt = self.context_embedder(encoder_hidden_states)
         txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
         img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids

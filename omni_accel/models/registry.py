@@ -18,10 +18,12 @@ from torch import nn
 class ModelSpec:
     """What omni_accel knows about one Diffusers transformer class.
 
-    ``native`` is the ``"module:Class"`` of a native implementation, if one exists. ``attention_routes``
-    names the patches (in ``omni_accel.patches``) that route a Diffusers model's attention calls through our
-    providers, each with the module it patches. ``attention_roles`` maps the attribute name of an attention
-    module's full name (a regex, matched whole) to its ``(role, role_category)``.
+        ``native`` is the ``"module:Class"`` of a native implementation, if one exists. ``attention_routes``
+        names the patches (in ``omni_accel.patches``) that route a Diffusers model's attention calls through our
+        providers, each with the module it patches. ``attention_roles`` maps the attribute name of an attention
+        module's full name (a regex, matched whole) to its ``(role, role_category)``. ``cache_sites`` are the
+    full names (regexes) of a Diffusers model's single-input projections whose input repeats, reused through
+    the exact projection cache.
     """
 
     family: str
@@ -29,6 +31,7 @@ class ModelSpec:
     output_class: str = "diffusers.models.modeling_outputs:Transformer2DModelOutput"
     attention_routes: tuple[tuple[str, str], ...] = ()
     attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    cache_sites: tuple[str, ...] = ()
 
     def native_class(self) -> type[nn.Module] | None:
         return _import(self.native) if self.native else None
@@ -55,6 +58,12 @@ _SPECS: dict[str, ModelSpec] = {
         family="wan",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_wan"),),
         attention_roles={r".*\.attn1": ("wan.self", "self"), r".*\.attn2": ("wan.cross", "cross")},
+        cache_sites=(
+            r"blocks\.\d+\.attn2\.to_[kv]",  # text K/V: the same at every step of a request
+            r"condition_embedder\.time_embedder",  # timestep MLP: shared by both CFG branches
+            r"condition_embedder\.time_proj",
+            r"condition_embedder\.text_embedder",
+        ),
     ),
     "QwenImageTransformer2DModel": ModelSpec(
         family="qwenimage",

@@ -99,10 +99,11 @@ def _exchange(
         return x
     pieces = x.split(list(scatter_sizes), dim=scatter_dim)
     send = torch.cat([piece.reshape(-1) for piece in pieces])
+    mine = scatter_sizes[_rank(group)]
     shapes = []
     for size in gather_sizes:
         shape = list(x.shape)
-        shape[scatter_dim], shape[gather_dim] = scatter_sizes[_rank(group)], size
+        shape[scatter_dim], shape[gather_dim] = mine, size
         shapes.append(shape)
     counts = [torch.Size(shape).numel() for shape in shapes]
     recv = x.new_empty(sum(counts))

@@ -1,0 +1,103 @@
+"""Pipelines with the projection cache on and off give bitwise-equal outputs; hits land where expected."""
+
+import pytest
+import torch
+
+import omni_accel
+
+STEPS = 3
+
+
+def _flux(pipe, **kwargs):
+    return pipe(
+        prompt="a cat",
+        height=32,
+        width=32,
+        num_inference_steps=STEPS,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    ).images
+
+
+def _wan(pipe):
+    return pipe(
+        prompt="a cat",
+        negative_prompt="blurry",
+        guidance_scale=5.0,
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=STEPS,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
+
+
+def _cache(pipe):
+    return omni_accel.describe(pipe).components[0].cache
+
+
+@pytest.mark.parametrize(
+    "guidance_embeds, kwargs",
+    [
+        (False, {}),
+        (True, {"guidance_scale": 4.0}),
+        (False, {"negative_prompt": "dark", "true_cfg_scale": 3.0}),
+    ],
+)
+def test_flux_cache_on_equals_off_bitwise(guidance_embeds, kwargs):
+    off = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0, guidance_embeds=guidance_embeds), projection_cache_bytes=0
+    )
+    on = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0, guidance_embeds=guidance_embeds))
+    assert _cache(off) is None
+    calls = 2 if "true_cfg_scale" in kwargs else 1
+    per_forward = 2 * 2 + 2 + 1  # two double blocks (image+text), two single blocks, norm_out
+    first_off, first_on = _flux(off, **kwargs), _flux(on, **kwargs)
+    assert torch.equal(first_on, first_off)
+    cache = _cache(on)
+    assert (cache.hits, cache.misses) == (0, STEPS * calls * per_forward)
+    second = _flux(on, **kwargs)  # a second request with the same prompt: every modulation is reused
+    assert torch.equal(second, first_off)
+    assert (cache.hits, cache.misses) == (STEPS * calls * per_forward, STEPS * calls * per_forward)
+    assert f"exact projection cache: {cache.hits} hits, {cache.misses} misses" in str(omni_accel.describe(on))
+
+
+def test_wan_cache_on_equals_off_bitwise_with_cfg():
+    off = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), projection_cache_bytes=0)
+    on = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0))
+    reference = _wan(off)
+    assert torch.equal(_wan(on), reference)
+    cache = _cache(on)
+    # text_embedder: one miss per branch, then hits; 2 blocks x to_k/to_v follow it; the timestep MLP and its
+    # projection miss on the conditional call and hit on the unconditional one of the same step.
+    assert (cache.misses, cache.hits) == (2 + 8 + 3 + 3, 4 + 16 + 3 + 3)
+    assert torch.equal(_wan(on), reference)
+    assert (cache.misses, cache.hits) == (16, 26 + 42)
+
+
+def test_cache_is_cleared_on_move_lora_calls_and_restore():
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    cache = _cache(pipe)
+    _flux(pipe)
+    assert cache.bytes_used > 0
+    pipe.to(torch.float64)
+    assert cache.bytes_used == 0
+    _flux(pipe)
+    assert cache.bytes_used > 0 and cache.hits == 0
+    with pytest.raises(Exception):  # noqa: B017 - any failure inside still clears the cache
+        pipe.set_adapters(["missing"])
+    assert cache.bytes_used == 0
+    _flux(pipe)
+    omni_accel.restore(pipe)
+    assert cache.bytes_used == 0
+    assert "set_adapters" not in vars(pipe) and "_apply" not in vars(pipe.transformer)
+
+
+def test_wan_cache_sites_are_unwrapped_on_restore():
+    pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0))
+    to_k = pipe.transformer.blocks[0].attn2.to_k
+    assert "forward" in vars(to_k)
+    omni_accel.restore(pipe)
+    assert "forward" not in vars(to_k)
