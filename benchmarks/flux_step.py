@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from timing import median_ms
 
 import omni_accel
 
@@ -64,22 +63,7 @@ def inputs(batch: int, image_tokens: int, text_tokens: int, device: str, dtype: 
 
 @torch.no_grad()
 def time_calls(fn, warmup: int, runs: int) -> dict:
-    """Median over warm runs, each timed with CUDA events around one call."""
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "first_call_s": first}
+    return median_ms(fn, "cuda", warmup, runs)
 
 
 def main(argv: list[str] | None = None) -> dict:
