@@ -7,6 +7,8 @@ from .api import accelerate, describe, restore
 from .attention import AttentionConfig, AttentionProviderError, attention_scope, provider_names
 from .cache import ExactProjectionCache
 from .config import AccelConfig
+from .parallel.config import ParallelConfig
+from .parallel.mesh import is_main_process
 from .report import AccelerationReport
 from .weights import WeightLoadError
 
@@ -30,10 +32,12 @@ __all__ = [
     "AttentionConfig",
     "AttentionProviderError",
     "ExactProjectionCache",
+    "ParallelConfig",
     "WeightLoadError",
     "accelerate",
     "attention_scope",
     "describe",
+    "is_main_process",
     "provider_names",
     "restore",
     "tiny_flux_pipeline",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,12 +18,18 @@ import torch
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from .parallel.cfg import CfgParallel
 from .weights import export_weights
 
 
 class AcceleratedTransformer(ModelMixin):
     def __init__(
-        self, native: nn.Module, original: nn.Module, source_names: list[str], output_class: type
+        self,
+        native: nn.Module,
+        original: nn.Module,
+        source_names: list[str],
+        output_class: type,
+        cfg: CfgParallel | None = None,
     ) -> None:
         super().__init__()
         self.native = native
@@ -31,6 +38,8 @@ class AcceleratedTransformer(ModelMixin):
         object.__setattr__(self, "_source_names", source_names)
         object.__setattr__(self, "_output_class", output_class)
         object.__setattr__(self, "_extra_buffers", _non_persistent_buffers(original))
+        object.__setattr__(self, "cfg", cfg)
+        object.__setattr__(self, "_arg_names", list(inspect.signature(native.forward).parameters))
 
     @property
     def config(self):
@@ -42,11 +51,22 @@ class AcceleratedTransformer(ModelMixin):
 
     @contextlib.contextmanager
     def cache_context(self, name: str, **kwargs: Any) -> Iterator[None]:
-        """Pipelines mark cond/uncond calls for Diffusers' step caches; the native model has none to inform."""
-        yield
+        """Pipelines mark their cond/uncond calls with this; CFG parallelism uses it to pair them."""
+        if self.cfg is None:
+            yield
+            return
+        previous, self.cfg.branch = self.cfg.branch, name
+        try:
+            yield
+        finally:
+            self.cfg.branch = previous
 
     def forward(self, *args: Any, return_dict: bool = True, **kwargs: Any):
-        sample = self.native(*args, **kwargs)
+        kwargs.update(zip(self._arg_names, args, strict=False))
+        if self.cfg is None:
+            sample = self.native(**kwargs)
+        else:
+            sample = self.cfg.run(self.native, kwargs, self.native.output_like)
         return self._output_class(sample=sample) if return_dict else (sample,)
 
     def to_diffusers(self) -> nn.Module:

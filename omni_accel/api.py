@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from diffusers import DiffusionPipeline
 from torch import nn
 
 import omni_accel.patches as patches
+from omni_accel.patches import pair_cfg_calls
 
 from .accelerated import AcceleratedTransformer
 from .attention import routing
@@ -24,7 +26,9 @@ from .attention.selection import AttentionSelector, resolve
 from .cache import ExactProjectionCache, attach, wrap_sites
 from .config import AccelConfig
 from .layers.attention import Attention
-from .models.registry import ModelSpec, output_class, spec_for
+from .models.registry import ModelSpec, cfg_pairing_rule, output_class, registered_natives, spec_for
+from .parallel.cfg import CfgParallel
+from .parallel.mesh import ParallelState, init_parallel
 from .report import AccelerationReport, ComponentReport
 from .weights import load_weights
 
@@ -84,11 +88,15 @@ def accelerate(
             f"{type(pipe).__name__} has no transformer component (looked for {list(config.components)}); "
             "omni_accel accelerates transformer-based pipelines."
         )
-    components = [_plan(name, getattr(pipe, name), config) for name in names]
+    parallel = init_parallel(config.parallel) if config.parallel is not None else None
+    components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
     for component in components:
         _commit(pipe, component)
     caches = [c.cache for c in components if c.cache is not None]
     undo = [_override(pipe, method, _clearing(caches)) for method in _LORA_METHODS if hasattr(pipe, method)]
+    undo += _pair_cfg_calls(pipe, components)
+    if parallel is not None and parallel.mesh is not None:
+        pipe.to(parallel.device)  # after the swap: each rank moves only its own shards
     setattr(pipe, _STATE_ATTR, _State(config, components, undo))
     return pipe
 
@@ -127,7 +135,7 @@ def _state(pipe: DiffusionPipeline) -> _State:
     return state
 
 
-def _plan(name: str, module: nn.Module, config: AccelConfig) -> _Component:
+def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelState | None) -> _Component:
     cls_name = type(module).__name__
     if isinstance(module, AcceleratedTransformer):
         raise RuntimeError(f"pipe.{name} is already an omni_accel module; restore it first.")
@@ -140,12 +148,26 @@ def _plan(name: str, module: nn.Module, config: AccelConfig) -> _Component:
     spec = spec_for(module)
     selector = AttentionSelector(config.attention)
     cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
+    distributed = parallel is not None and parallel.mesh is not None
+    if distributed and not (spec is not None and spec.native and config.native):
+        raise ValueError(
+            f"{config.parallel} needs a native transformer, and pipe.{name} ({cls_name}) has none"
+            f"{' enabled (native=False)' if spec is not None and spec.native else ' yet'}; natives exist for "
+            f"{', '.join(registered_natives())}. Run it without `parallel`."
+        )
     if spec is not None and spec.native and config.native:
-        native = _build_native(spec, module, selector)
+        native = _build_native(spec, module, selector, parallel)
         attach(native, cache)
         detail = f"swapped for {type(native).__module__}.{type(native).__name__}"
-        report = ComponentReport(name, cls_name, "native", detail, selector, cache=cache)
-        accelerated = AcceleratedTransformer(native, module, list(module.state_dict()), output_class(spec))
+        cfg = None
+        if distributed:
+            detail += f"; {config.parallel} on {dist.get_world_size()} ranks"
+            if config.parallel.cfg > 1:
+                cfg = CfgParallel(parallel.group("cfg"), native.batched_inputs)
+        report = ComponentReport(name, cls_name, "native", detail, selector, cache=cache, cfg=cfg)
+        accelerated = AcceleratedTransformer(
+            native, module, list(module.state_dict()), output_class(spec), cfg
+        )
         return _Component(name, module, spec, report, cache, accelerated=accelerated)
     if spec is not None and spec.attention_routes:
         for patch_name, _ in spec.attention_routes:
@@ -172,8 +194,10 @@ def _plan(name: str, module: nn.Module, config: AccelConfig) -> _Component:
     return _Component(name, module, spec, report)
 
 
-def _build_native(spec: ModelSpec, module: nn.Module, selector: AttentionSelector) -> nn.Module:
-    native = spec.native_class().from_diffusers_config(dict(module.config))
+def _build_native(
+    spec: ModelSpec, module: nn.Module, selector: AttentionSelector, parallel: ParallelState | None
+) -> nn.Module:
+    native = spec.native_class().from_diffusers_config(dict(module.config), parallel=parallel)
     load_weights(native, module.state_dict(), native.weight_map)
     native.eval()
     for layer in native.modules():
@@ -217,6 +241,17 @@ def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
     if component.cache is not None:
         # Moving the model (pipe.to, .half(), ...) goes through _apply: stored outputs would be stale.
         component.undo.append(_override(component.module, "_apply", _clearing([component.cache])))
+
+
+def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:
+    """Under cfg=2, pipelines that call the transformer twice per step get those calls paired."""
+    for component in components:
+        cfg = component.accelerated.cfg if component.accelerated is not None else None
+        rule = cfg_pairing_rule(component.spec) if cfg is not None else None
+        if rule is not None:
+            pair_cfg_calls.apply(pipe, rule, cfg)
+            return [lambda: pair_cfg_calls.revert(pipe)]
+    return []
 
 
 def _route_attention(component: _Component) -> None:

@@ -8,18 +8,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .attention.selection import AttentionConfig
+from .parallel.config import ParallelConfig
 
 
 @dataclass(frozen=True)
 class AccelConfig:
     """``attention``: which provider serves which role. ``native``: swap in native transformers where one
     exists (False keeps Diffusers' modules and only routes their attention). ``projection_cache_bytes``:
-    budget of the exact projection cache per transformer (0 turns it off). ``components``: the pipeline
-    attributes treated as denoisers."""
+    budget of the exact projection cache per transformer (0 turns it off). ``parallel``: how the
+    transformer spreads over the ranks of a torchrun launch. ``components``: the pipeline attributes
+    treated as denoisers."""
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
     projection_cache_bytes: int = 256 * 1024**2
+    parallel: ParallelConfig | None = None
     components: tuple[str, ...] = ("transformer", "transformer_2")
 
     def __post_init__(self) -> None:
@@ -32,6 +35,10 @@ class AccelConfig:
         if self.projection_cache_bytes < 0:
             raise ValueError(
                 f"projection_cache_bytes must be >= 0 (0 turns it off), got {self.projection_cache_bytes}."
+            )
+        if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
+            raise TypeError(
+                f"parallel must be an omni_accel.ParallelConfig, got {type(self.parallel).__name__}."
             )
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"components must be a tuple of attribute names, got {self.components!r}.")

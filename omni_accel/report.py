@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
+from .parallel.cfg import CfgParallel
 
 
 @dataclass
@@ -18,6 +19,7 @@ class ComponentReport:
     detail: str
     selector: AttentionSelector | None = None
     cache: ExactProjectionCache | None = None
+    cfg: CfgParallel | None = None
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
 
@@ -38,6 +40,11 @@ class ComponentReport:
             out.append(
                 "  exact projection cache: {hits} hits, {misses} misses, {bypasses} bypassed, {entries} entries, "
                 "{bytes_used} of {max_bytes} bytes".format(**stats)
+            )
+        if self.cfg is not None:
+            out.append(
+                f"  cfg parallel: {self.cfg.split_calls} batch-split calls, {self.cfg.paired_calls} paired "
+                f"cond/uncond calls, {self.cfg.replicated_calls} calls computed on both ranks (batch of one)"
             )
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out

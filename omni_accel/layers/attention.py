@@ -1,7 +1,8 @@
 """The attention layer models call: provider resolution by role, around one kernel call.
 
-``Attention`` is the seam where sequence parallelism plugs in (pre-communication -> provider kernel ->
-post-communication); the provider never knows about the layout, and the model never knows the kernel.
+``Attention`` is where sequence parallelism plugs in: pre-communication -> provider kernel ->
+post-communication. The provider never knows about the layout, and the model never knows the kernel: any
+provider with the needed capability (the log-sum-exp, for ring attention) works under any layout.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 
 from ..attention.base import AttentionRequest
 from ..attention.selection import AttentionSelector, default_selector
+from ..parallel.sequence import SequenceParallel
 
 
 class Attention(nn.Module):
@@ -30,17 +32,36 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.selector: AttentionSelector | None = None
 
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        need_lse: bool = False,
+        attn_mask: torch.Tensor | None = None,
+    ):
+        request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None, needs_lse=need_lse)
+        selector = self.selector or default_selector()
+        provider = selector.resolve(self.role, self.role_category, request).provider
+        return provider.forward(query, key, value, attn_mask=attn_mask, scale=self.scale, return_lse=need_lse)
+
     def forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
+        sp: SequenceParallel | None = None,
     ) -> torch.Tensor:
-        request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None)
-        selector = self.selector or default_selector()
-        provider = selector.resolve(self.role, self.role_category, request).provider
-        return provider.forward(query, key, value, attn_mask=attn_mask, scale=self.scale)
+        """``sp``: the sequence-parallel plan of this forward, when the sequence is split over ranks."""
+        if sp is None or sp.degree == 1:
+            return self._attend(query, key, value, attn_mask=attn_mask)
+        if attn_mask is not None:
+            raise NotImplementedError(
+                f"Attention role {self.role!r}: masked attention under sequence parallelism is not supported; "
+                "run this model with ulysses=1 and ring=1."
+            )
+        return sp.attention(query, key, value, self._attend)
 
     def extra_repr(self) -> str:
         return f"role={self.role!r}, category={self.role_category!r}, head_dim={self.head_dim}"

@@ -28,6 +28,8 @@ from ..layers import (
     rope_cos_sin,
     timestep_sinusoid,
 )
+from ..parallel.mesh import ParallelState
+from ..parallel.sequence import SequenceParallel
 from ..weights import WeightMap
 
 _FP16_MAX = 65504.0
@@ -78,6 +80,7 @@ class FluxDoubleBlock(nn.Module):
         txt: torch.Tensor,
         temb: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        sp: SequenceParallel | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = self.img_mod(temb)
         t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = self.txt_mod(temb)
@@ -91,7 +94,7 @@ class FluxDoubleBlock(nn.Module):
         q = apply_rope(torch.cat([tq, iq], dim=1), *rope)
         k = apply_rope(torch.cat([tk, ik], dim=1), *rope)
         v = torch.cat([tv, iv], dim=1)
-        txt_attn, img_attn = self.attn(q, k, v).flatten(2).split([txt.shape[1], img.shape[1]], dim=1)
+        txt_attn, img_attn = self.attn(q, k, v, sp=sp).flatten(2).split([txt.shape[1], img.shape[1]], dim=1)
 
         img = img + i_gate[:, None] * self.img_out(img_attn)
         img = img + i_gate2[:, None] * self.img_mlp(modulate(layer_norm(img), i_shift2, i_scale2))
@@ -118,13 +121,17 @@ class FluxSingleBlock(nn.Module):
         self.out = RowParallelLinear(dim + mlp_dim, dim, tp_group=tp_group, input_blocks=(dim, mlp_dim))
 
     def forward(
-        self, x: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        temb: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        sp: SequenceParallel | None = None,
     ) -> torch.Tensor:
         shift, scale, gate = self.mod(temb)
         q, k, v, mlp = self.qkv_mlp.split(self.qkv_mlp(modulate(layer_norm(x), shift, scale)))
         q = apply_rope(self.q_norm(q.unflatten(-1, (-1, self.head_dim))), *rope)
         k = apply_rope(self.k_norm(k.unflatten(-1, (-1, self.head_dim))), *rope)
-        attn = self.attn(q, k, v.unflatten(-1, (-1, self.head_dim))).flatten(2)
+        attn = self.attn(q, k, v.unflatten(-1, (-1, self.head_dim)), sp=sp).flatten(2)
         out = self.out(torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=-1))
         return _clip_fp16(x + gate[:, None] * out)
 
@@ -134,6 +141,16 @@ class FluxTransformer(nn.Module):
 
     projection_cache: ExactProjectionCache | None = None
     projection_name: str = ""
+    # Inputs with a batch dimension: CFG parallelism splits exactly these.
+    batched_inputs = (
+        "hidden_states",
+        "encoder_hidden_states",
+        "pooled_projections",
+        "timestep",
+        "guidance",
+        "controlnet_block_samples",
+        "controlnet_single_block_samples",
+    )
 
     weight_map = WeightMap(
         [
@@ -207,10 +224,12 @@ class FluxTransformer(nn.Module):
         pooled_projection_dim: int = 768,
         guidance_embeds: bool = False,
         axes_dims_rope: tuple[int, ...] = (16, 56, 56),
-        tp_group: dist.ProcessGroup | None = None,
+        parallel: ParallelState | None = None,
     ) -> None:
         super().__init__()
         dim = num_attention_heads * attention_head_dim
+        self.parallel = parallel
+        tp_group = parallel.group("tp") if parallel is not None else None
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         if num_attention_heads % tp_size:
             raise ValueError(
@@ -250,6 +269,11 @@ class FluxTransformer(nn.Module):
             "axes_dims_rope",
         ]
         return cls(**{k: config[k] for k in keys if k in config}, **kwargs)
+
+    def output_like(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        """An uninitialised tensor shaped like the output for these inputs."""
+        hidden = kwargs["hidden_states"]
+        return hidden.new_empty(*hidden.shape[:2], self.proj_out.out_features)
 
     def _conditioning(self, timestep, guidance, pooled, dtype) -> torch.Tensor:
         embed = self.time_text_embed
@@ -292,10 +316,31 @@ class FluxTransformer(nn.Module):
         txt = self.context_embedder(encoder_hidden_states)
         txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
         img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
-        rope = rope_cos_sin(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, theta=10000)
+        cos, sin = rope_cos_sin(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, theta=10000)
+
+        # Sequence parallelism: each rank keeps a slice of the text and a slice of the image tokens. Their
+        # concatenation is this rank's slice of the joint sequence; attention is invariant to the order of
+        # keys, so the joint sequence need not be contiguous across ranks.
+        sp = img_sp = None
+        if self.parallel is not None and self.parallel.config.sequence_parallel > 1:
+            groups = dict(
+                ulysses_group=self.parallel.group("ulysses"), ring_group=self.parallel.group("ring")
+            )
+            txt_sp = SequenceParallel.plan(txt.shape[1], **groups)
+            img_sp = SequenceParallel.plan(img.shape[1], **groups)
+            sp = SequenceParallel(tuple(map(sum, zip(txt_sp.sizes, img_sp.sizes, strict=True))), **groups)
+            txt, img = txt_sp.shard(txt), img_sp.shard(img)
+            rope_txt, rope_img = (t.split([len(txt_ids), len(img_ids)]) for t in (cos, sin))
+            cos, sin = (
+                torch.cat([txt_sp.shard(t_txt, dim=0), img_sp.shard(t_img, dim=0)])
+                for t_txt, t_img in zip(rope_txt, rope_img, strict=True)
+            )
+            controlnet_block_samples = _shard_all(controlnet_block_samples, img_sp)
+            controlnet_single_block_samples = _shard_all(controlnet_single_block_samples, img_sp)
+        rope = (cos, sin)
 
         for index, block in enumerate(self.double_blocks):
-            img, txt = block(img, txt, temb, rope)
+            img, txt = block(img, txt, temb, rope, sp)
             if controlnet_block_samples is not None:
                 img = img + _controlnet_residual(
                     controlnet_block_samples, index, len(self.double_blocks), controlnet_blocks_repeat
@@ -303,7 +348,7 @@ class FluxTransformer(nn.Module):
         text_len = txt.shape[1]
         x = torch.cat([txt, img], dim=1)
         for index, block in enumerate(self.single_blocks):
-            x = block(x, temb, rope)
+            x = block(x, temb, rope, sp)
             if controlnet_single_block_samples is not None:
                 residual = _controlnet_residual(
                     controlnet_single_block_samples, index, len(self.single_blocks), False
@@ -311,7 +356,21 @@ class FluxTransformer(nn.Module):
                 x = torch.cat([x[:, :text_len], x[:, text_len:] + residual], dim=1)
         img = x[:, text_len:]
         scale, shift = self.norm_out(temb)
-        return self.proj_out(modulate(layer_norm(img), shift, scale))
+        out = self.proj_out(modulate(layer_norm(img), shift, scale))
+        return out if img_sp is None else img_sp.gather(out)
+
+
+def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
+    """FluxPipeline calls the transformer twice per step (cond, then uncond) exactly when true CFG is on."""
+    negative = arguments.get("negative_prompt") is not None or (
+        arguments.get("negative_prompt_embeds") is not None
+        and arguments.get("negative_pooled_prompt_embeds") is not None
+    )
+    return arguments.get("true_cfg_scale", 1.0) > 1 and negative
+
+
+def _shard_all(samples: list[torch.Tensor] | None, sp: SequenceParallel) -> list[torch.Tensor] | None:
+    return None if samples is None else [sp.shard(s) for s in samples]
 
 
 def _controlnet_residual(

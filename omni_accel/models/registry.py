@@ -32,6 +32,8 @@ class ModelSpec:
     attention_routes: tuple[tuple[str, str], ...] = ()
     attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     cache_sites: tuple[str, ...] = ()
+    cfg_pairing: str | None = None  # "module:function" telling from a pipeline call's arguments whether the
+    # transformer is called twice per step (cond then uncond), so CFG parallelism pairs those calls
 
     def native_class(self) -> type[nn.Module] | None:
         return _import(self.native) if self.native else None
@@ -48,6 +50,7 @@ _SPECS: dict[str, ModelSpec] = {
     "FluxTransformer2DModel": ModelSpec(
         family="flux",
         native="omni_accel.models.flux:FluxTransformer",
+        cfg_pairing="omni_accel.models.flux:true_cfg_pairs",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_flux"),),
         attention_roles={
             r"transformer_blocks\.\d+\.attn": ("flux.joint", "self"),
@@ -89,9 +92,14 @@ def spec_for(transformer: nn.Module) -> ModelSpec | None:
     return None
 
 
-def registered_classes() -> list[str]:
-    return sorted(_SPECS)
+def registered_natives() -> list[str]:
+    """Diffusers classes with a native implementation."""
+    return sorted(name for name, spec in _SPECS.items() if spec.native)
 
 
 def output_class(spec: ModelSpec) -> type:
     return _import(spec.output_class)
+
+
+def cfg_pairing_rule(spec: ModelSpec):
+    return _import(spec.cfg_pairing) if spec.cfg_pairing else None
