@@ -330,10 +330,9 @@ class FluxTransformer(nn.Module):
             img_sp = SequenceParallel.plan(img.shape[1], **groups)
             sp = SequenceParallel(tuple(map(sum, zip(txt_sp.sizes, img_sp.sizes, strict=True))), **groups)
             txt, img = txt_sp.shard(txt), img_sp.shard(img)
-            rope_txt, rope_img = (t.split([len(txt_ids), len(img_ids)]) for t in (cos, sin))
+            text = len(txt_ids)
             cos, sin = (
-                torch.cat([txt_sp.shard(t_txt, dim=0), img_sp.shard(t_img, dim=0)])
-                for t_txt, t_img in zip(rope_txt, rope_img, strict=True)
+                torch.cat([txt_sp.shard(t[:text], dim=0), img_sp.shard(t[text:], dim=0)]) for t in (cos, sin)
             )
             controlnet_block_samples = _shard_all(controlnet_block_samples, img_sp)
             controlnet_single_block_samples = _shard_all(controlnet_single_block_samples, img_sp)

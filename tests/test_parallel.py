@@ -1,0 +1,109 @@
+"""Every parallel layout against the one-rank oracle on the same weights and seed (gloo, fp32, CPU)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_multirank
+
+import omni_accel
+from omni_accel import ParallelConfig
+
+CALL = dict(prompt=["a cat", "a dog"], height=24, width=40, num_inference_steps=2, max_sequence_length=13)
+
+
+def _latents(pipe, **overrides):
+    kwargs = {**CALL, **overrides}
+    return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+
+def _check(layout: ParallelConfig, oracle: torch.Tensor, heads: int = 2, expect: str = "", **call) -> None:
+    pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=heads, attention_head_dim=16)
+    omni_accel.accelerate(pipe, parallel=layout)
+    got = _latents(pipe, **call)
+    rel = ((got - oracle).abs().max() / oracle.abs().max()).item()
+    assert rel <= 1e-5, f"{layout}: relative error {rel:.2e} against one rank"
+    gathered = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, got)
+    assert all(torch.equal(g, gathered[0]) for g in gathered), f"{layout}: ranks disagree"
+    report = str(omni_accel.describe(pipe))
+    assert str(layout) in report and expect in report, report
+    omni_accel.restore(pipe)
+
+
+def _oracle(heads: int = 2, **call) -> torch.Tensor:
+    pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=heads, attention_head_dim=16)
+    return _latents(omni_accel.accelerate(pipe), **call)
+
+
+def _two_ranks(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    oracle = _oracle()
+    for layout in (
+        ParallelConfig(tp=2),
+        ParallelConfig(ulysses=2),
+        ParallelConfig(ring=2),
+        ParallelConfig(cfg=2),
+    ):
+        _check(layout, oracle)
+    # heads not divisible by the Ulysses degree, uneven text (13) and image (60) lengths over the ranks
+    _check(ParallelConfig(ulysses=2), _oracle(heads=3), heads=3)
+    _check(ParallelConfig(ring=2), _oracle(heads=3), heads=3)
+    # true CFG: the pipeline calls the transformer twice per step; cfg=2 pairs the calls
+    true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
+    _check(ParallelConfig(cfg=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
+    # a batch of one without true CFG: computed on both ranks, still exact
+    _check(ParallelConfig(cfg=2), _oracle(prompt="a cat"), expect="2 calls computed on both", prompt="a cat")
+    # misconfigurations: clear errors, nothing swapped
+    pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=3, attention_head_dim=16)
+    with pytest.raises(ValueError, match="tp=2 does not divide FLUX's 3 attention heads"):
+        omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2))
+    assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"
+    with pytest.raises(ValueError, match="spans 4 ranks, but 2 were started"):
+        omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2, ulysses=2))
+    wan = omni_accel.tiny_wan_pipeline(seed=0)
+    with pytest.raises(ValueError, match="needs a native transformer"):
+        omni_accel.accelerate(wan, parallel=ParallelConfig(ulysses=2))
+
+
+def _four_ranks(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    oracle = _oracle()
+    for layout in (
+        ParallelConfig(tp=2, ulysses=2),
+        ParallelConfig(ulysses=2, ring=2),
+        ParallelConfig(cfg=2, ulysses=2),
+        ParallelConfig(ulysses=4),
+    ):
+        _check(layout, oracle)
+    true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
+    _check(ParallelConfig(cfg=2, ring=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
+
+
+@pytest.mark.multirank
+def test_two_rank_layouts():
+    run_multirank(_two_ranks, 2, timeout=400)
+
+
+@pytest.mark.multirank
+def test_four_rank_hybrids():
+    run_multirank(_four_ranks, 4, timeout=600)
+
+
+def test_parallel_config_errors():
+    with pytest.raises(ValueError, match="positive int"):
+        ParallelConfig(tp=0)
+    with pytest.raises(ValueError, match="cfg is 1 or 2"):
+        ParallelConfig(cfg=4)
+    with pytest.raises(ValueError, match="tp=1, ulysses=1, ring=2, cfg=1"):
+        ParallelConfig(tp=3).check_world_size(2)
+    with pytest.raises(TypeError, match="ParallelConfig"):
+        omni_accel.AccelConfig(parallel={"tp": 2})
+
+
+def test_parallel_without_torchrun_says_how_to_launch(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+        omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2))
+    assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"
