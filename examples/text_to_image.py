@@ -2,6 +2,7 @@
 
     python examples/text_to_image.py                       # tiny offline FLUX pipeline, random weights
     python examples/text_to_image.py --model <hub id or local dir> --dtype bfloat16 --output out.png
+    torchrun --nproc-per-node 2 examples/text_to_image.py --ulysses 2      # the transformer over 2 ranks
 
 The plain Diffusers run goes first, so its numbers are untouched by acceleration; then the very same
 pipeline object is accelerated in place and called the very same way.
@@ -10,6 +11,7 @@ pipeline object is accelerated in place and called the very same way.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -42,17 +44,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, help="default: the pipeline's own")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--negative-prompt", help="for pipelines with true CFG (with --true-cfg-scale)")
+    parser.add_argument("--true-cfg-scale", type=float, help="passed to pipelines that take it")
+    parser.add_argument("--device", default=_default_device())
     parser.add_argument("--runs", type=int, default=3, help="timed calls per pipeline, after one warm-up")
     parser.add_argument("--output", help="save the accelerated image here (PNG)")
     accel = parser.add_argument_group("omni_accel")
     accel.add_argument("--attention", default="auto", choices=["auto", *omni_accel.provider_names()])
+    parallel = parser.add_argument_group(
+        "parallel (launch with torchrun; the degrees multiply to its world size)"
+    )
+    for degree in ("tp", "ulysses", "ring", "cfg"):
+        parallel.add_argument(f"--{degree}", type=int, default=1)
     return parser
 
 
+def _default_device() -> str:
+    """Each torchrun rank takes its own GPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
+
+
 def accelerate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything the command line tells ``omni_accel.accelerate``; new option groups add their keys here."""
-    return {"attention": args.attention}
+    """Everything the command line tells ``omni_accel.accelerate``."""
+    kwargs: dict[str, Any] = {"attention": args.attention}
+    degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg")}
+    if any(v > 1 for v in degrees.values()):
+        kwargs["parallel"] = omni_accel.ParallelConfig(**degrees)
+    return kwargs
 
 
 def load_pipeline(args: argparse.Namespace) -> DiffusionPipeline:
@@ -71,7 +91,13 @@ def generate(pipe: DiffusionPipeline, args: argparse.Namespace, output_type: str
     Only the options given on the command line are passed; the rest stay the pipeline's defaults. The
     generator lives on the CPU so the noise is the same on every device.
     """
-    options = {"num_inference_steps": args.steps, "height": args.height, "width": args.width}
+    options = {
+        "num_inference_steps": args.steps,
+        "height": args.height,
+        "width": args.width,
+        "negative_prompt": args.negative_prompt,
+        "true_cfg_scale": args.true_cfg_scale,
+    }
     return pipe(
         prompt=args.prompt,
         generator=torch.Generator("cpu").manual_seed(args.seed),
@@ -131,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     result.update(plain_s=plain_s, accelerated_s=accel_s, speedup=plain_s / accel_s)
 
+    if not omni_accel.is_main_process():  # every rank holds the same result: rank 0 reports and saves
+        return result
     source = args.model or "tiny offline FLUX, random weights"
     print(f"pipeline: {type(pipe).__name__} ({source}), {args.dtype} on {args.device}")
     verdict = "OK" if result["within_tolerance"] else "OUT OF TOLERANCE"

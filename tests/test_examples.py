@@ -51,3 +51,22 @@ def test_quickstart_notebook_runs_without_errors() -> None:
     # Cells tagged ``raises-exception`` would not stop execute(); the quickstart should have none.
     errors = [out for cell in notebook.cells for out in cell.get("outputs", []) if out.output_type == "error"]
     assert not errors
+
+
+def test_text_to_image_example_under_torchrun(tmp_path: Path) -> None:
+    """The same script over two ranks (gloo on CPU) with true CFG paired across them: rank 0 saves."""
+    import os
+    import subprocess
+    import sys
+
+    output = tmp_path / "image.png"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               str(ROOT / "examples" / "text_to_image.py"), "--steps", "2", "--height", "32", "--width", "32",
+               "--cfg", "2", "--negative-prompt", "dark", "--true-cfg-scale", "3", "--runs", "1",
+               "--output", str(output)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "-> OK" in done.stdout and "paired cond/uncond calls" in done.stdout
+    assert done.stdout.count("omni_accel report") == 1  # only rank 0 reports
+    assert output.read_bytes().startswith(b"\x89PNG")
