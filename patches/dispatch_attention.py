@@ -12,29 +12,22 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-from omni_accel.attention.routing import route
+from omni_accel.attention.routing import route, unsupported_reason
 
 PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
 _ORIGINAL = "_omni_accel_original_dispatch_attention_fn"
 
 
-def _unsupported(
-    attn_mask, dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
-) -> str | None:
-    if is_causal:
-        return "causal attention"
-    if dropout_p:
-        return "dropout"
-    if enable_gqa:
-        return "grouped-query attention"
-    if attention_kwargs:
-        return f"backend-specific arguments {sorted(attention_kwargs)}"
-    if backend is not None:
-        return f"Diffusers backend {backend!s} set on the processor"
-    if parallel_config is not None:
-        return "Diffusers context parallelism"
-    return None
+def _unsupported(dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config) -> str | None:
+    reason = unsupported_reason(is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa)
+    if reason is None and attention_kwargs:
+        reason = f"backend-specific arguments {sorted(attention_kwargs)}"
+    if reason is None and backend is not None:
+        reason = f"Diffusers backend {backend!s} set on the processor"
+    if reason is None and parallel_config is not None:
+        reason = "Diffusers context parallelism"
+    return reason
 
 
 def apply(module: ModuleType) -> None:
@@ -56,7 +49,7 @@ def apply(module: ModuleType) -> None:
         parallel_config=None,
     ):
         unsupported = _unsupported(
-            attn_mask, dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
+            dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
         )
         out = route(query, key, value, attn_mask=attn_mask, scale=scale, unsupported=unsupported)
         if out is not None:

@@ -14,21 +14,11 @@ from types import ModuleType
 
 import torch.nn.functional as F
 
-from omni_accel.attention.routing import route
+from omni_accel.attention.routing import route, unsupported_reason
 
 PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
 _ORIGINAL = "_omni_accel_original_F"
-
-
-def _unsupported(dropout_p, is_causal, enable_gqa) -> str | None:
-    if is_causal:
-        return "causal attention"
-    if dropout_p:
-        return "dropout"
-    if enable_gqa:
-        return "grouped-query attention"
-    return None
 
 
 def scaled_dot_product_attention(
@@ -41,7 +31,7 @@ def scaled_dot_product_attention(
         value.transpose(1, 2),
         attn_mask=attn_mask,
         scale=scale,
-        unsupported=_unsupported(dropout_p, is_causal, enable_gqa),
+        unsupported=unsupported_reason(is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa),
     )
     if out is not None:
         return out.transpose(1, 2)

@@ -77,3 +77,29 @@ def test_native_false_routes_flux_instead_of_swapping():
     assert component.mode == "routed"
     assert {role for role, *_ in component.selector.decisions()} == {"flux.joint", "flux.single"}
     omni_accel.restore(pipe)
+
+
+def test_calls_our_providers_do_not_model_are_left_to_diffusers_and_counted():
+    import diffusers.models.transformers.transformer_wan as wan
+
+    from omni_accel.attention import routing
+    from omni_accel.attention.selection import AttentionSelector
+
+    original = wan.dispatch_attention_fn
+    patches.apply("dispatch_attention", wan.__name__)
+    selector = AttentionSelector()
+    tokens = routing.enter_selector(selector), routing.enter_role("wan.self", "self")
+    try:
+        q = torch.randn(1, 5, 2, 8, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(
+            wan.dispatch_attention_fn(q, q, q, is_causal=True), original(q, q, q, is_causal=True)
+        )
+        assert selector.unrouted == {("wan.self", "causal attention"): 1}
+        assert not selector.decisions()
+        wan.dispatch_attention_fn(q, q, q)
+        assert [row[2] for row in selector.decisions()] == ["sdpa"]
+    finally:
+        routing.leave_role(tokens[1])
+        routing.leave_selector(tokens[0])
+        patches.revert("dispatch_attention", wan.__name__)
+    assert wan.dispatch_attention_fn is original

@@ -18,10 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from omni_accel.attention.providers.sdpa import SdpaMathProvider
+from omni_accel.parallel.config import ParallelConfig
+from omni_accel.parallel.mesh import init_parallel
 from omni_accel.parallel.sequence import (
     SequenceParallel,
     gather,
-    grid_groups,
     merge_partials,
     shard,
     split_sizes,
@@ -114,8 +115,8 @@ def two_rank_checks() -> list:
 def four_rank_checks() -> list:
     schemes = {}
     for name, degrees in (("ulysses2 x ring2", (2, 2)), ("ulysses4", (4, 1)), ("ring4", (1, 4))):
-        ulysses, ring = grid_groups(*degrees)
-        schemes[name] = dict(ulysses_group=ulysses, ring_group=ring)
+        state = init_parallel(ParallelConfig(ulysses=degrees[0], ring=degrees[1]))
+        schemes[name] = dict(ulysses_group=state.group("ulysses"), ring_group=state.group("ring"))
     return [
         (f"{name} {case}", partial(check_attention, groups, **case))
         for name, groups in schemes.items()

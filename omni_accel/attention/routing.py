@@ -38,6 +38,17 @@ def leave_selector(token: contextvars.Token) -> None:
     _ACTIVE.reset(token)
 
 
+def unsupported_reason(*, is_causal: bool, dropout_p: float, enable_gqa: bool) -> str | None:
+    """Why a call falls outside what our providers model (they are non-causal, dropout-free, MHA)."""
+    if is_causal:
+        return "causal attention"
+    if dropout_p:
+        return "dropout"
+    if enable_gqa:
+        return "grouped-query attention"
+    return None
+
+
 def route(
     query: torch.Tensor,
     key: torch.Tensor,

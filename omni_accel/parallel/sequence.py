@@ -181,33 +181,6 @@ def ring_attention(
     return out.to(q.dtype)
 
 
-def grid_groups(
-    ulysses_degree: int, ring_degree: int
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """This rank's ``(ulysses_group, ring_group)`` over all ranks, ``None`` for a degree of 1.
-
-    Ulysses groups are runs of adjacent ranks, which launchers place on one node, so the all-to-all stays on
-    the fast links while the ring crosses nodes; slice ``SequenceParallel.index`` then equals the rank. Every
-    rank must call this, as every rank must call ``new_group``.
-    """
-    world = dist.get_world_size()
-    if ulysses_degree * ring_degree != world:
-        raise ValueError(f"ulysses {ulysses_degree} x ring {ring_degree} does not cover {world} ranks")
-    rank = dist.get_rank()
-    ulysses = ring = None
-    if ulysses_degree > 1:
-        for start in range(0, world, ulysses_degree):
-            members = list(range(start, start + ulysses_degree))
-            group = dist.new_group(members)
-            ulysses = group if rank in members else ulysses
-    if ring_degree > 1:
-        for offset in range(ulysses_degree):
-            members = list(range(offset, world, ulysses_degree))
-            group = dist.new_group(members)
-            ring = group if rank in members else ring
-    return ulysses, ring
-
-
 @dataclass(frozen=True)
 class SequenceParallel:
     """How one sequence is spread over a Ulysses x ring grid of ranks, and attention over it.
