@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--providers", nargs="+", default=["auto"])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--calls", type=int, default=5, help="timed calls per variant per round")
+    parser.add_argument("--compile", action="store_true", help="add compiled variants of both")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     device, dtype = "cuda", torch.bfloat16
@@ -119,6 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
     for provider in args.providers:
         variants[f"omni_accel_{provider}"] = omni(provider)
     variants["omni_accel_auto_no_cache"] = omni("auto", cached=False)
+    if args.compile:
+        compiled = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), compile=True)
+        variants["omni_accel_compiled"] = lambda: compiled.transformer(**x)[0]
+        reference_compiled = build_transformer(device, dtype)
+        reference_compiled.fuse_qkv_projections()
+        reference_compiled.compile_repeated_blocks(fullgraph=True)
+        variants["diffusers_fused_qkv_compiled"] = lambda: reference_compiled(**x)[0]
 
     first_call = {}
     for name, fn in variants.items():  # warm-up: JIT compilation (FlashInfer, Triton), autotuning, caches

@@ -149,6 +149,11 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
     selector = AttentionSelector(config.attention)
     cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
     distributed = parallel is not None and parallel.mesh is not None
+    if config.compile and not (spec is not None and spec.native and config.native):
+        raise ValueError(
+            f"compile=True compiles the blocks of a native transformer, and pipe.{name} ({cls_name}) has none; "
+            "use Diffusers' own `pipe.transformer.compile_repeated_blocks()` for it instead."
+        )
     if distributed and not (spec is not None and spec.native and config.native):
         raise ValueError(
             f"{config.parallel} needs a native transformer, and pipe.{name} ({cls_name}) has none"
@@ -159,6 +164,12 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
         native = _build_native(spec, module, selector, parallel)
         attach(native, cache)
         detail = f"swapped for {type(native).__module__}.{type(native).__name__}"
+        if config.compile:
+            options = {} if config.compile is True else dict(config.compile)
+            for block_list in native.repeated_blocks:
+                for block in getattr(native, block_list):
+                    block.compile(**options)
+            detail += f"; repeated blocks compiled ({', '.join(native.repeated_blocks)})"
         cfg = None
         if distributed:
             detail += f"; {config.parallel} on {dist.get_world_size()} ranks"

@@ -16,13 +16,15 @@ class AccelConfig:
     """``attention``: which provider serves which role. ``native``: swap in native transformers where one
     exists (False keeps Diffusers' modules and only routes their attention). ``projection_cache_bytes``:
     budget of the exact projection cache per transformer (0 turns it off). ``parallel``: how the
-    transformer spreads over the ranks of a torchrun launch. ``components``: the pipeline attributes
+    transformer spreads over the ranks of a torchrun launch. ``compile``: ``torch.compile`` each repeated
+    block of a native transformer (True, or a dict of ``torch.compile`` keyword arguments). ``components``: the pipeline attributes
     treated as denoisers."""
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
     projection_cache_bytes: int = 256 * 1024**2
     parallel: ParallelConfig | None = None
+    compile: bool | Mapping[str, Any] = False
     components: tuple[str, ...] = ("transformer", "transformer_2")
 
     def __post_init__(self) -> None:
@@ -35,6 +37,10 @@ class AccelConfig:
         if self.projection_cache_bytes < 0:
             raise ValueError(
                 f"projection_cache_bytes must be >= 0 (0 turns it off), got {self.projection_cache_bytes}."
+            )
+        if not isinstance(self.compile, bool | Mapping):
+            raise TypeError(
+                f"compile must be True/False or a dict of torch.compile arguments, got {self.compile!r}."
             )
         if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
             raise TypeError(

@@ -248,7 +248,7 @@ class ExactProjectionCache:
     ) -> torch.Tensor:
         """``compute()``'s result, reused when provably identical. ``compute`` must depend only on
         ``conditioning``, ``module``'s weights and fixed preprocessing."""
-        if not self.enabled:
+        if not self.enabled or torch.compiler.is_compiling():  # a traced graph must not depend on cache state
             return compute()
         prepared = self._prepared.get(id(conditioning))
         module_state = None

@@ -7,12 +7,32 @@ provider with the needed capability (the log-sum-exp, for ring attention) works 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
 from ..attention.base import AttentionRequest
 from ..attention.selection import AttentionSelector, default_selector
 from ..parallel.sequence import SequenceParallel
+
+# Attention layers by site number, so the compiled-graph op below can find its layer from an int argument.
+_SITES: list[weakref.ref] = []
+
+
+@torch.library.custom_op("omni_accel::site_attention", mutates_args=())
+def _site_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, site: int) -> torch.Tensor:
+    """Provider resolution and the kernel call as one opaque op: inside a compiled graph the choice still
+    follows the pipeline's config and any active ``attention_scope`` at run time, and the graph around it
+    (norms, RoPE, projections) fuses without a break."""
+    layer = _SITES[site]()
+    # Contiguous, as the fake promises: the graph may view the output (the eager path copies it there anyway).
+    return layer._attend(query, key, value).contiguous()
+
+
+@_site_attention.register_fake
+def _(query, key, value, site):
+    return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
 class Attention(nn.Module):
@@ -31,6 +51,8 @@ class Attention(nn.Module):
         self.role_category = role_category
         self.scale = head_dim**-0.5 if scale is None else scale
         self.selector: AttentionSelector | None = None
+        self.site = len(_SITES)
+        _SITES.append(weakref.ref(self))
 
     def _attend(
         self,
@@ -55,6 +77,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``sp``: the sequence-parallel plan of this forward, when the sequence is split over ranks."""
         if sp is None or sp.degree == 1:
+            if torch.compiler.is_compiling() and attn_mask is None:
+                return _site_attention(query, key, value, self.site)
             return self._attend(query, key, value, attn_mask=attn_mask)
         if attn_mask is not None:
             raise NotImplementedError(

@@ -141,6 +141,8 @@ class FluxTransformer(nn.Module):
 
     projection_cache: ExactProjectionCache | None = None
     projection_name: str = ""
+    # Lists of identical blocks: compiled once per class with compile=True.
+    repeated_blocks = ("double_blocks", "single_blocks")
     # Inputs with a batch dimension: CFG parallelism splits exactly these.
     batched_inputs = (
         "hidden_states",

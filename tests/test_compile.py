@@ -1,0 +1,42 @@
+"""compile=True: the native blocks trace without graph breaks and keep following the attention scope."""
+
+import pytest
+import torch
+
+import omni_accel
+from omni_accel import attention_scope
+
+CALL = dict(prompt="a cat", height=32, width=32, num_inference_steps=2, output_type="latent")
+
+
+def _latents(pipe):
+    return pipe(**CALL, generator=torch.Generator().manual_seed(0)).images
+
+
+def test_compiled_blocks_match_eager_and_follow_the_scope():
+    torch._dynamo.reset()
+    eager = _latents(omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0)))
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), compile={"backend": "aot_eager", "fullgraph": True}
+    )
+    got = _latents(pipe)
+    assert ((got - eager).abs().max() / eager.abs().max()).item() <= 1e-5
+    assert "repeated blocks compiled" in str(omni_accel.describe(pipe))
+    with attention_scope(default="sdpa_math"):
+        _latents(pipe)
+    selector = pipe.transformer.native.double_blocks[0].attn.selector
+    assert {row[2] for row in selector.decisions()} == {"sdpa", "sdpa_math"}  # decided at run time
+
+
+def test_compile_needs_a_native_transformer():
+    with pytest.raises(ValueError, match="compile_repeated_blocks"):
+        omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), compile=True)
+
+
+def test_site_attention_op_passes_opcheck():
+    from omni_accel.layers.attention import Attention
+
+    layer = Attention(8, role="test")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
+    torch.library.opcheck(torch.ops.omni_accel.site_attention.default, (q, k, v, layer.site))
