@@ -45,10 +45,6 @@ class AcceleratedTransformer(ModelMixin):
     def config(self):
         return self._original.config
 
-    @property
-    def original_class(self) -> type:
-        return type(self._original)
-
     @contextlib.contextmanager
     def cache_context(self, name: str, **kwargs: Any) -> Iterator[None]:
         """Pipelines mark their cond/uncond calls with this; CFG parallelism uses it to pair them."""

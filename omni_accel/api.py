@@ -136,6 +136,7 @@ def _state(pipe: DiffusionPipeline) -> _State:
 
 
 def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelState | None) -> _Component:
+    """Decides what to do with one component and builds it, touching nothing in the pipeline."""
     cls_name = type(module).__name__
     if isinstance(module, AcceleratedTransformer):
         raise RuntimeError(f"pipe.{name} is already an omni_accel module; restore it first.")
@@ -146,55 +147,25 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             "(pipe.fuse_lora(); pipe.unload_lora_weights()) and then accelerate."
         )
     spec = spec_for(module)
-    selector = AttentionSelector(config.attention)
-    cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
+    native_ok = spec is not None and spec.native is not None and config.native
     distributed = parallel is not None and parallel.mesh is not None
-    if config.compile and not (spec is not None and spec.native and config.native):
+    if config.compile and not native_ok:
         raise ValueError(
             f"compile=True compiles the blocks of a native transformer, and pipe.{name} ({cls_name}) has none; "
             "use Diffusers' own `pipe.transformer.compile_repeated_blocks()` for it instead."
         )
-    if distributed and not (spec is not None and spec.native and config.native):
+    if distributed and not native_ok:
         raise ValueError(
             f"{config.parallel} needs a native transformer, and pipe.{name} ({cls_name}) has none"
             f"{' enabled (native=False)' if spec is not None and spec.native else ' yet'}; natives exist for "
             f"{', '.join(registered_natives())}. Run it without `parallel`."
         )
-    if spec is not None and spec.native and config.native:
-        native = _build_native(spec, module, selector, parallel)
-        attach(native, cache)
-        detail = f"swapped for {type(native).__module__}.{type(native).__name__}"
-        if config.compile:
-            options = {} if config.compile is True else dict(config.compile)
-            for block_list in native.repeated_blocks:
-                for block in getattr(native, block_list):
-                    block.compile(**options)
-            detail += f"; repeated blocks compiled ({', '.join(native.repeated_blocks)})"
-        cfg = None
-        if distributed:
-            detail += f"; {config.parallel} on {dist.get_world_size()} ranks"
-            if config.parallel.cfg > 1:
-                cfg = CfgParallel(parallel.group("cfg"), native.batched_inputs)
-        report = ComponentReport(name, cls_name, "native", detail, selector, cache=cache, cfg=cfg)
-        accelerated = AcceleratedTransformer(
-            native, module, list(module.state_dict()), output_class(spec), cfg
-        )
-        return _Component(name, module, spec, report, cache, accelerated=accelerated)
+    selector = AttentionSelector(config.attention)
+    cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
+    if native_ok:
+        return _plan_native(name, module, spec, config, parallel if distributed else None, selector, cache)
     if spec is not None and spec.attention_routes:
-        for patch_name, _ in spec.attention_routes:
-            patches.check_applicable(patch_name)
-        why = "native acceleration disabled (native=False)" if spec.native else "no native implementation yet"
-        report = ComponentReport(
-            name,
-            cls_name,
-            "routed",
-            f"{why}; Diffusers module kept, its attention routed through our providers",
-            selector,
-            cache=cache if spec.cache_sites else None,
-            not_accelerated=["projections, norms and MLPs run as in Diffusers"]
-            + ([] if spec.cache_sites else ["no projection-cache sites are registered for this model"]),
-        )
-        return _Component(name, module, spec, report, cache if spec.cache_sites else None)
+        return _plan_routed(name, module, spec, selector, cache if spec.cache_sites else None)
     report = ComponentReport(
         name,
         cls_name,
@@ -203,6 +174,61 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
         not_accelerated=[f"{cls_name} runs exactly as in Diffusers"],
     )
     return _Component(name, module, spec, report)
+
+
+def _plan_native(
+    name: str,
+    module: nn.Module,
+    spec: ModelSpec,
+    config: AccelConfig,
+    parallel: ParallelState | None,
+    selector: AttentionSelector,
+    cache: ExactProjectionCache | None,
+) -> _Component:
+    native = _build_native(spec, module, selector, parallel)
+    attach(native, cache)
+    detail = f"swapped for {type(native).__module__}.{type(native).__name__}"
+    if config.compile:
+        options = {} if config.compile is True else dict(config.compile)
+        for block_list in native.repeated_blocks:
+            for block in getattr(native, block_list):
+                block.compile(**options)
+        detail += f"; repeated blocks compiled ({', '.join(native.repeated_blocks)})"
+    cfg = None
+    if parallel is not None:
+        detail += f"; {config.parallel} on {dist.get_world_size()} ranks"
+        if config.parallel.cfg > 1:
+            cfg = CfgParallel(parallel.group("cfg"), native.batched_inputs)
+    report = ComponentReport(name, type(module).__name__, "native", detail, selector, cache=cache, cfg=cfg)
+    accelerated = AcceleratedTransformer(native, module, list(module.state_dict()), output_class(spec), cfg)
+    return _Component(name, module, spec, report, cache, accelerated=accelerated)
+
+
+def _plan_routed(
+    name: str,
+    module: nn.Module,
+    spec: ModelSpec,
+    selector: AttentionSelector,
+    cache: ExactProjectionCache | None,
+) -> _Component:
+    for patch_name, _ in spec.attention_routes:
+        patches.check_applicable(patch_name)
+    why = "native acceleration disabled (native=False)" if spec.native else "no native implementation yet"
+    not_accelerated = ["projections, norms and MLPs run as in Diffusers"]
+    if cache is None:
+        not_accelerated.append(
+            "no projection-cache sites are registered for this model (or the cache is off)"
+        )
+    report = ComponentReport(
+        name,
+        type(module).__name__,
+        "routed",
+        f"{why}; Diffusers module kept, its attention routed through our providers",
+        selector,
+        cache=cache,
+        not_accelerated=not_accelerated,
+    )
+    return _Component(name, module, spec, report, cache)
 
 
 def _build_native(

@@ -33,10 +33,21 @@ def test_compile_needs_a_native_transformer():
         omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), compile=True)
 
 
-def test_site_attention_op_passes_opcheck():
-    from omni_accel.layers.attention import Attention
+def test_routed_attention_op_passes_opcheck():
+    from omni_accel.attention.selection import default_selector
 
-    layer = Attention(8, role="test")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
-    torch.library.opcheck(torch.ops.omni_accel.site_attention.default, (q, k, v, layer.site))
+    args = (q, k, v, default_selector().index, "test", "self", 8**-0.5)
+    torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, args)
+
+
+def test_blocks_of_one_class_share_one_compiled_graph():
+    """Per-layer constants in the traced code would recompile every block (torch's limit is 8)."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    pipe = omni_accel.tiny_flux_pipeline(seed=0, num_layers=3, num_single_layers=3)
+    omni_accel.accelerate(pipe, compile={"backend": "aot_eager"})
+    _latents(pipe)
+    assert counters["stats"]["unique_graphs"] == 2  # one per block class

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -113,6 +114,9 @@ def resolve(config: AttentionConfig, role: str, category: str, request: Attentio
     )
 
 
+_ALL_SELECTORS: list[weakref.ref] = []
+
+
 class AttentionSelector:
     """Resolves and remembers the provider of each (role, request); one per accelerated model."""
 
@@ -120,6 +124,9 @@ class AttentionSelector:
         self.config = config or AttentionConfig()
         self._cache: dict[tuple, Resolution] = {}
         self.unrouted: dict[tuple[str, str], int] = {}
+        # A number compiled graphs can carry to find this selector (see layers.attention).
+        self.index = len(_ALL_SELECTORS)
+        _ALL_SELECTORS.append(weakref.ref(self))
 
     def resolve(self, role: str, category: str, request: AttentionRequest) -> Resolution:
         config = _SCOPED_CONFIG.get() or self.config
@@ -141,6 +148,13 @@ class AttentionSelector:
             reason = found.reason if config == self.config else f"attention_scope: {found.reason}"
             rows.add((role, request.describe(), found.name, reason))
         return sorted(rows)
+
+
+def selector_by_index(index: int) -> AttentionSelector:
+    selector = _ALL_SELECTORS[index]()
+    if selector is None:
+        raise RuntimeError("The accelerated model this compiled graph belonged to no longer exists.")
+    return selector
 
 
 _DEFAULT_SELECTOR = AttentionSelector()

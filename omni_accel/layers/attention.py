@@ -7,31 +7,50 @@ provider with the needed capability (the log-sum-exp, for ring attention) works 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
 from ..attention.base import AttentionRequest
-from ..attention.selection import AttentionSelector, default_selector
+from ..attention.selection import AttentionSelector, default_selector, selector_by_index
 from ..parallel.sequence import SequenceParallel
 
-# Attention layers by site number, so the compiled-graph op below can find its layer from an int argument.
-_SITES: list[weakref.ref] = []
+
+def _attend(
+    selector: AttentionSelector,
+    role: str,
+    category: str,
+    scale: float,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    need_lse: bool = False,
+    attn_mask: torch.Tensor | None = None,
+):
+    request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None, needs_lse=need_lse)
+    provider = selector.resolve(role, category, request).provider
+    return provider.forward(query, key, value, attn_mask=attn_mask, scale=scale, return_lse=need_lse)
 
 
-@torch.library.custom_op("omni_accel::site_attention", mutates_args=())
-def _site_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, site: int) -> torch.Tensor:
+@torch.library.custom_op("omni_accel::routed_attention", mutates_args=())
+def _routed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    selector: int,
+    role: str,
+    category: str,
+    scale: float,
+) -> torch.Tensor:
     """Provider resolution and the kernel call as one opaque op: inside a compiled graph the choice still
     follows the pipeline's config and any active ``attention_scope`` at run time, and the graph around it
     (norms, RoPE, projections) fuses without a break."""
-    layer = _SITES[site]()
+    out = _attend(selector_by_index(selector), role, category, scale, query, key, value)
     # Contiguous, as the fake promises: the graph may view the output (the eager path copies it there anyway).
-    return layer._attend(query, key, value).contiguous()
+    return out.contiguous()
 
 
-@_site_attention.register_fake
-def _(query, key, value, site):
+@_routed_attention.register_fake
+def _(query, key, value, selector, role, category, scale):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
@@ -51,21 +70,12 @@ class Attention(nn.Module):
         self.role_category = role_category
         self.scale = head_dim**-0.5 if scale is None else scale
         self.selector: AttentionSelector | None = None
-        self.site = len(_SITES)
-        _SITES.append(weakref.ref(self))
 
-    def _attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        need_lse: bool = False,
-        attn_mask: torch.Tensor | None = None,
-    ):
-        request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None, needs_lse=need_lse)
+    def _attend(self, query, key, value, need_lse=False, attn_mask=None):
         selector = self.selector or default_selector()
-        provider = selector.resolve(self.role, self.role_category, request).provider
-        return provider.forward(query, key, value, attn_mask=attn_mask, scale=self.scale, return_lse=need_lse)
+        return _attend(
+            selector, self.role, self.role_category, self.scale, query, key, value, need_lse, attn_mask
+        )
 
     def forward(
         self,
@@ -78,7 +88,8 @@ class Attention(nn.Module):
         """``sp``: the sequence-parallel plan of this forward, when the sequence is split over ranks."""
         if sp is None or sp.degree == 1:
             if torch.compiler.is_compiling() and attn_mask is None:
-                return _site_attention(query, key, value, self.site)
+                index = (self.selector or default_selector()).index  # the same for every layer of a model
+                return _routed_attention(query, key, value, index, self.role, self.role_category, self.scale)
             return self._attend(query, key, value, attn_mask=attn_mask)
         if attn_mask is not None:
             raise NotImplementedError(

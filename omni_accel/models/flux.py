@@ -292,6 +292,21 @@ class FluxTransformer(nn.Module):
             raise ValueError("This FLUX transformer embeds guidance (dev): pass `guidance`.")
         return temb + embed.text_embedder(pooled)
 
+    def _split_sequence(self, txt, img, cos, sin):
+        """This rank's share of the sequence: a slice of the text and a slice of the image tokens (and of
+        their RoPE rows). Their concatenation is this rank's slice of the joint sequence; attention does not
+        depend on the order of keys, so the joint sequence need not be contiguous across ranks. Returns the
+        joint plan, the image plan (to gather the output), and the local tensors."""
+        groups = dict(ulysses_group=self.parallel.group("ulysses"), ring_group=self.parallel.group("ring"))
+        txt_sp = SequenceParallel.plan(txt.shape[1], **groups)
+        img_sp = SequenceParallel.plan(img.shape[1], **groups)
+        sp = SequenceParallel(tuple(map(sum, zip(txt_sp.sizes, img_sp.sizes, strict=True))), **groups)
+        text = txt.shape[1]
+        cos, sin = (
+            torch.cat([txt_sp.shard(t[:text], dim=0), img_sp.shard(t[text:], dim=0)]) for t in (cos, sin)
+        )
+        return sp, img_sp, txt_sp.shard(txt), img_sp.shard(img), cos, sin
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -320,22 +335,9 @@ class FluxTransformer(nn.Module):
         img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
         cos, sin = rope_cos_sin(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, theta=10000)
 
-        # Sequence parallelism: each rank keeps a slice of the text and a slice of the image tokens. Their
-        # concatenation is this rank's slice of the joint sequence; attention is invariant to the order of
-        # keys, so the joint sequence need not be contiguous across ranks.
         sp = img_sp = None
         if self.parallel is not None and self.parallel.config.sequence_parallel > 1:
-            groups = dict(
-                ulysses_group=self.parallel.group("ulysses"), ring_group=self.parallel.group("ring")
-            )
-            txt_sp = SequenceParallel.plan(txt.shape[1], **groups)
-            img_sp = SequenceParallel.plan(img.shape[1], **groups)
-            sp = SequenceParallel(tuple(map(sum, zip(txt_sp.sizes, img_sp.sizes, strict=True))), **groups)
-            txt, img = txt_sp.shard(txt), img_sp.shard(img)
-            text = len(txt_ids)
-            cos, sin = (
-                torch.cat([txt_sp.shard(t[:text], dim=0), img_sp.shard(t[text:], dim=0)]) for t in (cos, sin)
-            )
+            sp, img_sp, txt, img, cos, sin = self._split_sequence(txt, img, cos, sin)
             controlnet_block_samples = _shard_all(controlnet_block_samples, img_sp)
             controlnet_single_block_samples = _shard_all(controlnet_single_block_samples, img_sp)
         rope = (cos, sin)

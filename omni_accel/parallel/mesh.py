@@ -32,13 +32,6 @@ class ParallelState:
             return None
         return self.mesh.get_group(dim)
 
-    def rank(self, dim: str) -> int:
-        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
-
-    @property
-    def is_main(self) -> bool:
-        return not dist.is_initialized() or dist.get_rank() == 0
-
 
 def init_parallel(config: ParallelConfig) -> ParallelState:
     """Joins (or starts, from torchrun's environment) the default process group and builds the mesh."""
