@@ -74,6 +74,7 @@ class Capabilities:
     devices: frozenset[str]
     max_head_dim: int = 256
     head_dim_multiple: int = 1
+    head_dims: tuple[int, ...] | None = None  # the exact sizes, for kernels instantiated per head size
     supports_mask: bool = False
     returns_lse: bool = False
     lossless: bool = True
@@ -89,7 +90,12 @@ class Capabilities:
         if request.dtype not in self.dtypes:
             names = sorted(str(d).removeprefix("torch.") for d in self.dtypes)
             reasons.append(f"takes {names}, not {str(request.dtype).removeprefix('torch.')}")
-        if request.head_dim > self.max_head_dim or request.head_dim % self.head_dim_multiple:
+        if self.head_dims is not None:
+            if request.head_dim not in self.head_dims:
+                reasons.append(
+                    f"takes head sizes {', '.join(map(str, self.head_dims))}, not {request.head_dim}"
+                )
+        elif request.head_dim > self.max_head_dim or request.head_dim % self.head_dim_multiple:
             reasons.append(
                 f"takes head sizes up to {self.max_head_dim} in multiples of {self.head_dim_multiple}, "
                 f"not {request.head_dim}"

@@ -21,7 +21,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from ..base import AttentionProvider, AttentionRequest, Capabilities
+from ..base import AttentionProvider, Capabilities
 
 SUPPORTED_VERSIONS = SpecifierSet(">=0.6.1,<0.7")
 INSTALL_HINT = "pip install 'omni-accel[flashinfer]' (flashinfer-python==0.6.1)"
@@ -161,8 +161,7 @@ class FlashInferProvider(AttentionProvider):
     capabilities = Capabilities(
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}),
-        max_head_dim=max(HEAD_DIMS),
-        head_dim_multiple=64,
+        head_dims=HEAD_DIMS,
         returns_lse=True,
         min_compute_capability=(8, 0),
         requires=("flashinfer-python",),
@@ -170,17 +169,6 @@ class FlashInferProvider(AttentionProvider):
 
     def unavailable_reason(self) -> str | None:
         return _unavailable()
-
-    def reasons_against(self, request: AttentionRequest) -> list[str]:
-        reasons = super().reasons_against(request)
-        # max_head_dim and head_dim_multiple admit 192, which FlashInfer has no kernel for.
-        declared = self.capabilities
-        fits_declared = (
-            request.head_dim <= declared.max_head_dim and request.head_dim % declared.head_dim_multiple == 0
-        )
-        if fits_declared and request.head_dim not in HEAD_DIMS:
-            reasons.append(f"takes head sizes {', '.join(map(str, HEAD_DIMS))}, not {request.head_dim}")
-        return reasons
 
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if attn_mask is not None:

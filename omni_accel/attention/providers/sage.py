@@ -32,8 +32,7 @@ V1_HEAD_DIMS = (64, 96, 128)
 CAPABILITIES_V1 = Capabilities(
     dtypes=frozenset({torch.float16, torch.bfloat16}),
     devices=frozenset({"cuda"}),
-    max_head_dim=128,
-    head_dim_multiple=32,
+    head_dims=V1_HEAD_DIMS,
     lossless=False,
     min_compute_capability=(8, 0),
     # 1.0.6 loads the keys past the end of the last 64-key block as zeros and gives them softmax weight
@@ -42,7 +41,7 @@ CAPABILITIES_V1 = Capabilities(
     kv_len_multiple=64,
     requires=("sageattention",),
 )
-CAPABILITIES_V2 = dataclasses.replace(CAPABILITIES_V1, head_dim_multiple=1)
+CAPABILITIES_V2 = dataclasses.replace(CAPABILITIES_V1, head_dims=None, max_head_dim=128)
 CAPABILITIES_V2_LSE = dataclasses.replace(CAPABILITIES_V2, returns_lse=True)
 
 
@@ -134,18 +133,7 @@ class SageProvider(AttentionProvider):
     def reasons_against(self, request: AttentionRequest) -> list[str]:
         missing = self.unavailable_reason()
         capabilities = capabilities_for(installed_version())
-        reasons = ([missing] if missing else []) + capabilities.reasons_against(request)
-        if capabilities is CAPABILITIES_V1:
-            # max_head_dim and head_dim_multiple admit 32, which 1.0.6 asserts against.
-            fits_declared = (
-                request.head_dim <= capabilities.max_head_dim
-                and request.head_dim % capabilities.head_dim_multiple == 0
-            )
-            if fits_declared and request.head_dim not in V1_HEAD_DIMS:
-                reasons.append(
-                    f"takes head sizes {', '.join(map(str, V1_HEAD_DIMS))}, not {request.head_dim}"
-                )
-        return reasons
+        return ([missing] if missing else []) + capabilities.reasons_against(request)
 
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if attn_mask is not None:
