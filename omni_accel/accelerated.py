@@ -79,6 +79,26 @@ class AcceleratedTransformer(ModelMixin):
         """Writes the original Diffusers layout, loadable by Diffusers without omni_accel."""
         self.to_diffusers().save_pretrained(save_directory, **kwargs)
 
+    # Diffusers model methods whose effect the native model provides differently: say how, instead of
+    # letting ModelMixin's versions silently find nothing to act on.
+    def set_attention_backend(self, backend: str) -> None:
+        raise NotImplementedError(
+            "This transformer is accelerated by omni_accel: choose its attention kernel with "
+            "omni_accel.accelerate(pipe, attention=...) or `with omni_accel.attention_scope(default=...)`."
+        )
+
+    def compile_repeated_blocks(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "This transformer is accelerated by omni_accel: compile its native blocks with "
+            "omni_accel.accelerate(pipe, compile=True) (after omni_accel.restore(pipe) if already accelerated)."
+        )
+
+    def enable_parallelism(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "This transformer is accelerated by omni_accel: spread it over GPUs with "
+            "omni_accel.accelerate(pipe, parallel=omni_accel.ParallelConfig(...)) under torchrun."
+        )
+
     def extra_repr(self) -> str:
         return f"original={type(self._original).__name__}"
 

@@ -199,7 +199,16 @@ def _plan_native(
         detail += f"; {config.parallel} on {dist.get_world_size()} ranks"
         if config.parallel.cfg > 1:
             cfg = CfgParallel(parallel.group("cfg"), native.batched_inputs)
-    report = ComponentReport(name, type(module).__name__, "native", detail, selector, cache=cache, cfg=cfg)
+    report = ComponentReport(
+        name,
+        type(module).__name__,
+        "native",
+        detail,
+        selector,
+        cache=cache,
+        cfg=cfg,
+        not_accelerated=list(getattr(native, "limitations", ())),
+    )
     accelerated = AcceleratedTransformer(native, module, list(module.state_dict()), output_class(spec), cfg)
     return _Component(name, module, spec, report, cache, accelerated=accelerated)
 

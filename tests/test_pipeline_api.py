@@ -150,3 +150,18 @@ def test_describe_reports_the_swap_and_the_providers(pipes):
     assert "FluxTransformer2DModel" in text and "native" in text
     assert "flux.joint" in text and "flux.single" in text and "sdpa" in text
     assert report.components[0].mode == "native"
+    assert "not accelerated: IP-adapter and LoRA scale" in text
+
+
+@pytest.mark.parametrize(
+    "method, args, hint",
+    [
+        ("set_attention_backend", ("flash",), "attention_scope"),
+        ("compile_repeated_blocks", (), "compile=True"),
+        ("enable_parallelism", (), "ParallelConfig"),
+    ],
+)
+def test_diffusers_methods_that_would_silently_do_nothing_say_what_to_use(pipes, method, args, hint):
+    _, fast = pipes
+    with pytest.raises(NotImplementedError, match=hint):
+        getattr(fast.transformer, method)(*args)

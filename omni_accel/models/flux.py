@@ -141,6 +141,10 @@ class FluxTransformer(nn.Module):
 
     projection_cache: ExactProjectionCache | None = None
     projection_name: str = ""
+    # What the native model does not do, for the report (each is refused with an error, not ignored).
+    limitations = (
+        "IP-adapter and LoRA scale via joint_attention_kwargs: refused with an error (fuse LoRA before accelerate)",
+    )
     # Lists of identical blocks: compiled once per class with compile=True.
     repeated_blocks = ("double_blocks", "single_blocks")
     # Inputs with a batch dimension: CFG parallelism splits exactly these.
