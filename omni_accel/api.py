@@ -186,6 +186,11 @@ def _plan_native(
     cache: ExactProjectionCache | None,
 ) -> _Component:
     native = _build_native(spec, module, selector, parallel)
+    limitations = list(getattr(native, "limitations", ()))
+    if config.compile and cache is not None:
+        # Traced graphs cannot consult the cache, so its per-step comparison would be pure overhead.
+        cache = None
+        limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
     attach(native, cache)
     detail = f"swapped for {type(native).__module__}.{type(native).__name__}"
     if config.compile:
@@ -207,7 +212,7 @@ def _plan_native(
         selector,
         cache=cache,
         cfg=cfg,
-        not_accelerated=list(getattr(native, "limitations", ())),
+        not_accelerated=limitations,
     )
     accelerated = AcceleratedTransformer(native, module, list(module.state_dict()), output_class(spec), cfg)
     return _Component(name, module, spec, report, cache, accelerated=accelerated)

@@ -21,7 +21,9 @@ def test_compiled_blocks_match_eager_and_follow_the_scope():
     )
     got = _latents(pipe)
     assert ((got - eager).abs().max() / eager.abs().max()).item() <= 1e-5
-    assert "repeated blocks compiled" in str(omni_accel.describe(pipe))
+    report = omni_accel.describe(pipe)
+    assert "repeated blocks compiled" in str(report)
+    assert report.components[0].cache is None and "cache: off, because compiled" in str(report)
     with attention_scope(default="sdpa_math"):
         _latents(pipe)
     selector = pipe.transformer.native.double_blocks[0].attn.selector
