@@ -161,7 +161,13 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             f"{', '.join(registered_natives())}. Run it without `parallel`."
         )
     selector = AttentionSelector(config.attention)
-    cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
+    # Under TP a hit must be unanimous across the TP group (a collective may run inside the projection).
+    tp_group = parallel.group("tp") if distributed else None
+    cache = (
+        ExactProjectionCache(config.projection_cache_bytes, tp_group=tp_group)
+        if config.projection_cache_bytes
+        else None
+    )
     if native_ok:
         return _plan_native(name, module, spec, config, parallel if distributed else None, selector, cache)
     if spec is not None and spec.attention_routes:

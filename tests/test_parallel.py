@@ -16,10 +16,22 @@ def _latents(pipe, **overrides):
     return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
 
-def _check(layout: ParallelConfig, oracle: torch.Tensor, heads: int = 2, expect: str = "", **call) -> None:
+def _check(
+    layout: ParallelConfig,
+    oracle: torch.Tensor,
+    heads: int = 2,
+    expect: str = "",
+    repeat: bool = False,
+    **call,
+) -> None:
     pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=heads, attention_head_dim=16)
     omni_accel.accelerate(pipe, parallel=layout)
     got = _latents(pipe, **call)
+    if repeat:
+        cache = omni_accel.describe(pipe).components[0].cache
+        assert cache.tp_size == layout.tp and cache.hits == 0
+        again = _latents(pipe, **call)
+        assert torch.equal(again, got) and cache.hits > 0
     rel = ((got - oracle).abs().max() / oracle.abs().max()).item()
     assert rel <= 1e-5, f"{layout}: relative error {rel:.2e} against one rank"
     gathered = [torch.empty_like(got) for _ in range(dist.get_world_size())]
