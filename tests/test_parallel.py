@@ -39,7 +39,13 @@ def _check(
     assert all(torch.equal(g, gathered[0]) for g in gathered), f"{layout}: ranks disagree"
     report = str(omni_accel.describe(pipe))
     assert str(layout) in report and expect in report, report
-    omni_accel.restore(pipe)
+    omni_accel.restore(pipe)  # collective under tp: the shards are gathered back into Diffusers' layout
+    original = omni_accel.tiny_flux_pipeline(
+        seed=0, num_attention_heads=heads, attention_head_dim=16
+    ).transformer
+    restored, expected = pipe.transformer.state_dict(), original.state_dict()
+    assert restored.keys() == expected.keys()
+    assert all(torch.equal(restored[k], expected[k]) for k in expected), f"{layout}: restore is not exact"
 
 
 def _oracle(heads: int = 2, **call) -> torch.Tensor:
