@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--tiny", action="store_true", help="a two-layer model on CPU with gloo: a smoke test"
     )
+    parser.add_argument(
+        "--compile", action="store_true", help="accelerate with compile=True (omni_accel only)"
+    )
+    parser.add_argument("--layouts", nargs="+", help="a subset of the layouts (default: all)")
+    parser.add_argument(
+        "--no-diffusers", action="store_true", help="skip Diffusers' own 1-GPU and Ulysses runs"
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -101,19 +108,28 @@ def main(argv: list[str] | None = None) -> dict:
         else ["cpu"]
     )
     results, oracle = {"gpus": gpus, "steps": args.steps}, {}
+    compile_options = {"compile": True} if args.compile else {}
+    if args.compile and args.tiny:
+        compile_options = {"compile": {"backend": "aot_eager"}}
     for name, layout in layouts.items():
+        if args.layouts and name not in args.layouts:
+            continue
         true_cfg = name.endswith("true_cfg")
         pipe = bare_pipeline(build_transformer(device, dtype, **size))
-        omni_accel.accelerate(pipe, parallel=layout) if layout else omni_accel.accelerate(pipe)
+        omni_accel.accelerate(pipe, parallel=layout, **compile_options)
         result, latents = _measure(pipe, args.steps, args.repeats, true_cfg, device)
         key = "true_cfg" if true_cfg else "plain"
-        oracle.setdefault(key, latents)
+        oracle.setdefault(key, latents)  # the first layout run of each kind is the reference
         result["rel_err_vs_1gpu"] = rel_err(latents, oracle[key].float())
         results[name] = result
+        if omni_accel.is_main_process():
+            print(f"{name:20s} {json.dumps(result)}", flush=True)
         del pipe
         torch.cuda.empty_cache()
 
     for name, ulysses in (("diffusers_1gpu", 1), ("diffusers_ulysses2", 2)):
+        if args.no_diffusers:
+            break
         model = build_transformer(device, dtype, **size)
         try:
             if ulysses > 1:  # Diffusers' context parallelism needs an accelerator
