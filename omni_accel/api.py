@@ -210,6 +210,8 @@ def _plan_native(
         detail += f"; {config.parallel} on {dist.get_world_size()} ranks"
         if config.parallel.cfg > 1:
             cfg = CfgParallel(parallel.group("cfg"), native.batched_inputs)
+            if spec.cfg_pairing:
+                patches.check_applicable("pair_cfg_calls")  # fail while nothing is swapped yet
     report = ComponentReport(
         name,
         type(module).__name__,

@@ -1,8 +1,10 @@
 """Version-guarded, scoped, reversible patches of third-party code (installed as ``omni_accel.patches``).
 
-Each patch is one module naming its target, the versions it was checked against and why it exists, with
-``apply(target)`` / ``revert(target)``. Applications are reference-counted per target, so two accelerated
-pipelines share a patch and the last ``restore`` removes it.
+Each patch is one module naming its target, the versions it was checked against (``PACKAGE``,
+``CHECKED_VERSIONS``) and why it exists, with ``apply`` / ``revert``. Patches of a module (``apply(target)``)
+go through ``apply``/``revert`` here, reference-counted per target, so two accelerated pipelines share a
+patch and the last ``restore`` removes it; a patch of one pipeline instance (``pair_cfg_calls``) is applied
+and reverted by ``accelerate``/``restore`` directly, after ``check_applicable``.
 """
 
 from __future__ import annotations
