@@ -12,7 +12,14 @@ def _body(rank: int, world: int) -> None:
     torch.set_grad_enabled(False)
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 8)
-    cache = ExactProjectionCache(tp_group=dist.group.WORLD)
+    consulted = []
+
+    class Precomputed(ExactProjectionCache):
+        def _lookup_precomputed(self, name, module, conditioning):
+            consulted.append(name)  # an offline artifact is not coordinated across ranks: never under TP
+            return None
+
+    cache = Precomputed(tp_group=dist.group.WORLD)
     computed = []
 
     def compute(cond):
@@ -56,6 +63,7 @@ def _body(rank: int, world: int) -> None:
     for value in (1.0, 2.0):
         assert torch.equal(step(value), expected(value))
     assert cache.hits == before + 2 and len(computed) == 5
+    assert not consulted
 
 
 @pytest.mark.multirank
