@@ -17,11 +17,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
+def _entry(rank: int, world: int, port: int, init: bool, fn, args, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        if init:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+            )
         fn(rank, world, *args)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -31,12 +34,14 @@ def _entry(rank: int, world: int, port: int, fn, args, errors) -> None:
             dist.destroy_process_group()
 
 
-def run_multirank(fn, world: int, *args, timeout: float = 240) -> None:
-    """Runs ``fn(rank, world, *args)`` in ``world`` spawned processes; raises with the first traceback."""
+def run_multirank(fn, world: int, *args, timeout: float = 240, init: bool = True) -> None:
+    """Runs ``fn(rank, world, *args)`` in ``world`` spawned processes; raises with the first traceback.
+
+    With ``init=False`` the processes only get torchrun's environment and must join the group themselves."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errors)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, init, fn, args, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

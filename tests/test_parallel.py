@@ -97,6 +97,29 @@ def _four_ranks(rank: int, world: int) -> None:
     _check(ParallelConfig(cfg=2, ring=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
 
 
+def _dead_peer(rank: int, world: int) -> None:
+    """accelerate() starts the group from torchrun's environment with the configured timeout; a rank that
+    stops taking part makes the others fail with an error after that timeout instead of hanging."""
+    import time
+
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(tp=2, timeout_s=5)
+    )
+    assert dist.is_initialized() and dist.get_backend() == "gloo"
+    if rank == 1:
+        time.sleep(25)  # alive but gone quiet: never joins the forward's all-reduces
+        return
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        _latents(pipe)
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.multirank
+def test_a_silent_rank_ends_in_a_timeout_error():
+    run_multirank(_dead_peer, 2, init=False, timeout=120)
+
+
 @pytest.mark.multirank
 def test_two_rank_layouts():
     run_multirank(_two_ranks, 2, timeout=400)
