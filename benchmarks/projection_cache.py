@@ -47,7 +47,7 @@ def _random(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
-def _run_requests(call, steps: list, cache, device: str) -> dict:
+def _run_requests(call, steps: list, device: str) -> dict:
     """Two identical requests; per-call times and outputs of each."""
     results = {}
     for request in ("first", "second"):
@@ -83,10 +83,10 @@ def _measure(pipe, call, steps, device) -> dict:
     budget = cache.max_bytes
     cache.max_bytes = 0  # off: project() runs the computation directly
     call(steps[0])  # warm-up (kernels, allocator)
-    off = _run_requests(call, steps, cache, device)
+    off = _run_requests(call, steps, device)
     cache.max_bytes = budget
     cache.clear()
-    on = _run_requests(call, steps, cache, device)
+    on = _run_requests(call, steps, device)
     return _compare(off, on, cache)
 
 

@@ -8,7 +8,7 @@ is ``[batch, heads, seq_q]`` in float32 (natural log).
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -80,7 +80,6 @@ class Capabilities:
     lossless: bool = True
     min_compute_capability: tuple[int, int] | None = None
     kv_len_multiple: int = 1
-    requires: tuple[str, ...] = field(default_factory=tuple)
 
     def reasons_against(self, request: AttentionRequest) -> list[str]:
         """Why this capability set cannot serve ``request`` (empty when it can)."""

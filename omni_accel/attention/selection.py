@@ -29,9 +29,11 @@ class AttentionConfig:
         for role, name in self.per_role.items():
             check_provider_name(name, where=f"AttentionConfig.per_role[{role!r}]")
         object.__setattr__(self, "per_role", MappingProxyType(dict(self.per_role)))
+        # Hashed on every attention call (it keys the resolution cache): compute it once.
+        object.__setattr__(self, "_hash", hash((self.default, tuple(sorted(self.per_role.items())))))
 
     def __hash__(self) -> int:
-        return hash((self.default, tuple(sorted(self.per_role.items()))))
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
         return (

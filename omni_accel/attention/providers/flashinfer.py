@@ -164,7 +164,6 @@ class FlashInferProvider(AttentionProvider):
         head_dims=HEAD_DIMS,
         returns_lse=True,
         min_compute_capability=(8, 0),
-        requires=("flashinfer-python",),
     )
 
     def unavailable_reason(self) -> str | None:

@@ -39,7 +39,6 @@ CAPABILITIES_V1 = Capabilities(
     # (measured on H200: output norm 0.916x the reference at 333 keys); 2.x is held to the same rule
     # until shown otherwise.
     kv_len_multiple=64,
-    requires=("sageattention",),
 )
 CAPABILITIES_V2 = dataclasses.replace(CAPABILITIES_V1, head_dims=None, max_head_dim=128)
 CAPABILITIES_V2_LSE = dataclasses.replace(CAPABILITIES_V2, returns_lse=True)
