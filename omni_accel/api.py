@@ -8,10 +8,12 @@ each recording its own undo). ``restore`` runs the undos in reverse order.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from diffusers import DiffusionPipeline
 from torch import nn
@@ -26,6 +28,7 @@ from .attention.selection import AttentionSelector, resolve
 from .cache import ExactProjectionCache, attach, wrap_sites
 from .config import AccelConfig
 from .layers.attention import Attention
+from .models.base import NativeRuntime, swap_blocks
 from .models.registry import ModelSpec, cfg_pairing_rule, output_class, registered_natives, spec_for
 from .parallel.cfg import CfgParallel
 from .parallel.mesh import ParallelState, init_parallel
@@ -33,18 +36,6 @@ from .report import AccelerationReport, ComponentReport
 from .weights import load_weights
 
 _STATE_ATTR = "_omni_accel_state"
-
-# Pipeline methods after which cached projections may be stale (adapters change the effective weights).
-_LORA_METHODS = (
-    "load_lora_weights",
-    "fuse_lora",
-    "unfuse_lora",
-    "set_adapters",
-    "delete_adapters",
-    "unload_lora_weights",
-    "enable_lora",
-    "disable_lora",
-)
 
 
 @dataclass
@@ -55,6 +46,7 @@ class _Component:
     report: ComponentReport
     cache: ExactProjectionCache | None = None
     accelerated: AcceleratedTransformer | None = None
+    runtime: NativeRuntime | None = None
     undo: list[Callable[[], None]] = field(default_factory=list)
 
     @property
@@ -68,6 +60,7 @@ class _State:
     config: AccelConfig
     components: list[_Component]
     undo: list[Callable[[], None]]
+    absent: list[ComponentReport] = field(default_factory=list)
 
 
 def accelerate(
@@ -84,17 +77,20 @@ def accelerate(
 
     names = [n for n in config.components if isinstance(getattr(pipe, n, None), nn.Module)]
     if not names:
-        raise ValueError(
-            f"{type(pipe).__name__} has no transformer component (looked for {list(config.components)}); "
-            "omni_accel accelerates transformer-based pipelines."
+        note = ComponentReport(
+            ", ".join(config.components),
+            "-",
+            "absent",
+            f"{type(pipe).__name__} has no transformer component; nothing was accelerated and the pipeline "
+            "runs exactly as in Diffusers",
         )
+        setattr(pipe, _STATE_ATTR, _State(config, [], [], absent=[note]))
+        return pipe
     parallel = init_parallel(config.parallel) if config.parallel is not None else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
     for component in components:
         _commit(pipe, component)
-    caches = [c.cache for c in components if c.cache is not None]
-    undo = [_override(pipe, method, _clearing(caches)) for method in _LORA_METHODS if hasattr(pipe, method)]
-    undo += _pair_cfg_calls(pipe, components)
+    undo = _pair_cfg_calls(pipe, components)
     if parallel is not None and parallel.mesh is not None:
         pipe.to(parallel.device)  # after the swap: each rank moves only its own shards
     setattr(pipe, _STATE_ATTR, _State(config, components, undo))
@@ -109,7 +105,7 @@ def restore(pipe: DiffusionPipeline) -> DiffusionPipeline:
             undo()
         if component.cache is not None:
             component.cache.clear()
-        if component.accelerated is not None:
+        if component.accelerated is not None and getattr(pipe, component.name, None) is component.accelerated:
             object.__setattr__(pipe, component.name, component.accelerated.to_diffusers())
     for undo in reversed(state.undo):
         undo()
@@ -125,7 +121,12 @@ def describe(pipe: DiffusionPipeline) -> AccelerationReport:
             component.report.planned_attention = _planned_attention(
                 component.accelerated.native, component.report.selector
             )
-    return AccelerationReport(type(pipe).__name__, [c.report for c in state.components])
+        elif component.runtime is not None:
+            sites = _native_sites(component.original, component.spec.native_model())
+            component.report.planned_attention = _resolve_rows(
+                sites, next(component.original.parameters()), component.report.selector, strict=False
+            )
+    return AccelerationReport(type(pipe).__name__, [c.report for c in state.components] + state.absent)
 
 
 def _state(pipe: DiffusionPipeline) -> _State:
@@ -140,11 +141,10 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
     cls_name = type(module).__name__
     if isinstance(module, AcceleratedTransformer):
         raise RuntimeError(f"pipe.{name} is already an omni_accel module; restore it first.")
-    lora = sorted({n.split(".lora_")[0] for n, _ in module.named_modules() if ".lora_" in n})
-    if lora:
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError(
-            f"pipe.{name} has unfused LoRA layers ({lora[:3]}...). Fuse them first "
-            "(pipe.fuse_lora(); pipe.unload_lora_weights()) and then accelerate."
+            f"pipe.{name} is a torch.compile'd module; accelerate the module itself "
+            f"(pipe.{name} = pipe.{name}._orig_mod) and pass compile=True to compile the native blocks."
         )
     spec = spec_for(module)
     native_ok = spec is not None and spec.native is not None and config.native
@@ -161,6 +161,10 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             f"{', '.join(registered_natives())}. Run it without `parallel`."
         )
     selector = AttentionSelector(config.attention)
+    if native_ok and not distributed:
+        return _plan_swap(name, module, spec, config, selector)
+    if distributed:
+        _refuse_unfused_lora(name, module)
     # Under TP a hit must be unanimous across the TP group (a collective may run inside the projection).
     tp_group = parallel.group("tp") if distributed else None
     cache = (
@@ -169,7 +173,7 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
         else None
     )
     if native_ok:
-        return _plan_native(name, module, spec, config, parallel if distributed else None, selector, cache)
+        return _plan_native(name, module, spec, config, parallel, selector, cache)
     if spec is not None and spec.attention_routes:
         return _plan_routed(name, module, spec, selector, cache if spec.cache_sites else None)
     report = ComponentReport(
@@ -180,6 +184,47 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
         not_accelerated=[f"{cls_name} runs exactly as in Diffusers"],
     )
     return _Component(name, module, spec, report)
+
+
+def _refuse_unfused_lora(name: str, module: nn.Module) -> None:
+    lora = sorted({n.split(".lora_")[0] for n, _ in module.named_modules() if ".lora_" in n})
+    if lora:
+        raise ValueError(
+            f"pipe.{name} has unfused LoRA layers ({lora[:3]}...), which parallel layouts do not run yet. Fuse "
+            "them first (pipe.fuse_lora(); pipe.unload_lora_weights()) and then accelerate."
+        )
+
+
+def _plan_swap(
+    name: str, module: nn.Module, spec: ModelSpec, config: AccelConfig, selector: AttentionSelector
+) -> _Component:
+    """The Diffusers module stays; its repeated blocks will become native (checked here, swapped at commit)."""
+    model = spec.native_model()
+    patches.check_applicable("hook_chains")
+    _check_explicit_attention(module, model, selector)
+    options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
+    limitations = list(model.limitations)
+    cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
+    if options is not None and cache is not None:
+        cache = None  # compiled math cannot consult it, so its per-step comparison would be pure overhead
+        limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
+    runtime = NativeRuntime(selector, options, cache)
+    detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
+    if options is not None:
+        detail += "; repeated blocks compiled"
+    report = ComponentReport(
+        name,
+        type(module).__name__,
+        "native",
+        detail,
+        selector,
+        cache=cache,
+        runtime=runtime,
+        not_accelerated=limitations,
+    )
+    component = _Component(name, module, spec, report)
+    component.runtime = runtime
+    return component
 
 
 def _plan_native(
@@ -253,6 +298,36 @@ def _plan_routed(
     return _Component(name, module, spec, report, cache)
 
 
+def _native_sites(module: nn.Module, model) -> list[tuple[str, str, int]]:
+    """(role, category, head size) of every attention site of the native blocks, once per role."""
+    rows = {}
+    for list_name, native_cls in model.blocks.items():
+        for block in getattr(module, list_name):
+            site = native_cls.site
+            rows.setdefault(site.role, (site.role, site.category, block.attn.head_dim))
+    return list(rows.values())
+
+
+def _check_explicit_attention(module: nn.Module, model, selector: AttentionSelector) -> None:
+    param = next(module.parameters())
+    _resolve_rows(_native_sites(module, model), param, selector, strict=True)
+
+
+def _resolve_rows(sites, param, selector: AttentionSelector, strict: bool) -> list[tuple[str, str, str, str]]:
+    capability = AttentionRequest.for_call(param).compute_capability
+    rows = []
+    for role, category, head_dim in sites:
+        request = AttentionRequest(param.dtype, param.device.type, head_dim, compute_capability=capability)
+        try:
+            found = resolve(selector.config, role, category, request)
+            rows.append((role, request.describe(), found.name, found.reason))
+        except AttentionProviderError as exc:
+            if strict:
+                raise
+            rows.append((role, request.describe(), "error", str(exc)))
+    return rows
+
+
 def _build_native(
     spec: ModelSpec, module: nn.Module, selector: AttentionSelector, parallel: ParallelState | None
 ) -> nn.Module:
@@ -289,7 +364,15 @@ def _planned_attention(
 
 
 def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
-    if component.accelerated is not None:
+    if component.runtime is not None:
+        component.cache = component.runtime.cache
+        module, model = component.original, component.spec.native_model()
+        component.undo.append(swap_blocks(module, model, component.runtime))
+        # Diffusers' compile_repeated_blocks() finds blocks by class name: point it at the native classes.
+        names = [cls.__name__ for cls in model.blocks.values()]
+        object.__setattr__(module, "_repeated_blocks", names)
+        component.undo.append(lambda: object.__delattr__(module, "_repeated_blocks"))
+    elif component.accelerated is not None:
         component.accelerated.train(component.original.training)
         object.__setattr__(pipe, component.name, component.accelerated)
         component.original.to("meta")
@@ -297,9 +380,6 @@ def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
         _route_attention(component)
         if component.cache is not None:
             component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
-    if component.cache is not None:
-        # Moving the model (pipe.to, .half(), ...) goes through _apply: stored outputs would be stale.
-        component.undo.append(_override(component.module, "_apply", _clearing([component.cache])))
 
 
 def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:
@@ -339,38 +419,18 @@ def _role_of(spec: ModelSpec, module_name: str) -> tuple[str, str]:
 
 def _scoped_hooks(module: nn.Module, enter, leave) -> list[Callable[[], None]]:
     """A pre-hook that enters a context and a hook that always leaves it, even when forward raises."""
-    tokens = []
+    local = threading.local()  # each thread enters and leaves its own contexts
 
     def pre_hook(_module, _args):
-        tokens.append(enter())
+        if not hasattr(local, "tokens"):
+            local.tokens = []
+        local.tokens.append(enter())
 
     def post_hook(_module, _args, _output):
-        leave(tokens.pop())
+        leave(local.tokens.pop())
 
     handles = [
         module.register_forward_pre_hook(pre_hook),
         module.register_forward_hook(post_hook, always_call=True),
     ]
     return [handle.remove for handle in handles]
-
-
-def _clearing(caches: list[ExactProjectionCache]):
-    """Wraps a method so that the caches are cleared after it runs."""
-
-    def wrap(method):
-        def wrapped(*args, **kwargs):
-            try:
-                return method(*args, **kwargs)
-            finally:
-                for cache in caches:
-                    cache.clear()
-
-        return wrapped
-
-    return wrap
-
-
-def _override(obj: Any, name: str, wrap) -> Callable[[], None]:
-    """Shadows ``obj.name`` on this instance only; returns the undo."""
-    object.__setattr__(obj, name, wrap(getattr(obj, name)))
-    return lambda: object.__delattr__(obj, name)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
+from .models.base import NativeRuntime
 from .parallel.cfg import CfgParallel
 
 
@@ -20,6 +21,7 @@ class ComponentReport:
     selector: AttentionSelector | None = None
     cache: ExactProjectionCache | None = None
     cfg: CfgParallel | None = None
+    runtime: NativeRuntime | None = None
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
 
@@ -46,6 +48,9 @@ class ComponentReport:
                 f"  cfg parallel: {self.cfg.split_calls} batch-split calls, {self.cfg.paired_calls} paired "
                 f"cond/uncond calls, {self.cfg.replicated_calls} calls computed on both ranks (batch of one)"
             )
+        if self.runtime is not None:
+            for reason, count in sorted(self.runtime.fallbacks.items()):
+                out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out
 

@@ -117,10 +117,8 @@ def test_scope_does_not_leak_between_pipelines():
     b = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
     for pipe in (a, b):
         pipe("x", height=32, width=32, num_inference_steps=1, output_type="latent")
-    assert {row[2] for row in a.transformer.native.double_blocks[0].attn.selector.decisions()} == {
-        "sdpa_math"
-    }
-    assert {row[2] for row in b.transformer.native.double_blocks[0].attn.selector.decisions()} == {"sdpa"}
+    assert {row[2] for row in omni_accel.describe(a).components[0].selector.decisions()} == {"sdpa_math"}
+    assert {row[2] for row in omni_accel.describe(b).components[0].selector.decisions()} == {"sdpa"}
 
 
 def test_math_provider_lse_matches_a_direct_computation():

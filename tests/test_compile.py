@@ -26,7 +26,7 @@ def test_compiled_blocks_match_eager_and_follow_the_scope():
     assert report.components[0].cache is None and "cache: off, because compiled" in str(report)
     with attention_scope(default="sdpa_math"):
         _latents(pipe)
-    selector = pipe.transformer.native.double_blocks[0].attn.selector
+    selector = omni_accel.describe(pipe).components[0].selector
     assert {row[2] for row in selector.decisions()} == {"sdpa", "sdpa_math"}  # decided at run time
 
 

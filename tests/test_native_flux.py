@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import flux_inputs, random_flux_transformer, rel_err
 
-from omni_accel.models.flux import FluxTransformer
+from omni_accel.models.flux_legacy import FluxTransformer
 from omni_accel.weights import WeightLoadError, export_weights, load_weights
 
 

@@ -53,7 +53,7 @@ def test_flux_cache_on_equals_off_bitwise(guidance_embeds, kwargs):
     on = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0, guidance_embeds=guidance_embeds))
     assert _cache(off) is None
     calls = 2 if "true_cfg_scale" in kwargs else 1
-    per_forward = 2 * 2 + 2 + 1  # two double blocks (image+text), two single blocks, norm_out
+    per_forward = 2 * 2 + 2  # two double blocks (image + text modulation), two single blocks
     first_off, first_on = _flux(off, **kwargs), _flux(on, **kwargs)
     assert torch.equal(first_on, first_off)
     cache = _cache(on)
@@ -75,24 +75,6 @@ def test_wan_cache_on_equals_off_bitwise_with_cfg():
     assert (cache.misses, cache.hits) == (2 + 8 + 3 + 3, 4 + 16 + 3 + 3)
     assert torch.equal(_wan(on), reference)
     assert (cache.misses, cache.hits) == (16, 26 + 42)
-
-
-def test_cache_is_cleared_on_move_lora_calls_and_restore():
-    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
-    cache = _cache(pipe)
-    _flux(pipe)
-    assert cache.bytes_used > 0
-    pipe.to(torch.float64)
-    assert cache.bytes_used == 0
-    _flux(pipe)
-    assert cache.bytes_used > 0 and cache.hits == 0
-    with pytest.raises(Exception):  # noqa: B017 - any failure inside still clears the cache
-        pipe.set_adapters(["missing"])
-    assert cache.bytes_used == 0
-    _flux(pipe)
-    omni_accel.restore(pipe)
-    assert cache.bytes_used == 0
-    assert "set_adapters" not in vars(pipe) and "_apply" not in vars(pipe.transformer)
 
 
 def test_wan_cache_sites_are_unwrapped_on_restore():

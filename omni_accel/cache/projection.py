@@ -8,8 +8,9 @@ only when reuse is provably exact:
 * the conditioning tensor matches a stored one bit for bit (compared on the device as integers, so NaN
   payloads and signed zeros count, and no hash can collide);
 * the projection name matches and the module's parameters and buffers are the very tensors, storage and
-  version counters seen when the output was stored (an in-place edit, ``.data`` swap, dtype or device move
-  each invalidate);
+  version counters seen when the output was stored, and its LoRA layers have the same active, merged,
+  disabled adapters and scales (an in-place edit, through ``.data`` too (see ``WatchedParameter``), a
+  ``load_state_dict``, a dtype or device move, any adapter change each invalidate);
 * the numerical settings at the ``project`` call are the same (autocast, matmul precision, TF32 and
   reduced-precision reduction flags);
 * the returned tensor was not modified since (its version counter is checked before every hit).
@@ -66,13 +67,55 @@ def _numerics(device_type: str) -> tuple:
     )
 
 
-def _module_state(module: nn.Module) -> tuple | None:
-    """Identity, storage and version of every parameter and buffer; None if one has no version counter."""
+class WatchedParameter(nn.Parameter):
+    """A parameter whose ``.data`` counts as a write: reading or setting it bumps the version counter.
+
+    ``p.data`` is a tensor with a version counter of its own, so an in-place edit through it (the EMA
+    pattern ``p.data.mul_(d).add_(...)``) leaves ``p._version`` unchanged and no cheap check could see it.
+    The cache turns the parameters it depends on into this subclass (``watch``), so any ``.data`` use
+    invalidates what was stored, and turns them back on ``clear``."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        torch.autograd.graph.increment_version(self)
+        return nn.Parameter.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        nn.Parameter.data.__set__(self, value)
+        torch.autograd.graph.increment_version(self)
+
+
+def _watch(param: torch.Tensor, watched: weakref.WeakSet) -> None:
+    if type(param) is nn.Parameter:
+        param.__class__ = WatchedParameter
+        watched.add(param)
+
+
+def _adapter_state(module: nn.Module) -> tuple:
+    """What decides a LoRA layer's effective weight besides its tensors (peft's layer attributes)."""
+    return (
+        tuple(module.active_adapters),
+        module.disable_adapters,
+        tuple(module.merged_adapters),
+        tuple(sorted(module.scaling.items())),
+        tuple(sorted(getattr(module, "lora_variant", {}))),
+    )
+
+
+def _module_state(module: nn.Module, watched: weakref.WeakSet | None = None) -> tuple | None:
+    """Identity, storage and version of every parameter and buffer and the state of every adapter layer;
+    None if a tensor has no version counter. With ``watched``, parameters start counting ``.data`` use."""
     state = []
     for t in (*module.parameters(), *module.buffers()):
         if t.is_inference():
             return None
+        if watched is not None:
+            _watch(t, watched)
         state.append((id(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape))
+    for m in module.modules():
+        if hasattr(m, "lora_A") and hasattr(m, "scaling"):
+            state.append(_adapter_state(m))
     return tuple(state)
 
 
@@ -132,6 +175,7 @@ class ExactProjectionCache:
         self._prepared: dict[int, _Prepared] = {}
         self._next_id = 0
         self._bytes = 0
+        self._watched: weakref.WeakSet = weakref.WeakSet()
 
     @property
     def enabled(self) -> bool:
@@ -142,7 +186,10 @@ class ExactProjectionCache:
         return self._bytes
 
     def clear(self) -> None:
-        """Drops every stored conditioning and output (counters are kept)."""
+        """Drops every stored conditioning and output (counters are kept) and stops watching parameters."""
+        for param in list(self._watched):
+            param.__class__ = nn.Parameter
+        self._watched.clear()
         self._conds.clear()
         self._entries.clear()
         self._prepared.clear()
@@ -259,7 +306,7 @@ class ExactProjectionCache:
             or prepared.version != conditioning._version
             or _has_hooks(module)
         ):
-            module_state = _module_state(module)
+            module_state = _module_state(module, self._watched)
         if module_state is None:
             self.bypasses += 1
             return compute()

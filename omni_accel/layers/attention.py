@@ -7,6 +7,9 @@ provider with the needed capability (the log-sum-exp, for ring attention) works 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -52,6 +55,42 @@ def _routed_attention(
 @_routed_attention.register_fake
 def _(query, key, value, selector, role, category, scale):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention call site of a native block: ``role`` names it (users target it in
+    ``AttentionConfig.per_role``), ``category`` ("self" or "cross") is the fallback key."""
+
+    role: str
+    category: str
+    scale: float | None = None  # None: 1 / sqrt(head size)
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    site: AttentionSite,
+    selector: int,
+    sp: SequenceParallel | None = None,
+) -> torch.Tensor:
+    """Attention over BSHD tensors through the provider the selector (by ``AttentionSelector.index``, which
+    a compiled graph can carry) resolves for ``site``; under sequence parallelism (``sp``) the layout's
+    communication wraps the kernel."""
+    scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
+    if sp is not None and sp.degree > 1:
+        return sp.attention(
+            query,
+            key,
+            value,
+            lambda q, k, v, need_lse: _attend(
+                selector_by_index(selector), site.role, site.category, scale, q, k, v, need_lse
+            ),
+        )
+    if torch.compiler.is_compiling():
+        return _routed_attention(query, key, value, selector, site.role, site.category, scale)
+    return _attend(selector_by_index(selector), site.role, site.category, scale, query, key, value)
 
 
 class Attention(nn.Module):

@@ -1,7 +1,9 @@
-"""Native FLUX.1 transformer (dev and schnell): the same math as Diffusers' FluxTransformer2DModel, with
-packed QKV(+MLP) GEMMs, tensor-parallel layers and provider-routed attention.
+"""Native FLUX.1 blocks (dev and schnell): Diffusers' FluxTransformer2DModel keeps its embedders, RoPE and
+output layers; its double- and single-stream blocks run the math below over packed QKV (and QKV+MLP)
+GEMMs, with attention through our providers.
 
-Only what is FLUX's own lives here: the block layout, the checkpoint name map and its parallel plan.
+Only what is FLUX's own lives here: the block math, the table of packed projections and what makes a
+call fall back to Diffusers' forward.
 """
 
 from __future__ import annotations
@@ -9,362 +11,222 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
-from ..cache.projection import ExactProjectionCache
-from ..layers import (
-    Attention,
-    ColumnParallelLinear,
-    MLPEmbedder,
-    Modulation,
-    ReplicatedLinear,
-    RMSNorm,
-    RowParallelLinear,
-    apply_rope,
-    layer_norm,
-    modulate,
-    rope_cos_sin,
-    timestep_sinusoid,
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttnProcessor,
+    FluxSingleTransformerBlock,
+    FluxTransformerBlock,
 )
-from ..parallel.mesh import ParallelState
-from ..parallel.sequence import SequenceParallel
-from ..weights import WeightMap
+
+from ..layers import apply_rope, layer_norm, modulate
+from ..layers.attention import AttentionSite, attention
+from ..layers.projection import LinearWeights, apply_linear, apply_one
+from .base import NativeBlock, NativeModel
 
 _FP16_MAX = 65504.0
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clip(-_FP16_MAX, _FP16_MAX) if x.dtype == torch.float16 else x
 
 
-class FeedForward(nn.Module):
-    """GELU(tanh) MLP: column-parallel up projection, row-parallel down projection."""
-
-    def __init__(self, dim: int, hidden: int, tp_group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.up = ColumnParallelLinear(dim, hidden, tp_group=tp_group)
-        self.down = RowParallelLinear(hidden, dim, tp_group=tp_group)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x), approximate="tanh"))
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return x.unflatten(-1, (-1, head_dim))
 
 
-class FluxDoubleBlock(nn.Module):
-    """Two streams (image, text) with their own weights, joined only inside attention."""
-
-    def __init__(self, dim: int, head_dim: int, tp_group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        qkv = {"q": dim, "k": dim, "v": dim}
-        self.img_mod = Modulation(dim, 6)
-        self.txt_mod = Modulation(dim, 6)
-        self.img_qkv = ColumnParallelLinear(dim, qkv, tp_group=tp_group, align=head_dim)
-        self.txt_qkv = ColumnParallelLinear(dim, qkv, tp_group=tp_group, align=head_dim)
-        self.img_q_norm, self.img_k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.txt_q_norm, self.txt_k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.attn = Attention(head_dim, role="flux.joint", role_category="self")
-        self.img_out = RowParallelLinear(dim, dim, tp_group=tp_group)
-        self.txt_out = RowParallelLinear(dim, dim, tp_group=tp_group)
-        self.img_mlp = FeedForward(dim, 4 * dim, tp_group)
-        self.txt_mlp = FeedForward(dim, 4 * dim, tp_group)
-
-    def _qkv(self, proj: ColumnParallelLinear, q_norm: RMSNorm, k_norm: RMSNorm, x: torch.Tensor):
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in proj.split(proj(x)))
-        return q_norm(q), k_norm(k), v
-
-    def forward(
-        self,
-        img: torch.Tensor,
-        txt: torch.Tensor,
-        temb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        sp: SequenceParallel | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = self.img_mod(temb)
-        t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = self.txt_mod(temb)
-
-        iq, ik, iv = self._qkv(
-            self.img_qkv, self.img_q_norm, self.img_k_norm, modulate(layer_norm(img), i_shift, i_scale)
-        )
-        tq, tk, tv = self._qkv(
-            self.txt_qkv, self.txt_q_norm, self.txt_k_norm, modulate(layer_norm(txt), t_shift, t_scale)
-        )
-        q = apply_rope(torch.cat([tq, iq], dim=1), *rope)
-        k = apply_rope(torch.cat([tk, ik], dim=1), *rope)
-        v = torch.cat([tv, iv], dim=1)
-        txt_attn, img_attn = self.attn(q, k, v, sp=sp).flatten(2).split([txt.shape[1], img.shape[1]], dim=1)
-
-        img = img + i_gate[:, None] * self.img_out(img_attn)
-        img = img + i_gate2[:, None] * self.img_mlp(modulate(layer_norm(img), i_shift2, i_scale2))
-        txt = txt + t_gate[:, None] * self.txt_out(txt_attn)
-        txt = txt + t_gate2[:, None] * self.txt_mlp(modulate(layer_norm(txt), t_shift2, t_scale2))
-        return _clip_fp16(img), _clip_fp16(txt)
+def _rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    return x if rope is None else apply_rope(x, *rope)
 
 
-class FluxSingleBlock(nn.Module):
-    """One stream over [text, image]; attention QKV and the MLP up projection share one packed GEMM."""
-
-    def __init__(
-        self, dim: int, head_dim: int, tp_group: dist.ProcessGroup | None, mlp_ratio: float = 4.0
-    ) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        mlp_dim = int(dim * mlp_ratio)
-        self.mod = Modulation(dim, 3)
-        self.qkv_mlp = ColumnParallelLinear(
-            dim, {"q": dim, "k": dim, "v": dim, "mlp": mlp_dim}, tp_group=tp_group, align=head_dim
-        )
-        self.q_norm, self.k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.attn = Attention(head_dim, role="flux.single", role_category="self")
-        self.out = RowParallelLinear(dim + mlp_dim, dim, tp_group=tp_group, input_blocks=(dim, mlp_dim))
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        temb: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        sp: SequenceParallel | None = None,
-    ) -> torch.Tensor:
-        shift, scale, gate = self.mod(temb)
-        q, k, v, mlp = self.qkv_mlp.split(self.qkv_mlp(modulate(layer_norm(x), shift, scale)))
-        q = apply_rope(self.q_norm(q.unflatten(-1, (-1, self.head_dim))), *rope)
-        k = apply_rope(self.k_norm(k.unflatten(-1, (-1, self.head_dim))), *rope)
-        attn = self.attn(q, k, v.unflatten(-1, (-1, self.head_dim)), sp=sp).flatten(2)
-        out = self.out(torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=-1))
-        return _clip_fp16(x + gate[:, None] * out)
+def _attention_reason(block: Any, joint_attention_kwargs: dict[str, Any] | None) -> str | None:
+    processor = block.attn.processor
+    if type(processor) is not FluxAttnProcessor:
+        return f"attention processor {type(processor).__name__} (IP-adapter or custom) runs in Diffusers"
+    if processor._attention_backend is not None or processor._parallel_config is not None:
+        return "a Diffusers attention backend or context-parallel config is set on the processor"
+    if block.attn.fused_projections:
+        return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
+    if joint_attention_kwargs:
+        return f"joint_attention_kwargs {sorted(joint_attention_kwargs)} are handled by Diffusers' processors"
+    return None
 
 
-class FluxTransformer(nn.Module):
-    """Takes and returns exactly what Diffusers' FluxTransformer2DModel.forward does."""
+def _feed_forward(x: torch.Tensor, up: LinearWeights, down: LinearWeights) -> torch.Tensor:
+    return apply_one(F.gelu(apply_one(x, up), approximate="tanh"), down)
 
-    projection_cache: ExactProjectionCache | None = None
-    projection_name: str = ""
-    # What the native model does not do, for the report (each is refused with an error, not ignored).
-    limitations = (
-        "IP-adapter and LoRA scale via joint_attention_kwargs: refused with an error (fuse LoRA before accelerate)",
-    )
-    # Lists of identical blocks: compiled once per class with compile=True.
-    repeated_blocks = ("double_blocks", "single_blocks")
-    # Inputs with a batch dimension: CFG parallelism splits exactly these.
-    batched_inputs = (
-        "hidden_states",
-        "encoder_hidden_states",
-        "pooled_projections",
-        "timestep",
-        "guidance",
-        "controlnet_block_samples",
-        "controlnet_single_block_samples",
-    )
 
-    weight_map = WeightMap(
-        [
-            (r"transformer_blocks\.(\d+)\.norm1\.linear\.(\w+)", r"double_blocks.\1.img_mod.linear.\2", None),
-            (
-                r"transformer_blocks\.(\d+)\.norm1_context\.linear\.(\w+)",
-                r"double_blocks.\1.txt_mod.linear.\2",
-                None,
-            ),
-            (r"transformer_blocks\.(\d+)\.attn\.to_([qkv])\.(\w+)", r"double_blocks.\1.img_qkv.\3", "\\2"),
-            (
-                r"transformer_blocks\.(\d+)\.attn\.add_([qkv])_proj\.(\w+)",
-                r"double_blocks.\1.txt_qkv.\3",
-                "\\2",
-            ),
-            (
-                r"transformer_blocks\.(\d+)\.attn\.norm_([qk])\.weight",
-                r"double_blocks.\1.img_\2_norm.weight",
-                None,
-            ),
-            (
-                r"transformer_blocks\.(\d+)\.attn\.norm_added_([qk])\.weight",
-                r"double_blocks.\1.txt_\2_norm.weight",
-                None,
-            ),
-            (r"transformer_blocks\.(\d+)\.attn\.to_out\.0\.(\w+)", r"double_blocks.\1.img_out.\2", None),
-            (r"transformer_blocks\.(\d+)\.attn\.to_add_out\.(\w+)", r"double_blocks.\1.txt_out.\2", None),
-            (r"transformer_blocks\.(\d+)\.ff\.net\.0\.proj\.(\w+)", r"double_blocks.\1.img_mlp.up.\2", None),
-            (r"transformer_blocks\.(\d+)\.ff\.net\.2\.(\w+)", r"double_blocks.\1.img_mlp.down.\2", None),
-            (
-                r"transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj\.(\w+)",
-                r"double_blocks.\1.txt_mlp.up.\2",
-                None,
-            ),
-            (
-                r"transformer_blocks\.(\d+)\.ff_context\.net\.2\.(\w+)",
-                r"double_blocks.\1.txt_mlp.down.\2",
-                None,
-            ),
-            (
-                r"single_transformer_blocks\.(\d+)\.norm\.linear\.(\w+)",
-                r"single_blocks.\1.mod.linear.\2",
-                None,
-            ),
-            (
-                r"single_transformer_blocks\.(\d+)\.attn\.to_([qkv])\.(\w+)",
-                r"single_blocks.\1.qkv_mlp.\3",
-                "\\2",
-            ),
-            (r"single_transformer_blocks\.(\d+)\.proj_mlp\.(\w+)", r"single_blocks.\1.qkv_mlp.\2", "mlp"),
-            (
-                r"single_transformer_blocks\.(\d+)\.attn\.norm_([qk])\.weight",
-                r"single_blocks.\1.\2_norm.weight",
-                None,
-            ),
-            (r"single_transformer_blocks\.(\d+)\.proj_out\.(\w+)", r"single_blocks.\1.out.\2", None),
-        ]
-    )
+def double_block(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    img_mod: torch.Tensor,
+    txt_mod: torch.Tensor,
+    rope: Rope,
+    w: dict[str, LinearWeights],
+    norms: dict[str, torch.Tensor | None],
+    head_dim: int,
+    eps: float,
+    qk_eps: float,
+    site: AttentionSite,
+    selector: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diffusers' FluxTransformerBlock.forward, op for op, over packed projections."""
+    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=1)
+    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=1)
+    iq, ik, iv = apply_linear(modulate(layer_norm(img, eps), i_shift, i_scale), w["img_qkv"])
+    tq, tk, tv = apply_linear(modulate(layer_norm(txt, eps), t_shift, t_scale), w["txt_qkv"])
+    dim = (head_dim,)
+    iq = F.rms_norm(_heads(iq, head_dim), dim, norms["q"], qk_eps)
+    ik = F.rms_norm(_heads(ik, head_dim), dim, norms["k"], qk_eps)
+    tq = F.rms_norm(_heads(tq, head_dim), dim, norms["added_q"], qk_eps)
+    tk = F.rms_norm(_heads(tk, head_dim), dim, norms["added_k"], qk_eps)
+    q = _rope(torch.cat([tq, iq], dim=1), rope)
+    k = _rope(torch.cat([tk, ik], dim=1), rope)
+    v = torch.cat([_heads(tv, head_dim), _heads(iv, head_dim)], dim=1)
+    out = attention(q, k, v, site, selector).flatten(2, 3).to(q.dtype)
+    txt_attn, img_attn = out.split_with_sizes([txt.shape[1], img.shape[1]], dim=1)
 
-    def __init__(
-        self,
-        *,
-        patch_size: int = 1,
-        in_channels: int = 64,
-        out_channels: int | None = None,
-        num_layers: int = 19,
-        num_single_layers: int = 38,
-        attention_head_dim: int = 128,
-        num_attention_heads: int = 24,
-        joint_attention_dim: int = 4096,
-        pooled_projection_dim: int = 768,
-        guidance_embeds: bool = False,
-        axes_dims_rope: tuple[int, ...] = (16, 56, 56),
-        parallel: ParallelState | None = None,
-    ) -> None:
-        super().__init__()
-        dim = num_attention_heads * attention_head_dim
-        self.parallel = parallel
-        tp_group = parallel.group("tp") if parallel is not None else None
-        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-        if num_attention_heads % tp_size:
-            raise ValueError(
-                f"tp={tp_size} does not divide FLUX's {num_attention_heads} attention heads; use a tp in "
-                f"{[d for d in range(1, num_attention_heads + 1) if num_attention_heads % d == 0]}."
-            )
-        self.axes_dims_rope = tuple(axes_dims_rope)
-        self.x_embedder = ReplicatedLinear(in_channels, dim)
-        self.context_embedder = ReplicatedLinear(joint_attention_dim, dim)
-        self.time_text_embed = nn.Module()
-        self.time_text_embed.timestep_embedder = MLPEmbedder(256, dim)
-        self.time_text_embed.text_embedder = MLPEmbedder(pooled_projection_dim, dim)
-        if guidance_embeds:
-            self.time_text_embed.guidance_embedder = MLPEmbedder(256, dim)
-        self.double_blocks = nn.ModuleList(
-            FluxDoubleBlock(dim, attention_head_dim, tp_group) for _ in range(num_layers)
-        )
-        self.single_blocks = nn.ModuleList(
-            FluxSingleBlock(dim, attention_head_dim, tp_group) for _ in range(num_single_layers)
-        )
-        self.norm_out = Modulation(dim, 2)
-        self.proj_out = ReplicatedLinear(dim, patch_size * patch_size * (out_channels or in_channels))
+    img = img + i_gate.unsqueeze(1) * apply_one(img_attn.contiguous(), w["img_out"])
+    ff = _feed_forward(modulate(layer_norm(img, eps), i_shift2, i_scale2), w["img_up"], w["img_down"])
+    img = img + i_gate2.unsqueeze(1) * ff
+    txt = txt + t_gate.unsqueeze(1) * apply_one(txt_attn.contiguous(), w["txt_out"])
+    ff = _feed_forward(modulate(layer_norm(txt, eps), t_shift2, t_scale2), w["txt_up"], w["txt_down"])
+    txt = txt + t_gate2.unsqueeze(1) * ff
+    return _clip_fp16(txt), img
 
-    @classmethod
-    def from_diffusers_config(cls, config: dict[str, Any], **kwargs: Any) -> FluxTransformer:
-        keys = [
-            "patch_size",
-            "in_channels",
-            "out_channels",
-            "num_layers",
-            "num_single_layers",
-            "attention_head_dim",
-            "num_attention_heads",
-            "joint_attention_dim",
-            "pooled_projection_dim",
-            "guidance_embeds",
-            "axes_dims_rope",
-        ]
-        return cls(**{k: config[k] for k in keys if k in config}, **kwargs)
 
-    def output_like(self, kwargs: dict[str, Any]) -> torch.Tensor:
-        """An uninitialised tensor shaped like the output for these inputs."""
-        hidden = kwargs["hidden_states"]
-        return hidden.new_empty(*hidden.shape[:2], self.proj_out.out_features)
+def single_block(
+    x: torch.Tensor,
+    mod: torch.Tensor,
+    rope: Rope,
+    w: dict[str, LinearWeights],
+    norms: dict[str, torch.Tensor | None],
+    head_dim: int,
+    eps: float,
+    qk_eps: float,
+    site: AttentionSite,
+    selector: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diffusers' FluxSingleTransformerBlock.forward on ``x = [text, image]``, op for op, with QKV and the MLP
+    input in one GEMM."""
+    shift, scale, gate = mod.chunk(3, dim=1)
+    q, k, v, mlp = apply_linear(modulate(layer_norm(x, eps), shift, scale), w["qkv_mlp"])
+    dim = (head_dim,)
+    q = _rope(F.rms_norm(_heads(q, head_dim), dim, norms["q"], qk_eps), rope)
+    k = _rope(F.rms_norm(_heads(k, head_dim), dim, norms["k"], qk_eps), rope)
+    out = attention(q, k, _heads(v, head_dim), site, selector).flatten(2, 3).to(q.dtype)
+    x = x + gate.unsqueeze(1) * apply_one(torch.cat([out, F.gelu(mlp, approximate="tanh")], dim=2), w["out"])
+    return _clip_fp16(x)
 
-    def _conditioning(self, timestep, guidance, pooled, dtype) -> torch.Tensor:
-        embed = self.time_text_embed
-        temb = embed.timestep_embedder(timestep_sinusoid(timestep.to(dtype) * 1000, 256).to(pooled.dtype))
-        if guidance is not None:
-            if not hasattr(embed, "guidance_embedder"):
-                raise ValueError(
-                    "This FLUX transformer has no guidance embedding (schnell); do not pass guidance."
-                )
-            temb = temb + embed.guidance_embedder(
-                timestep_sinusoid(guidance.to(dtype) * 1000, 256).to(pooled.dtype)
-            )
-        elif hasattr(embed, "guidance_embedder"):
-            raise ValueError("This FLUX transformer embeds guidance (dev): pass `guidance`.")
-        return temb + embed.text_embedder(pooled)
 
-    def _split_sequence(self, txt, img, cos, sin):
-        """This rank's share of the sequence: a slice of the text and a slice of the image tokens (and of
-        their RoPE rows). Their concatenation is this rank's slice of the joint sequence; attention does not
-        depend on the order of keys, so the joint sequence need not be contiguous across ranks. Returns the
-        joint plan, the image plan (to gather the output), and the local tensors."""
-        groups = dict(ulysses_group=self.parallel.group("ulysses"), ring_group=self.parallel.group("ring"))
-        txt_sp = SequenceParallel.plan(txt.shape[1], **groups)
-        img_sp = SequenceParallel.plan(img.shape[1], **groups)
-        sp = SequenceParallel(tuple(map(sum, zip(txt_sp.sizes, img_sp.sizes, strict=True))), **groups)
-        text = txt.shape[1]
-        cos, sin = (
-            torch.cat([txt_sp.shard(t[:text], dim=0), img_sp.shard(t[text:], dim=0)]) for t in (cos, sin)
-        )
-        return sp, img_sp, txt_sp.shard(txt), img_sp.shard(img), cos, sin
+def _joined(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+    """``cat([txt, img], dim=1)``; without a copy when they are the two halves of one tensor, as the
+    previous single block returns them (so only the first single block pays for the concatenation)."""
+    batch, text_len, dim = txt.shape
+    length = text_len + img.shape[1]
+    stride = (length * dim, dim, 1)
+    if (
+        txt.untyped_storage().data_ptr() == img.untyped_storage().data_ptr()
+        and txt.stride() == stride
+        and img.stride() == stride
+        and img.storage_offset() == txt.storage_offset() + text_len * dim
+        and txt.dtype == img.dtype
+    ):
+        return txt.as_strided((batch, length, dim), stride)
+    return torch.cat([txt, img], dim=1)
+
+
+class _FluxNative(NativeBlock):
+    site: AttentionSite
+    math: Any
+
+    def unsupported_reason(self, joint_attention_kwargs: dict[str, Any] | None) -> str | None:
+        return _attention_reason(self, joint_attention_kwargs)
+
+    def _norms(self) -> dict[str, torch.Tensor | None]:
+        attn = self.attn
+        names = ("q", "k", "added_q", "added_k") if attn.added_kv_proj_dim is not None else ("q", "k")
+        return {name: getattr(attn, f"norm_{name}").weight for name in names}
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
-        pooled_projections: torch.Tensor,
-        timestep: torch.Tensor,
-        img_ids: torch.Tensor,
-        txt_ids: torch.Tensor,
-        guidance: torch.Tensor | None = None,
+        temb: torch.Tensor,
+        image_rotary_emb: Rope = None,
         joint_attention_kwargs: dict[str, Any] | None = None,
-        controlnet_block_samples: list[torch.Tensor] | None = None,
-        controlnet_single_block_samples: list[torch.Tensor] | None = None,
-        controlnet_blocks_repeat: bool = False,
-    ) -> torch.Tensor:
-        if joint_attention_kwargs:
-            raise NotImplementedError(
-                f"The native FLUX transformer does not take joint_attention_kwargs {sorted(joint_attention_kwargs)} "
-                "(IP-adapter, LoRA scale). Fuse LoRA weights before accelerate(), or call omni_accel.restore(pipe)."
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = self.native_weights(joint_attention_kwargs)
+        if weights is None:
+            return super().forward(
+                hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs
             )
-        img = self.x_embedder(hidden_states)
-        temb = self._conditioning(timestep, guidance, pooled_projections, img.dtype)
-        if self.projection_cache is not None:
-            self.projection_cache.prepare(temb)  # every modulation projects this same tensor
-        txt = self.context_embedder(encoder_hidden_states)
-        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
-        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
-        cos, sin = rope_cos_sin(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, theta=10000)
+        runtime = self.omni_runtime
+        modulation = [
+            self.project_conditioning(name, temb, lambda name=name: apply_one(F.silu(temb), weights[name]))
+            for name in self.modulations
+        ]
+        return self._run(
+            runtime.math(type(self).math),
+            hidden_states,
+            encoder_hidden_states,
+            *modulation,
+            image_rotary_emb,
+            weights,
+            self._norms(),
+            self.attn.head_dim,
+            self._layer_norm_eps(),
+            self.attn.norm_q.eps,
+            type(self).site,
+            runtime.selector.index,
+        )
 
-        sp = img_sp = None
-        if self.parallel is not None and self.parallel.config.sequence_parallel > 1:
-            sp, img_sp, txt, img, cos, sin = self._split_sequence(txt, img, cos, sin)
-            controlnet_block_samples = _shard_all(controlnet_block_samples, img_sp)
-            controlnet_single_block_samples = _shard_all(controlnet_single_block_samples, img_sp)
-        rope = (cos, sin)
 
-        for index, block in enumerate(self.double_blocks):
-            img, txt = block(img, txt, temb, rope, sp)
-            if controlnet_block_samples is not None:
-                img = img + _controlnet_residual(
-                    controlnet_block_samples, index, len(self.double_blocks), controlnet_blocks_repeat
-                )
+class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
+    """FLUX's double-stream block: image and text streams with their own weights, joined in attention."""
+
+    packed = {
+        "img_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "txt_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    }
+    linears = {
+        "img_mod": "norm1.linear",
+        "txt_mod": "norm1_context.linear",
+        "img_out": "attn.to_out.0",
+        "txt_out": "attn.to_add_out",
+        "img_up": "ff.net.0.proj",
+        "img_down": "ff.net.2",
+        "txt_up": "ff_context.net.0.proj",
+        "txt_down": "ff_context.net.2",
+    }
+    modulations = ("img_mod", "txt_mod")
+    site = AttentionSite("flux.joint", "self")
+    math = staticmethod(double_block)
+
+    def _run(self, math, img, txt, *args):
+        return math(img, txt, *args)
+
+    def _layer_norm_eps(self) -> float:
+        return self.norm2.eps
+
+
+class NativeFluxSingleTransformerBlock(_FluxNative, FluxSingleTransformerBlock):
+    """FLUX's single-stream block over [text, image]: attention QKV and the MLP input share one GEMM."""
+
+    packed = {"qkv_mlp": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
+    linears = {"mod": "norm.linear", "out": "proj_out"}
+    modulations = ("mod",)
+    site = AttentionSite("flux.single", "self")
+    math = staticmethod(single_block)
+
+    def _run(self, math, img, txt, *args):
         text_len = txt.shape[1]
-        x = torch.cat([txt, img], dim=1)
-        for index, block in enumerate(self.single_blocks):
-            x = block(x, temb, rope, sp)
-            if controlnet_single_block_samples is not None:
-                residual = _controlnet_residual(
-                    controlnet_single_block_samples, index, len(self.single_blocks), False
-                )
-                x = torch.cat([x[:, :text_len], x[:, text_len:] + residual], dim=1)
-        img = x[:, text_len:]
-        scale, shift = self.norm_out(temb)
-        out = self.proj_out(modulate(layer_norm(img), shift, scale))
-        return out if img_sp is None else img_sp.gather(out)
+        x = math(_joined(txt, img), *args)
+        return x[:, :text_len], x[:, text_len:]
+
+    def _layer_norm_eps(self) -> float:
+        return self.norm.norm.eps
 
 
 def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
@@ -376,14 +238,23 @@ def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
     return arguments.get("true_cfg_scale", 1.0) > 1 and negative
 
 
-def _shard_all(samples: list[torch.Tensor] | None, sp: SequenceParallel) -> list[torch.Tensor] | None:
-    return None if samples is None else [sp.shard(s) for s in samples]
-
-
-def _controlnet_residual(
-    samples: list[torch.Tensor], index: int, num_blocks: int, repeat: bool
-) -> torch.Tensor:
-    if repeat:
-        return samples[index % len(samples)]
-    interval = -(-num_blocks // len(samples))
-    return samples[index // interval]
+FLUX = NativeModel(
+    blocks={
+        "transformer_blocks": NativeFluxTransformerBlock,
+        "single_transformer_blocks": NativeFluxSingleTransformerBlock,
+    },
+    batched_inputs=(
+        "hidden_states",
+        "encoder_hidden_states",
+        "pooled_projections",
+        "timestep",
+        "guidance",
+        "controlnet_block_samples",
+        "controlnet_single_block_samples",
+    ),
+    cfg_pairing=true_cfg_pairs,
+    limitations=(
+        "IP-adapter processors, Diffusers attention backends set on a processor, fuse_qkv_projections(), "
+        "DoRA adapters and hooks on a projection run Diffusers' forward of the block (counted in the report)",
+    ),
+)

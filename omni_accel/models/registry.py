@@ -28,6 +28,7 @@ class ModelSpec:
 
     family: str
     native: str | None = None
+    legacy_native: str | None = None  # the separate native module that parallel layouts still run
     output_class: str = "diffusers.models.modeling_outputs:Transformer2DModelOutput"
     attention_routes: tuple[tuple[str, str], ...] = ()
     attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
@@ -35,8 +36,12 @@ class ModelSpec:
     cfg_pairing: str | None = None  # "module:function" telling from a pipeline call's arguments whether the
     # transformer is called twice per step (cond then uncond), so CFG parallelism pairs those calls
 
-    def native_class(self) -> type[nn.Module] | None:
+    def native_model(self):
+        """The model's ``NativeModel`` (see ``models.base``), or None."""
         return _import(self.native) if self.native else None
+
+    def native_class(self) -> type[nn.Module] | None:
+        return _import(self.legacy_native) if self.legacy_native else None
 
 
 def _import(target: str):
@@ -49,7 +54,8 @@ _TRANSFORMERS = "diffusers.models.transformers"
 _SPECS: dict[str, ModelSpec] = {
     "FluxTransformer2DModel": ModelSpec(
         family="flux",
-        native="omni_accel.models.flux:FluxTransformer",
+        native="omni_accel.models.flux:FLUX",
+        legacy_native="omni_accel.models.flux_legacy:FluxTransformer",
         cfg_pairing="omni_accel.models.flux:true_cfg_pairs",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_flux"),),
         attention_roles={

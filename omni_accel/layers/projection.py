@@ -1,0 +1,229 @@
+"""Projections read from a Diffusers module's own linears: plain, LoRA-wrapped, or packed into one GEMM.
+
+A native block owns no weights. At each call it reads the weights of the Diffusers submodules it adopted,
+so whatever a user does to them (load LoRA, scale or disable adapters, ``load_state_dict``, ``.to()``)
+is what runs. ``read_linear`` turns one such submodule into ``LinearWeights`` (the base weight and the
+active, unmerged low-rank adapter terms, exactly as peft would apply them), or says why it cannot, in
+which case the caller runs Diffusers' own forward.
+
+Packing: the weights of projections that read the same input (Q, K, V...) are moved into one storage and
+each Diffusers parameter becomes a view of its rows (``pack``), so one GEMM serves them all at no extra
+memory and the Diffusers names stay valid. Anything that breaks the views (``deepcopy``, ``.to()``,
+``load_state_dict(assign=True)``, a safe LoRA fuse) is noticed on the next call by a host-side check of
+storage and offsets, and the projection is packed again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+_PACK_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """One active LoRA adapter: ``up(down(x)) * scale`` added to the base output, as peft computes it."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    up_bias: torch.Tensor | None
+    scale: float
+    cast_input: bool
+
+
+@dataclass(frozen=True)
+class LinearWeights:
+    """The effective weights of one projection, or of several packed side by side (``sizes``)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+    adapters: tuple[tuple[LowRank, ...], ...]  # per packed output
+
+
+class Unsupported(Exception):
+    """A submodule the native path cannot read; the message says why (and the block runs Diffusers')."""
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Any forward hook (torch, accelerate or Diffusers) on the module or below it, or a global one."""
+    if (
+        module_globals._global_forward_hooks
+        or module_globals._global_forward_pre_hooks
+        or module_globals._global_forward_hooks_always_called
+    ):
+        return True
+    for m in module.modules():
+        if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
+            return True
+        registry = getattr(m, "_diffusers_hook", None)
+        if registry is not None and registry.hooks:
+            return True
+    return False
+
+
+def _is_adapter_layer(module: nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "scaling")
+
+
+def _plain_linear(module: nn.Module, where: str) -> nn.Linear:
+    if type(module) is not nn.Linear:
+        raise Unsupported(f"{where} is a {type(module).__name__}, not a plain nn.Linear")
+    return module
+
+
+def _adapters(layer: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, ...]]:
+    """The base linear and the adapter terms peft's ``lora.Linear.forward`` would add, in its order."""
+    base = _plain_linear(layer.get_base_layer(), f"{where}.base_layer")
+    if layer.disable_adapters:
+        if layer.merged:
+            raise Unsupported(f"{where}: adapters disabled while merged (peft unmerges them on the call)")
+        return base, ()
+    if layer.merged:  # the merged deltas are in the base weight already
+        return base, ()
+    terms = []
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        if name in getattr(layer, "lora_variant", {}):
+            raise Unsupported(f"{where}: adapter {name!r} is a LoRA variant (DoRA...)")
+        dropout = layer.lora_dropout[name]
+        if not isinstance(dropout, nn.Identity) and dropout.training and dropout.p > 0:
+            raise Unsupported(f"{where}: adapter {name!r} applies dropout (training mode)")
+        down = _plain_linear(layer.lora_A[name], f"{where}.lora_A[{name!r}]")
+        up = _plain_linear(layer.lora_B[name], f"{where}.lora_B[{name!r}]")
+        if down.bias is not None:
+            raise Unsupported(f"{where}: adapter {name!r} has a bias on lora_A")
+        cast = getattr(layer, "cast_input_dtype_enabled", True)
+        terms.append(LowRank(down.weight, up.weight, up.bias, layer.scaling[name], cast))
+    return base, tuple(terms)
+
+
+def _resolve(module: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, ...]]:
+    if has_hooks(module):
+        raise Unsupported(f"{where} has forward hooks")
+    if _is_adapter_layer(module):
+        return _adapters(module, where)
+    return _plain_linear(module, where), ()
+
+
+def read_linear(module: nn.Module, where: str) -> LinearWeights:
+    """The weights of one Diffusers linear (maybe LoRA-wrapped); raises ``Unsupported`` with the reason."""
+    base, terms = _resolve(module, where)
+    return LinearWeights(base.weight, base.bias, (base.out_features,), (terms,))
+
+
+def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
+    """The weights of several linears that read one input, as one packed GEMM (packing them if needed)."""
+    resolved = [_resolve(m, f"{where}[{i}]") for i, m in enumerate(modules)]
+    bases = [base for base, _ in resolved]
+    packed = _packed_view(bases)
+    if packed is None:
+        with _PACK_LOCK:
+            packed = _packed_view(bases)
+            if packed is None:
+                pack(bases)
+                packed = _packed_view(bases)
+    weight, bias = packed
+    return LinearWeights(
+        weight, bias, tuple(b.out_features for b in bases), tuple(terms for _, terms in resolved)
+    )
+
+
+def _contiguous_run(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one 2-D (or 1-D) tensor when each starts where the previous ends in one storage."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        if (
+            t.untyped_storage().data_ptr() != storage
+            or t.storage_offset() != offset
+            or not t.is_contiguous()
+            or t.dtype != first.dtype
+            or t.shape[1:] != first.shape[1:]
+        ):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    shape = (rows, *first.shape[1:])
+    return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride())
+
+
+def _packed_view(bases: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    if len(bases) == 1:
+        return bases[0].weight, bases[0].bias
+    weight = _contiguous_run([b.weight for b in bases])
+    if weight is None:
+        return None
+    if bases[0].bias is None:
+        return (weight, None) if all(b.bias is None for b in bases) else None
+    if any(b.bias is None for b in bases):
+        return None
+    bias = _contiguous_run([b.bias for b in bases])
+    return None if bias is None else (weight, bias)
+
+
+def _check_packable(bases: Sequence[nn.Linear]) -> None:
+    first = bases[0].weight
+    for base in bases:
+        for param in (base.weight, base.bias):
+            if param is None:
+                continue
+            if (param.dtype, param.device) != (first.dtype, first.device) or param.is_meta:
+                raise Unsupported(
+                    f"packed projections hold {param.dtype} on {param.device} and {first.dtype} on "
+                    f"{first.device}; put the model on one dtype and device"
+                )
+            if param.requires_grad and torch.is_grad_enabled():
+                raise Unsupported("a packed weight requires grad")
+        if base.in_features != bases[0].in_features:
+            raise Unsupported("packed projections read inputs of different sizes")
+    if len({b.bias is None for b in bases}) > 1:
+        raise Unsupported("some packed projections have a bias and some do not")
+
+
+def pack(bases: Sequence[nn.Linear]) -> None:
+    """Moves the weights (and biases) of ``bases`` into one storage; each parameter becomes a view of it."""
+    if len(bases) == 1:
+        return
+    _check_packable(bases)
+    names = ["weight"] if bases[0].bias is None else ["weight", "bias"]
+    for name in names:
+        params = [getattr(b, name) for b in bases]
+        storage = torch.cat([p.detach() for p in params])
+        start = 0
+        for param in params:
+            param.data = storage[start : start + param.shape[0]]
+            start += param.shape[0]
+
+
+def apply_linear(x: torch.Tensor, weights: LinearWeights) -> tuple[torch.Tensor, ...]:
+    """``x`` through the (packed) projection: one output per packed linear, adapters added as peft does."""
+    y = F.linear(x, weights.weight, weights.bias)
+    parts = y.split(weights.sizes, dim=-1) if len(weights.sizes) > 1 else (y,)
+    return tuple(_add_adapters(x, part, terms) for part, terms in zip(parts, weights.adapters, strict=True))
+
+
+def _add_adapters(x: torch.Tensor, result: torch.Tensor, terms: tuple[LowRank, ...]) -> torch.Tensor:
+    if not terms:
+        return result
+    dtype = result.dtype
+    for term in terms:
+        if term.cast_input and x.dtype != term.down.dtype:
+            x = x.to(term.down.dtype)
+        result = result + F.linear(F.linear(x, term.down), term.up, term.up_bias) * term.scale
+    return result.to(dtype)
+
+
+def apply_one(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
+    """``apply_linear`` for a projection that is not packed."""
+    (out,) = apply_linear(x, weights)
+    return out

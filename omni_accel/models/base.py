@@ -1,0 +1,195 @@
+"""The native-model contract: what the rest of omni_accel needs from a native model, declared in one place.
+
+A native model does not replace the Diffusers transformer. ``pipe.transformer`` stays the Diffusers module,
+of its class, with its config, mixins (LoRA, step caches, offload) and hooks; only its repeated blocks
+change class: each becomes an instance of a ``NativeBlock`` subclass of its own Diffusers class. The block
+keeps its submodules, parameters and hooks (it is the same object), so Diffusers names, ``state_dict``,
+LoRA loading and every hook keep working, and its ``forward`` runs fused math over the weights it reads
+from those submodules. Whatever the native math cannot serve exactly (an IP-adapter processor, a DoRA
+adapter, hooks on a projection, training mode) runs Diffusers' own forward of that block, and the report
+counts it.
+
+A model file declares a ``NativeModel`` (which block lists become which native classes, the inputs that
+carry a batch, the CFG pairing rule, limitations) and its block classes, each with its table of packed
+projections (``packed``: name -> the Diffusers linears that read one input) and its pure math.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from omni_accel.patches import hook_chains
+
+from ..attention.selection import AttentionSelector
+from ..cache import ExactProjectionCache
+from ..layers.projection import LinearWeights, Unsupported, read_linear, read_packed
+
+
+@dataclass(frozen=True)
+class NativeModel:
+    """One Diffusers transformer class made native.
+
+    ``blocks``: attribute of each repeated-block list -> its native block class. ``batched_inputs``:
+    forward arguments with a batch dimension (CFG parallelism splits exactly these). ``cfg_pairing``:
+    tells from a pipeline call's arguments whether the transformer is called twice per step (cond, then
+    uncond). ``limitations``: what the native blocks hand to Diffusers' forward, for the report.
+    """
+
+    blocks: Mapping[str, type[NativeBlock]]
+    batched_inputs: tuple[str, ...]
+    cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
+    limitations: tuple[str, ...] = ()
+
+
+@dataclass
+class NativeRuntime:
+    """What the native blocks of one accelerated transformer share: the attention selector, whether their
+    math is compiled, and the count of calls that ran Diffusers' forward instead (by reason)."""
+
+    selector: AttentionSelector
+    compile_options: Mapping[str, Any] | None = None
+    cache: ExactProjectionCache | None = None
+    fallbacks: Counter = field(default_factory=Counter)
+    _compiled: dict = field(default_factory=dict)
+
+    def math(self, fn: Callable) -> Callable:
+        """``fn`` itself, or its compiled version (one per function: every block of a class shares it)."""
+        if self.compile_options is None:
+            return fn
+        compiled = self._compiled.get(fn)
+        if compiled is None:
+            compiled = self._compiled[fn] = torch.compile(fn, **self.compile_options)
+        return compiled
+
+    def __deepcopy__(self, memo: dict) -> NativeRuntime:
+        # A copied pipeline keeps the selector (it names the provider choice, not model state) and compiles anew.
+        cache = None if self.cache is None else ExactProjectionCache(self.cache.max_bytes)
+        return NativeRuntime(self.selector, self.compile_options, cache, Counter(self.fallbacks))
+
+
+class NativeBlock:
+    """Mixin for a native block; the subclass also derives from the Diffusers block class it replaces.
+
+    ``packed``: name -> Diffusers paths of linears that read one input (one GEMM). ``linears``: name ->
+    path of the other linears the math reads. Subclasses implement ``forward`` with Diffusers' signature:
+    ``self.native_weights(...)`` gives the weights or None, in which case they return
+    ``super().forward(...)``.
+    """
+
+    packed: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    linears: ClassVar[Mapping[str, str]] = {}
+    omni_runtime: NativeRuntime
+    omni_name: str  # the block's name in the transformer, naming its projection-cache entries
+
+    @classmethod
+    def diffusers_class(cls) -> type[nn.Module]:
+        return next(
+            base for base in cls.__mro__[1:] if issubclass(base, nn.Module) and base is not NativeBlock
+        )
+
+    def unsupported_reason(self, *args: Any, **kwargs: Any) -> str | None:
+        """A model-specific reason this call must run Diffusers' forward (a custom processor...), or None."""
+        return None
+
+    def native_weights(self, *args: Any, **kwargs: Any) -> dict[str, LinearWeights] | None:
+        """The weights of every projection, read now; None (and the reason counted) when this call must run
+        Diffusers' forward."""
+        reason = self._block_reason() or self.unsupported_reason(*args, **kwargs)
+        if reason is None:
+            try:
+                weights = {
+                    name: read_packed(self._modules_at(paths), name) for name, paths in self.packed.items()
+                }
+                weights.update(
+                    {name: read_linear(self.get_submodule(path), path) for name, path in self.linears.items()}
+                )
+                return weights
+            except Unsupported as exc:
+                reason = str(exc)
+        self.omni_runtime.fallbacks[reason] += 1
+        return None
+
+    def project_conditioning(
+        self, name: str, conditioning: torch.Tensor, compute: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """``compute()`` of the projection ``linears[name]`` of ``conditioning`` (a tensor every block of a
+        forward shares, such as the timestep embedding), reused through the exact projection cache."""
+        cache = self.omni_runtime.cache
+        if cache is None:
+            return compute()
+        cache.ensure_prepared(conditioning)
+        module = self.get_submodule(self.linears[name])
+        return cache.project(f"{self.omni_name}.{name}", module, conditioning, compute)
+
+    def _block_reason(self) -> str | None:
+        if self.training:
+            return "training mode"
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            return "gradients enabled for parameters that require them"
+        return None
+
+    def _modules_at(self, paths: tuple[str, ...]) -> list[nn.Module]:
+        return [self.get_submodule(path) for path in paths]
+
+
+def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRuntime) -> Callable[[], None]:
+    """Makes every repeated block of ``transformer`` native (packing its projections); returns the undo."""
+    swapped: list[tuple[nn.Module, type, type]] = []
+    for list_name, native_cls in model.blocks.items():
+        diffusers_cls = native_cls.diffusers_class()
+        _register_block_metadata(native_cls, diffusers_cls)
+        for index, block in enumerate(getattr(transformer, list_name)):
+            if type(block) is not diffusers_cls:
+                raise TypeError(
+                    f"{list_name} holds a {type(block).__name__}, expected {diffusers_cls.__name__}; "
+                    "omni_accel makes only the blocks it knows native."
+                )
+            swapped.append((f"{list_name}.{index}", block, diffusers_cls, native_cls))
+    for name, block, diffusers_cls, native_cls in swapped:
+        block.__class__ = native_cls
+        block.omni_runtime = runtime
+        block.omni_name = name
+        hook_chains.apply(block, diffusers_cls, native_cls)
+
+    def undo() -> None:
+        for _, block, diffusers_cls, native_cls in swapped:
+            hook_chains.revert(block, diffusers_cls, native_cls)
+            block.__class__ = diffusers_cls
+            del block.omni_runtime, block.omni_name
+
+    return undo
+
+
+_REGISTER_LOCK = threading.Lock()
+
+
+def _register_block_metadata(native_cls: type, diffusers_cls: type) -> None:
+    """Diffusers' step caches find blocks through this registry: give the native class the same entry."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+
+    with _REGISTER_LOCK:
+        try:
+            TransformerBlockRegistry.get(native_cls)
+            return
+        except ValueError:
+            pass
+        try:
+            known = TransformerBlockRegistry.get(diffusers_cls)
+        except ValueError:
+            return
+        TransformerBlockRegistry.register(
+            native_cls,
+            TransformerBlockMetadata(
+                return_hidden_states_index=known.return_hidden_states_index,
+                return_encoder_hidden_states_index=known.return_encoder_hidden_states_index,
+                hidden_states_argument_name=known.hidden_states_argument_name,
+                encoder_hidden_states_argument_name=known.encoder_hidden_states_argument_name,
+            ),
+        )
