@@ -11,10 +11,28 @@ import contextvars
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from .base import AttentionProvider, AttentionProviderError, AttentionRequest
 from .registry import check_provider_name, get_provider, platform_preference
+
+
+class _FrozenMapping(Mapping):
+    """A read-only mapping that, unlike ``MappingProxyType``, pickles and deep-copies."""
+
+    def __init__(self, items: Mapping[str, str]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> str:
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
 
 @dataclass(frozen=True)
@@ -28,7 +46,7 @@ class AttentionConfig:
         check_provider_name(self.default, where="AttentionConfig.default")
         for role, name in self.per_role.items():
             check_provider_name(name, where=f"AttentionConfig.per_role[{role!r}]")
-        object.__setattr__(self, "per_role", MappingProxyType(dict(self.per_role)))
+        object.__setattr__(self, "per_role", _FrozenMapping(self.per_role))
         # Hashed on every attention call (it keys the resolution cache): compute it once.
         object.__setattr__(self, "_hash", hash((self.default, tuple(sorted(self.per_role.items())))))
 
@@ -129,6 +147,10 @@ class AttentionSelector:
         # A number compiled graphs can carry to find this selector (see layers.attention).
         self.index = len(_ALL_SELECTORS)
         _ALL_SELECTORS.append(weakref.ref(self))
+
+    def __reduce__(self):
+        # Unpickled, a selector is a new one with the same config (its number and decisions are per process).
+        return AttentionSelector, (self.config,)
 
     def resolve(self, role: str, category: str, request: AttentionRequest) -> Resolution:
         config = _SCOPED_CONFIG.get() or self.config

@@ -52,21 +52,29 @@ class Unsupported(Exception):
     """A submodule the native path cannot read; the message says why (and the block runs Diffusers')."""
 
 
-def has_hooks(module: nn.Module) -> bool:
-    """Any forward hook (torch, accelerate or Diffusers) on the module or below it, or a global one."""
+def _hooked(module: nn.Module) -> bool:
+    registry = getattr(module, "_diffusers_hook", None)
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or hasattr(module, "_hf_hook")
+        or (registry is not None and registry.hooks)
+    )
+
+
+def hooked_submodule(block: nn.Module) -> str | None:
+    """The name of a submodule of ``block`` (not ``block`` itself) with a forward hook (torch, accelerate or
+    Diffusers), or "a global forward hook"; None when nothing the native math bypasses is hooked."""
     if (
         module_globals._global_forward_hooks
         or module_globals._global_forward_pre_hooks
         or module_globals._global_forward_hooks_always_called
     ):
-        return True
-    for m in module.modules():
-        if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
-            return True
-        registry = getattr(m, "_diffusers_hook", None)
-        if registry is not None and registry.hooks:
-            return True
-    return False
+        return "a global forward hook"
+    for name, module in block.named_modules():
+        if name and _hooked(module):
+            return name
+    return None
 
 
 def _is_adapter_layer(module: nn.Module) -> bool:
@@ -107,8 +115,6 @@ def _adapters(layer: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, .
 
 
 def _resolve(module: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, ...]]:
-    if has_hooks(module):
-        raise Unsupported(f"{where} has forward hooks")
     if _is_adapter_layer(module):
         return _adapters(module, where)
     return _plain_linear(module, where), ()

@@ -29,7 +29,7 @@ from omni_accel.patches import hook_chains
 
 from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
-from ..layers.projection import LinearWeights, Unsupported, read_linear, read_packed
+from ..layers.projection import LinearWeights, Unsupported, hooked_submodule, read_linear, read_packed
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,19 @@ class NativeRuntime:
         return compiled
 
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
-        # A copied pipeline keeps the selector (it names the provider choice, not model state) and compiles anew.
-        cache = None if self.cache is None else ExactProjectionCache(self.cache.max_bytes)
-        return NativeRuntime(self.selector, self.compile_options, cache, Counter(self.fallbacks))
+        # A copy keeps the provider choice and starts with an empty cache, no compiled code and no counts.
+        return _fresh_runtime(*self.__reduce__()[1])
+
+    def __reduce__(self):
+        cache_bytes = None if self.cache is None else self.cache.max_bytes
+        return _fresh_runtime, (self.selector, self.compile_options, cache_bytes)
+
+
+def _fresh_runtime(
+    selector: AttentionSelector, compile_options: Mapping[str, Any] | None, cache_bytes: int | None
+) -> NativeRuntime:
+    cache = None if cache_bytes is None else ExactProjectionCache(cache_bytes)
+    return NativeRuntime(selector, compile_options, cache)
 
 
 class NativeBlock:
@@ -131,6 +141,9 @@ class NativeBlock:
     def _block_reason(self) -> str | None:
         if self.training:
             return "training mode"
+        hooked = hooked_submodule(self)
+        if hooked is not None:
+            return f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules)"
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             return "gradients enabled for parameters that require them"
         return None

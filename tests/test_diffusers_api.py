@@ -1,0 +1,271 @@
+"""An accelerated pipeline is still a Diffusers pipeline: every step a Diffusers user takes gives what
+plain Diffusers gives on the same weights (fp32, CPU)."""
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from conftest import rel_err
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+import omni_accel
+
+CALL = dict(prompt="a cat", height=32, width=32, num_inference_steps=3, output_type="latent")
+LORA_TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "proj_mlp",
+    "norm1.linear",
+    "ff.net.2",
+]
+
+
+def _latents(pipe, **kwargs):
+    return pipe(**{**CALL, **kwargs}, generator=torch.Generator().manual_seed(0)).images
+
+
+def _pair(seed=0, **overrides):
+    plain = omni_accel.tiny_flux_pipeline(seed=seed, **overrides)
+    return plain, omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=seed, **overrides))
+
+
+def _same(plain, fast, **kwargs):
+    expected, got = _latents(plain, **kwargs), _latents(fast, **kwargs)
+    assert rel_err(got, expected) <= 1e-5
+    return got
+
+
+def _native_calls_only(pipe):
+    assert not omni_accel.describe(pipe).components[0].runtime.fallbacks
+
+
+def _lora(seed: int) -> dict:
+    """A random LoRA in the format Diffusers loads (every B nonzero, so every adapter changes the output)."""
+    torch.manual_seed(seed)
+    source = omni_accel.tiny_flux_pipeline(seed=0).transformer
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS, init_lora_weights=False)
+    source.add_adapter(config, adapter_name="x")
+    return {f"transformer.{k}": v for k, v in get_peft_model_state_dict(source, adapter_name="x").items()}
+
+
+def test_lora_lifecycle_matches_plain_diffusers():
+    plain, fast = _pair()
+    base = _latents(fast)
+    first, second = _lora(1), _lora(2)
+    steps = [
+        lambda p: p.load_lora_weights(dict(first), adapter_name="a"),
+        lambda p: p.load_lora_weights(dict(second), adapter_name="b"),
+        lambda p: p.set_adapters(["a", "b"], [0.7, -0.4]),
+        lambda p: p.transformer.set_adapters(["a"], [0.0]),
+        lambda p: p.set_adapters(["a", "b"], [1.0, 0.5]),
+        lambda p: p.disable_lora(),
+        lambda p: p.enable_lora(),
+        lambda p: p.fuse_lora(lora_scale=0.8),
+        lambda p: p.unfuse_lora(),
+        lambda p: p.delete_adapters("a"),
+        lambda p: p.unload_lora_weights(),
+    ]
+    outputs = []
+    for step in steps:
+        step(plain)
+        step(fast)
+        outputs.append(_same(plain, fast))
+    _same(plain, fast, joint_attention_kwargs={"scale": 0.3})
+    assert not torch.equal(outputs[0], base)  # the adapters really act
+    assert torch.equal(outputs[-1], _latents(fast)) and rel_err(outputs[-1], base) <= 1e-6
+    _native_calls_only(fast)  # unfused adapters ran inside the native packed GEMMs
+
+
+def test_lora_loaded_before_accelerate_and_hotswap():
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    fast = omni_accel.tiny_flux_pipeline(seed=0)
+    for pipe in (plain, fast):
+        pipe.load_lora_weights(_lora(1), adapter_name="a")
+    omni_accel.accelerate(fast)
+    _same(plain, fast)
+    for pipe in (plain, fast):
+        pipe.load_lora_weights(_lora(3), adapter_name="a", hotswap=True)
+    _same(plain, fast)
+    _native_calls_only(fast)
+
+
+@pytest.mark.parametrize("kind", ["first_block", "taylorseer", "mag", "faster", "pab"])
+def test_diffusers_step_caches(kind):
+    from diffusers import (
+        FasterCacheConfig,
+        FirstBlockCacheConfig,
+        MagCacheConfig,
+        PyramidAttentionBroadcastConfig,
+        TaylorSeerCacheConfig,
+    )
+
+    def config(pipe):
+        timestep = lambda: pipe.current_timestep  # noqa: E731
+        return {
+            "first_block": lambda: FirstBlockCacheConfig(threshold=0.5),
+            "taylorseer": lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
+            "mag": lambda: MagCacheConfig(threshold=0.5, num_inference_steps=3, mag_ratios=[1.0, 0.95, 0.9]),
+            "faster": lambda: FasterCacheConfig(
+                spatial_attention_block_skip_range=2,
+                current_timestep_callback=timestep,
+                is_guidance_distilled=True,
+            ),
+            "pab": lambda: PyramidAttentionBroadcastConfig(
+                spatial_attention_block_skip_range=2, current_timestep_callback=timestep
+            ),
+        }[kind]()
+
+    plain, fast = _pair()
+    for pipe in (plain, fast):
+        pipe.transformer.enable_cache(config(pipe))
+    _same(plain, fast)
+    for pipe in (plain, fast):
+        pipe.transformer.disable_cache()
+    _same(plain, fast)
+
+
+def test_state_dict_save_and_load_with_diffusers_names(tmp_path):
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    plain, fast = _pair()
+    expected = plain.transformer.state_dict()
+    got = fast.transformer.state_dict()
+    assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    other = omni_accel.tiny_flux_pipeline(seed=7)
+    for pipe in (plain, fast):
+        pipe.transformer.load_state_dict(other.transformer.state_dict())
+    _same(plain, fast)
+    fast.save_pretrained(tmp_path / "pipe")
+    loaded = FluxTransformer2DModel.from_pretrained(tmp_path / "pipe" / "transformer")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in other.transformer.state_dict().items())
+    reloaded = FluxPipeline.from_pretrained(tmp_path / "pipe")
+    assert rel_err(_latents(reloaded), _latents(plain)) <= 1e-6
+
+
+def test_from_pipe_both_ways():
+    from diffusers import FluxImg2ImgPipeline
+
+    plain, fast = _pair()
+    sibling_before = FluxImg2ImgPipeline.from_pipe(plain)  # a sibling of a pipeline accelerated later
+    omni_accel.accelerate(plain)
+    sibling_after = FluxImg2ImgPipeline.from_pipe(fast)
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    kwargs = dict(image=image, strength=0.9, prompt="a cat", height=32, width=32, num_inference_steps=3)
+    a = sibling_before(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    b = sibling_after(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    assert rel_err(b, a) <= 1e-5
+
+
+def test_deepcopy_and_pickle():
+    plain, fast = _pair()
+    twin = copy.deepcopy(fast)
+    _same(plain, twin)
+    _native_calls_only(twin)
+    assert twin.transformer.transformer_blocks[0].attn.to_q.weight.data_ptr() != (
+        fast.transformer.transformer_blocks[0].attn.to_q.weight.data_ptr()
+    )
+    restored = pickle.loads(pickle.dumps(fast.transformer))
+    expected = plain.transformer.state_dict()
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_offload_and_layerwise_casting_before_and_after():
+    plain, fast = _pair()
+    for pipe in (plain, fast):
+        pipe.transformer.enable_group_offload(
+            torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1
+        )
+    _same(plain, fast)
+    plain, fast = _pair()
+    before = omni_accel.tiny_flux_pipeline(seed=0)
+    for pipe in (plain, fast, before):
+        pipe.transformer.enable_layerwise_casting(storage_dtype=torch.bfloat16, compute_dtype=torch.float32)
+    omni_accel.accelerate(before)
+    expected = _latents(plain)
+    assert rel_err(_latents(fast), expected) <= 1e-5
+    assert rel_err(_latents(before), expected) <= 1e-5
+
+
+def test_forward_hooks_before_and_after_accelerate():
+    seen = {"plain": [], "fast": []}
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    fast = omni_accel.tiny_flux_pipeline(seed=0)
+    plain.transformer.transformer_blocks[0].register_forward_hook(
+        lambda m, a, o: seen["plain"].append(o[1].sum())
+    )
+    fast.transformer.transformer_blocks[0].register_forward_hook(
+        lambda m, a, o: seen["fast"].append(o[1].sum())
+    )
+    omni_accel.accelerate(fast)
+    to_k = fast.transformer.single_transformer_blocks[1].attn.to_k
+    to_k.register_forward_hook(lambda m, a, o: o * 2)  # a hook that changes a projection must take effect
+    plain.transformer.single_transformer_blocks[1].attn.to_k.register_forward_hook(lambda m, a, o: o * 2)
+    _same(plain, fast)
+    assert len(seen["fast"]) == len(seen["plain"]) == 3
+    assert all(torch.allclose(a, b, rtol=1e-5) for a, b in zip(seen["fast"], seen["plain"], strict=True))
+
+
+def test_train_mode_and_requires_grad_survive_accelerate_and_restore():
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    pipe.transformer.train()
+    pipe.transformer.x_embedder.weight.requires_grad_(False)
+    omni_accel.accelerate(pipe)
+    assert pipe.transformer.training and pipe.transformer.transformer_blocks[0].training
+    assert not pipe.transformer.x_embedder.weight.requires_grad
+    assert pipe.transformer.transformer_blocks[0].attn.to_q.weight.requires_grad
+    omni_accel.restore(pipe)
+    assert pipe.transformer.training and not pipe.transformer.x_embedder.weight.requires_grad
+
+
+def test_restore_leaves_a_reassigned_transformer_alone():
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    old = pipe.transformer
+    new = omni_accel.tiny_flux_pipeline(seed=9).transformer
+    pipe.transformer = new
+    omni_accel.restore(pipe)
+    assert pipe.transformer is new
+    assert type(old.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+
+
+def test_concurrent_calls_give_the_serial_results():
+    """Several accelerated pipelines (native and routed) called at once from their own threads."""
+
+    def flux():
+        return omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+
+    def wan():
+        return omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0))
+
+    def run(pipe):
+        if type(pipe).__name__ == "WanPipeline":
+            kwargs = dict(num_frames=5, num_inference_steps=2, height=32, width=32)
+            out = pipe(
+                prompt="a cat", output_type="latent", generator=torch.Generator().manual_seed(0), **kwargs
+            )
+            return out.frames
+        return _latents(pipe)
+
+    pipes = [flux(), wan(), flux(), wan()]
+    serial = [run(pipe) for pipe in pipes]
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            results[i] = run(pipes[i])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(pipes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(torch.equal(results[i], serial[i]) for i in range(len(pipes)))
