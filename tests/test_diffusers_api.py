@@ -269,3 +269,42 @@ def test_concurrent_calls_give_the_serial_results():
         t.join()
     assert not errors, errors
     assert all(torch.equal(results[i], serial[i]) for i in range(len(pipes)))
+
+
+def _modulation_weight(pipe):
+    return pipe.transformer.transformer_blocks[0].norm1.linear.weight
+
+
+_WEIGHT_EDITS = {
+    "in-place": lambda p: torch.no_grad()(lambda: _modulation_weight(p).mul_(1.5))(),
+    "through-data": lambda p: _modulation_weight(p).data.mul_(0.9).add_(0.01),
+    "data-swap": lambda p: setattr(_modulation_weight(p), "data", _modulation_weight(p) * 2),
+    "load_state_dict": lambda p: p.transformer.load_state_dict(
+        omni_accel.tiny_flux_pipeline(seed=5).transformer.state_dict()
+    ),
+    "adapter-added": lambda p: p.load_lora_weights(_lora(1), adapter_name="a"),
+    "adapter-scaled": lambda p: p.transformer.set_adapters(["a"], [0.0]),
+    "adapter-disabled": lambda p: p.disable_lora(),
+    "adapter-deleted": lambda p: p.delete_adapters("a"),
+    "hook": lambda p: p.transformer.transformer_blocks[0].norm1.linear.register_forward_hook(
+        lambda m, a, o: o + 1
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(_WEIGHT_EDITS))
+def test_projection_cache_is_exact_whatever_changes_a_weight(edit):
+    """A second identical request hits the modulation cache; after each way of changing a weight (or its
+    effective value) the output is plain Diffusers' with the same change, never a stale projection."""
+    plain, fast = _pair()
+    if edit.startswith("adapter-") and edit != "adapter-added":
+        for pipe in (plain, fast):
+            pipe.load_lora_weights(_lora(1), adapter_name="a")
+    before = _same(plain, fast)
+    cache = omni_accel.describe(fast).components[0].cache
+    _same(plain, fast)
+    assert cache.hits > 0
+    for pipe in (plain, fast):
+        _WEIGHT_EDITS[edit](pipe)
+    after = _same(plain, fast)
+    assert not torch.equal(after, before)
