@@ -201,7 +201,7 @@ def _plan_swap(
     """The Diffusers module stays; its repeated blocks will become native (checked here, swapped at commit)."""
     model = spec.native_model()
     patches.check_applicable("hook_chains")
-    _check_explicit_attention(module, model, selector)
+    _check_attention(name, module, _native_sites(module, model), selector)
     options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
     limitations = list(model.limitations)
     cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
@@ -280,6 +280,7 @@ def _plan_routed(
 ) -> _Component:
     for patch_name, _ in spec.attention_routes:
         patches.check_applicable(patch_name)
+    _check_attention(name, module, _routed_sites(module, spec), selector)
     why = "native acceleration disabled (native=False)" if spec.native else "no native implementation yet"
     not_accelerated = ["projections, norms and MLPs run as in Diffusers"]
     if cache is None:
@@ -308,9 +309,33 @@ def _native_sites(module: nn.Module, model) -> list[tuple[str, str, int]]:
     return list(rows.values())
 
 
-def _check_explicit_attention(module: nn.Module, model, selector: AttentionSelector) -> None:
+def _routed_sites(module: nn.Module, spec: ModelSpec) -> list[tuple[str, str, int | None]]:
+    """(role, category, head size if the module says) of every routed attention module, once per role."""
+    rows = {}
+    for name, child in module.named_modules():
+        if hasattr(child, "processor"):
+            role, category = _role_of(spec, name)
+            head_dim = getattr(child, "head_dim", None)
+            if head_dim is None and hasattr(child, "inner_dim") and getattr(child, "heads", 0):
+                head_dim = child.inner_dim // child.heads
+            rows.setdefault(role, (role, category, head_dim))
+    return list(rows.values())
+
+
+def _check_attention(name: str, module: nn.Module, sites, selector: AttentionSelector) -> None:
+    """Every ``per_role`` key names a role or category of this model, and every explicit choice can serve
+    the model's dtype, device and head size: both fail at accelerate, not at the first call."""
+    # The generic categories are valid everywhere: one config may serve pipelines with and without them.
+    known = {role for role, _, _ in sites} | {category for _, category, _ in sites} | {"self", "cross"}
+    unknown = sorted(set(selector.config.per_role) - known)
+    if unknown:
+        raise ValueError(
+            f"AttentionConfig.per_role names {unknown}, which pipe.{name} ({type(module).__name__}) does not "
+            f"have; its roles are {sorted({r for r, _, _ in sites})} and categories "
+            f"{sorted({c for _, c, _ in sites})}."
+        )
     param = next(module.parameters())
-    _resolve_rows(_native_sites(module, model), param, selector, strict=True)
+    _resolve_rows([site for site in sites if site[2] is not None], param, selector, strict=True)
 
 
 def _resolve_rows(sites, param, selector: AttentionSelector, strict: bool) -> list[tuple[str, str, str, str]]:

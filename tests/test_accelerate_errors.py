@@ -95,3 +95,19 @@ def test_patch_outside_its_checked_versions_is_refused(monkeypatch):
         omni_accel.accelerate(pipe)
     assert not pipe.transformer._forward_pre_hooks
     assert patches.applied() == applied_before
+
+
+@pytest.mark.parametrize("builder", ["tiny_flux_pipeline", "tiny_wan_pipeline"])
+def test_unknown_role_lists_the_roles_of_the_pipeline(builder):
+    pipe = getattr(omni_accel, builder)(seed=0)
+    with pytest.raises(ValueError, match=r"per_role names \['flux.jiont'\].*its roles are \["):
+        omni_accel.accelerate(pipe, attention={"per_role": {"flux.jiont": "sdpa_math"}})
+    with pytest.raises(ValueError, match="not accelerated"):
+        omni_accel.describe(pipe)
+
+
+def test_routed_model_checks_an_explicit_provider_at_accelerate():
+    pipe = omni_accel.tiny_wan_pipeline(seed=0)
+    with pytest.raises(AttentionProviderError, match="flashinfer"):
+        omni_accel.accelerate(pipe, attention={"per_role": {"wan.self": "flashinfer"}})
+    assert not pipe.transformer._forward_pre_hooks
