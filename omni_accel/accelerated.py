@@ -1,4 +1,5 @@
-"""``AcceleratedTransformer``: stands where the Diffusers transformer stood, runs the native one.
+"""``AcceleratedTransformer`` (parallel layouts only, until they move onto native blocks): stands where the
+Diffusers transformer stood and runs the legacy native module.
 
 It is a Diffusers ``ModelMixin`` so pipelines keep treating it as their transformer: ``config``, ``dtype``,
 ``device``, ``cache_context``, ``save_pretrained`` (which writes the original Diffusers layout) and the

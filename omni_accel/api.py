@@ -118,8 +118,9 @@ def describe(pipe: DiffusionPipeline) -> AccelerationReport:
     state = _state(pipe)
     for component in state.components:
         if component.accelerated is not None:
-            component.report.planned_attention = _planned_attention(
-                component.accelerated.native, component.report.selector
+            native = component.accelerated.native
+            component.report.planned_attention = _resolve_rows(
+                _legacy_sites(native), next(native.parameters()), component.report.selector, strict=False
             )
         elif component.runtime is not None:
             sites = _native_sites(component.original, component.spec.native_model())
@@ -205,9 +206,7 @@ def _plan_swap(
     options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
     limitations = list(model.limitations)
     cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
-    if options is not None and cache is not None:
-        cache = None  # compiled math cannot consult it, so its per-step comparison would be pure overhead
-        limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
+    cache = _unless_compiled(cache, config, limitations)
     runtime = NativeRuntime(selector, options, cache)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
@@ -222,9 +221,18 @@ def _plan_swap(
         runtime=runtime,
         not_accelerated=limitations,
     )
-    component = _Component(name, module, spec, report)
-    component.runtime = runtime
-    return component
+    return _Component(name, module, spec, report, cache, runtime=runtime)
+
+
+def _unless_compiled(
+    cache: ExactProjectionCache | None, config: AccelConfig, limitations: list[str]
+) -> ExactProjectionCache | None:
+    """The cache, or None under compile=True: compiled blocks cannot consult it, so its per-step comparison
+    would be pure overhead (and the report says so)."""
+    if config.compile and cache is not None:
+        limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
+        return None
+    return cache
 
 
 def _plan_native(
@@ -236,12 +244,9 @@ def _plan_native(
     selector: AttentionSelector,
     cache: ExactProjectionCache | None,
 ) -> _Component:
-    native = _build_native(spec, module, selector, parallel)
+    native = _build_native(name, spec, module, selector, parallel)
     limitations = list(getattr(native, "limitations", ()))
-    if config.compile and cache is not None:
-        # Traced graphs cannot consult the cache, so its per-step comparison would be pure overhead.
-        cache = None
-        limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
+    cache = _unless_compiled(cache, config, limitations)
     attach(native, cache)
     detail = f"swapped for {type(native).__module__}.{type(native).__name__}"
     if config.compile:
@@ -254,8 +259,8 @@ def _plan_native(
     if parallel is not None:
         detail += f"; {config.parallel} on {dist.get_world_size()} ranks"
         if config.parallel.cfg > 1:
-            cfg = CfgParallel(parallel.group("cfg"), native.batched_inputs)
-            if spec.cfg_pairing:
+            cfg = CfgParallel(parallel.group("cfg"), spec.native_model().batched_inputs)
+            if cfg_pairing_rule(spec) is not None:
                 patches.check_applicable("pair_cfg_calls")  # fail while nothing is swapped yet
     report = ComponentReport(
         name,
@@ -354,7 +359,7 @@ def _resolve_rows(sites, param, selector: AttentionSelector, strict: bool) -> li
 
 
 def _build_native(
-    spec: ModelSpec, module: nn.Module, selector: AttentionSelector, parallel: ParallelState | None
+    name: str, spec: ModelSpec, module: nn.Module, selector: AttentionSelector, parallel: ParallelState | None
 ) -> nn.Module:
     native = spec.native_class().from_diffusers_config(dict(module.config), parallel=parallel)
     load_weights(native, module.state_dict(), native.weight_map)
@@ -362,41 +367,22 @@ def _build_native(
     for layer in native.modules():
         if isinstance(layer, Attention):
             layer.selector = selector
-    _planned_attention(native, selector, strict=True)  # an impossible explicit choice fails here, not mid-run
+    _check_attention(name, native, _legacy_sites(native), selector)  # fails here, not mid-run
     return native
 
 
-def _planned_attention(
-    native: nn.Module, selector: AttentionSelector, strict: bool = False
-) -> list[tuple[str, str, str, str]]:
-    """The provider each role would get for the model's current dtype and device (unmasked calls)."""
-    param = next(native.parameters())
-    capability = AttentionRequest.for_call(param).compute_capability
+def _legacy_sites(native: nn.Module) -> list[tuple[str, str, int]]:
     rows = {}
     for layer in native.modules():
-        if isinstance(layer, Attention) and layer.role not in rows:
-            request = AttentionRequest(
-                param.dtype, param.device.type, layer.head_dim, compute_capability=capability
-            )
-            try:
-                found = resolve(selector.config, layer.role, layer.role_category, request)
-                rows[layer.role] = (layer.role, request.describe(), found.name, found.reason)
-            except AttentionProviderError as exc:
-                if strict:
-                    raise
-                rows[layer.role] = (layer.role, request.describe(), "error", str(exc))
+        if isinstance(layer, Attention):
+            rows.setdefault(layer.role, (layer.role, layer.role_category, layer.head_dim))
     return list(rows.values())
 
 
 def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
     if component.runtime is not None:
-        component.cache = component.runtime.cache
-        module, model = component.original, component.spec.native_model()
-        component.undo.append(swap_blocks(module, model, component.runtime))
-        # Diffusers' compile_repeated_blocks() finds blocks by class name: point it at the native classes.
-        names = [cls.__name__ for cls in model.blocks.values()]
-        object.__setattr__(module, "_repeated_blocks", names)
-        component.undo.append(lambda: object.__delattr__(module, "_repeated_blocks"))
+        swapped = swap_blocks(component.original, component.spec.native_model(), component.runtime)
+        component.undo.append(swapped.undo)
     elif component.accelerated is not None:
         component.accelerated.train(component.original.training)
         object.__setattr__(pipe, component.name, component.accelerated)

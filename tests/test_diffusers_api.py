@@ -171,6 +171,11 @@ def test_deepcopy_and_pickle():
     assert twin.transformer.transformer_blocks[0].attn.to_q.weight.data_ptr() != (
         fast.transformer.transformer_blocks[0].attn.to_q.weight.data_ptr()
     )
+    runtime = twin.transformer.transformer_blocks[0].omni_runtime
+    assert omni_accel.describe(twin).components[0].cache is runtime.cache
+    omni_accel.restore(twin)  # restoring the copy leaves the original accelerated
+    assert type(twin.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+    assert type(fast.transformer.transformer_blocks[0]).__name__ == "NativeFluxTransformerBlock"
     restored = pickle.loads(pickle.dumps(fast.transformer))
     expected = plain.transformer.state_dict()
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in expected.items())

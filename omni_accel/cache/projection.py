@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.modules.module as module_globals
 from torch import nn
+
+from ..forward_hooks import has_hooks
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_PREPARED = 64
@@ -119,16 +120,6 @@ def _module_state(module: nn.Module, watched: weakref.WeakSet | None = None) -> 
     return tuple(state)
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    if (
-        module_globals._global_forward_hooks
-        or module_globals._global_forward_pre_hooks
-        or module_globals._global_forward_hooks_always_called
-    ):
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
-
-
 @dataclass
 class _Entry:
     output: torch.Tensor
@@ -176,6 +167,13 @@ class ExactProjectionCache:
         self._next_id = 0
         self._bytes = 0
         self._watched: weakref.WeakSet = weakref.WeakSet()
+
+    def __deepcopy__(self, memo: dict) -> ExactProjectionCache:
+        # Stored outputs belong to the original model's weights: a copy starts empty.
+        return ExactProjectionCache(self.max_bytes, tp_group=self.tp_group)
+
+    def __reduce__(self):
+        return ExactProjectionCache, (self.max_bytes,)
 
     @property
     def enabled(self) -> bool:
@@ -304,7 +302,7 @@ class ExactProjectionCache:
             or prepared is None
             or prepared.tensor() is not conditioning
             or prepared.version != conditioning._version
-            or _has_hooks(module)
+            or has_hooks(module)
         ):
             module_state = _module_state(module, self._watched)
         if module_state is None:

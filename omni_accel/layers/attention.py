@@ -74,27 +74,32 @@ def attention(
     site: AttentionSite,
     selector: int,
     sp: SequenceParallel | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over BSHD tensors through the provider the selector (by ``AttentionSelector.index``, which
     a compiled graph can carry) resolves for ``site``; under sequence parallelism (``sp``) the layout's
     communication wraps the kernel."""
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
-    if sp is not None and sp.degree > 1:
-        return sp.attention(
-            query,
-            key,
-            value,
-            lambda q, k, v, need_lse: _attend(
-                selector_by_index(selector), site.role, site.category, scale, q, k, v, need_lse
-            ),
+
+    def attend(q, k, v, need_lse=False):
+        return _attend(
+            selector_by_index(selector), site.role, site.category, scale, q, k, v, need_lse, attn_mask
         )
-    if torch.compiler.is_compiling():
+
+    if sp is not None and sp.degree > 1:
+        if attn_mask is not None:
+            raise NotImplementedError(
+                f"Attention role {site.role!r}: masked attention under sequence parallelism is not supported; "
+                "run this model with ulysses=1 and ring=1."
+            )
+        return sp.attention(query, key, value, attend)
+    if torch.compiler.is_compiling() and attn_mask is None:
         return _routed_attention(query, key, value, selector, site.role, site.category, scale)
-    return _attend(selector_by_index(selector), site.role, site.category, scale, query, key, value)
+    return attend(query, key, value)
 
 
 class Attention(nn.Module):
-    """Non-causal multi-head attention over BSHD tensors.
+    """``attention`` as a module, for the legacy native FLUX module that parallel layouts still run.
 
     ``role`` names the site (users target it in ``AttentionConfig.per_role``); ``role_category`` ("self" or
     "cross") is the fallback key so a generic choice covers model-specific roles.
@@ -107,14 +112,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.role = role
         self.role_category = role_category
-        self.scale = head_dim**-0.5 if scale is None else scale
+        self.site = AttentionSite(role, role_category, head_dim**-0.5 if scale is None else scale)
         self.selector: AttentionSelector | None = None
-
-    def _attend(self, query, key, value, need_lse=False, attn_mask=None):
-        selector = self.selector or default_selector()
-        return _attend(
-            selector, self.role, self.role_category, self.scale, query, key, value, need_lse, attn_mask
-        )
 
     def forward(
         self,
@@ -125,17 +124,8 @@ class Attention(nn.Module):
         sp: SequenceParallel | None = None,
     ) -> torch.Tensor:
         """``sp``: the sequence-parallel plan of this forward, when the sequence is split over ranks."""
-        if sp is None or sp.degree == 1:
-            if torch.compiler.is_compiling() and attn_mask is None:
-                index = (self.selector or default_selector()).index  # the same for every layer of a model
-                return _routed_attention(query, key, value, index, self.role, self.role_category, self.scale)
-            return self._attend(query, key, value, attn_mask=attn_mask)
-        if attn_mask is not None:
-            raise NotImplementedError(
-                f"Attention role {self.role!r}: masked attention under sequence parallelism is not supported; "
-                "run this model with ulysses=1 and ring=1."
-            )
-        return sp.attention(query, key, value, self._attend)
+        index = (self.selector or default_selector()).index
+        return attention(query, key, value, self.site, index, sp, attn_mask)
 
     def extra_repr(self) -> str:
         return f"role={self.role!r}, category={self.role_category!r}, head_dim={self.head_dim}"

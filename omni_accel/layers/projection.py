@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as module_globals
 
 _PACK_LOCK = threading.Lock()
 
@@ -50,31 +49,6 @@ class LinearWeights:
 
 class Unsupported(Exception):
     """A submodule the native path cannot read; the message says why (and the block runs Diffusers')."""
-
-
-def _hooked(module: nn.Module) -> bool:
-    registry = getattr(module, "_diffusers_hook", None)
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or hasattr(module, "_hf_hook")
-        or (registry is not None and registry.hooks)
-    )
-
-
-def hooked_submodule(block: nn.Module) -> str | None:
-    """The name of a submodule of ``block`` (not ``block`` itself) with a forward hook (torch, accelerate or
-    Diffusers), or "a global forward hook"; None when nothing the native math bypasses is hooked."""
-    if (
-        module_globals._global_forward_hooks
-        or module_globals._global_forward_pre_hooks
-        or module_globals._global_forward_hooks_always_called
-    ):
-        return "a global forward hook"
-    for name, module in block.named_modules():
-        if name and _hooked(module):
-            return name
-    return None
 
 
 def _is_adapter_layer(module: nn.Module) -> bool:
@@ -158,9 +132,8 @@ def _contiguous_run(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         ):
             return None
         offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
-    shape = (rows, *first.shape[1:])
-    return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride())
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return first.detach().as_strided(shape, first.stride())  # rows of a contiguous run: same strides
 
 
 def _packed_view(bases: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -188,8 +161,6 @@ def _check_packable(bases: Sequence[nn.Linear]) -> None:
                     f"packed projections hold {param.dtype} on {param.device} and {first.dtype} on "
                     f"{first.device}; put the model on one dtype and device"
                 )
-            if param.requires_grad and torch.is_grad_enabled():
-                raise Unsupported("a packed weight requires grad")
         if base.in_features != bases[0].in_features:
             raise Unsupported("packed projections read inputs of different sizes")
     if len({b.bias is None for b in bases}) > 1:

@@ -6,7 +6,7 @@ change class: each becomes an instance of a ``NativeBlock`` subclass of its own 
 keeps its submodules, parameters and hooks (it is the same object), so Diffusers names, ``state_dict``,
 LoRA loading and every hook keep working, and its ``forward`` runs fused math over the weights it reads
 from those submodules. Whatever the native math cannot serve exactly (an IP-adapter processor, a DoRA
-adapter, hooks on a projection, training mode) runs Diffusers' own forward of that block, and the report
+adapter, hooks on a submodule, training mode) runs Diffusers' own forward of that block, and the report
 counts it.
 
 A model file declares a ``NativeModel`` (which block lists become which native classes, the inputs that
@@ -16,6 +16,7 @@ projections (``packed``: name -> the Diffusers linears that read one input) and 
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -29,7 +30,8 @@ from omni_accel.patches import hook_chains
 
 from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
-from ..layers.projection import LinearWeights, Unsupported, hooked_submodule, read_linear, read_packed
+from ..forward_hooks import hooked_submodule
+from ..layers.projection import LinearWeights, Unsupported, read_linear, read_packed
 
 
 @dataclass(frozen=True)
@@ -69,19 +71,11 @@ class NativeRuntime:
         return compiled
 
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
-        # A copy keeps the provider choice and starts with an empty cache, no compiled code and no counts.
-        return _fresh_runtime(*self.__reduce__()[1])
+        # A copy keeps the provider choice and gets its own (empty) cache; compiled code is not copied.
+        return NativeRuntime(self.selector, self.compile_options, copy.deepcopy(self.cache, memo))
 
     def __reduce__(self):
-        cache_bytes = None if self.cache is None else self.cache.max_bytes
-        return _fresh_runtime, (self.selector, self.compile_options, cache_bytes)
-
-
-def _fresh_runtime(
-    selector: AttentionSelector, compile_options: Mapping[str, Any] | None, cache_bytes: int | None
-) -> NativeRuntime:
-    cache = None if cache_bytes is None else ExactProjectionCache(cache_bytes)
-    return NativeRuntime(selector, compile_options, cache)
+        return NativeRuntime, (self.selector, self.compile_options, self.cache)
 
 
 class NativeBlock:
@@ -152,9 +146,25 @@ class NativeBlock:
         return [self.get_submodule(path) for path in paths]
 
 
-def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRuntime) -> Callable[[], None]:
-    """Makes every repeated block of ``transformer`` native (packing its projections); returns the undo."""
-    swapped: list[tuple[nn.Module, type, type]] = []
+@dataclass
+class SwappedBlocks:
+    """The record of one ``swap_blocks``; ``undo`` puts every block back. Plain data, so a deep-copied
+    pipeline's record points at the copied blocks and restoring the copy leaves the original alone."""
+
+    transformer: nn.Module
+    blocks: list[tuple[nn.Module, type, type]]  # (block, Diffusers class, native class)
+
+    def undo(self) -> None:
+        for block, diffusers_cls, native_cls in self.blocks:
+            hook_chains.revert(block, diffusers_cls, native_cls)
+            block.__class__ = diffusers_cls
+            del block.omni_runtime, block.omni_name
+        object.__delattr__(self.transformer, "_repeated_blocks")
+
+
+def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRuntime) -> SwappedBlocks:
+    """Makes every repeated block of ``transformer`` native (its projections are packed on first use)."""
+    named: list[tuple[str, nn.Module, type, type]] = []
     for list_name, native_cls in model.blocks.items():
         diffusers_cls = native_cls.diffusers_class()
         _register_block_metadata(native_cls, diffusers_cls)
@@ -164,20 +174,15 @@ def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRunti
                     f"{list_name} holds a {type(block).__name__}, expected {diffusers_cls.__name__}; "
                     "omni_accel makes only the blocks it knows native."
                 )
-            swapped.append((f"{list_name}.{index}", block, diffusers_cls, native_cls))
-    for name, block, diffusers_cls, native_cls in swapped:
+            named.append((f"{list_name}.{index}", block, diffusers_cls, native_cls))
+    for name, block, diffusers_cls, native_cls in named:
         block.__class__ = native_cls
         block.omni_runtime = runtime
         block.omni_name = name
         hook_chains.apply(block, diffusers_cls, native_cls)
-
-    def undo() -> None:
-        for _, block, diffusers_cls, native_cls in swapped:
-            hook_chains.revert(block, diffusers_cls, native_cls)
-            block.__class__ = diffusers_cls
-            del block.omni_runtime, block.omni_name
-
-    return undo
+    # Diffusers' compile_repeated_blocks() finds blocks by class name: point it at the native classes.
+    object.__setattr__(transformer, "_repeated_blocks", [cls.__name__ for cls in model.blocks.values()])
+    return SwappedBlocks(transformer, [entry[1:] for entry in named])
 
 
 _REGISTER_LOCK = threading.Lock()

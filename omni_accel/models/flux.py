@@ -8,6 +8,7 @@ call fall back to Diffusers' forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +54,20 @@ def _attention_reason(block: Any, joint_attention_kwargs: dict[str, Any] | None)
     return None
 
 
+@dataclass(frozen=True)
+class BlockConstants:
+    """The numbers a block's math needs besides tensors (the same for every block of a class)."""
+
+    head_dim: int
+    eps: float  # of the LayerNorms before modulation
+    qk_eps: float | None  # of the per-head QK RMSNorms
+    site: AttentionSite
+    selector: int  # AttentionSelector.index
+
+    def qk_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return F.rms_norm(_heads(x, self.head_dim), (self.head_dim,), weight, self.qk_eps)
+
+
 def _feed_forward(x: torch.Tensor, up: LinearWeights, down: LinearWeights) -> torch.Tensor:
     return apply_one(F.gelu(apply_one(x, up), approximate="tanh"), down)
 
@@ -65,26 +80,20 @@ def double_block(
     rope: Rope,
     w: dict[str, LinearWeights],
     norms: dict[str, torch.Tensor | None],
-    head_dim: int,
-    eps: float,
-    qk_eps: float,
-    site: AttentionSite,
-    selector: int,
+    c: BlockConstants,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Diffusers' FluxTransformerBlock.forward, op for op, over packed projections."""
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=1)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=1)
+    eps = c.eps
     iq, ik, iv = apply_linear(modulate(layer_norm(img, eps), i_shift, i_scale), w["img_qkv"])
     tq, tk, tv = apply_linear(modulate(layer_norm(txt, eps), t_shift, t_scale), w["txt_qkv"])
-    dim = (head_dim,)
-    iq = F.rms_norm(_heads(iq, head_dim), dim, norms["q"], qk_eps)
-    ik = F.rms_norm(_heads(ik, head_dim), dim, norms["k"], qk_eps)
-    tq = F.rms_norm(_heads(tq, head_dim), dim, norms["added_q"], qk_eps)
-    tk = F.rms_norm(_heads(tk, head_dim), dim, norms["added_k"], qk_eps)
+    iq, ik = c.qk_norm(iq, norms["q"]), c.qk_norm(ik, norms["k"])
+    tq, tk = c.qk_norm(tq, norms["added_q"]), c.qk_norm(tk, norms["added_k"])
     q = _rope(torch.cat([tq, iq], dim=1), rope)
     k = _rope(torch.cat([tk, ik], dim=1), rope)
-    v = torch.cat([_heads(tv, head_dim), _heads(iv, head_dim)], dim=1)
-    out = attention(q, k, v, site, selector).flatten(2, 3).to(q.dtype)
+    v = torch.cat([_heads(tv, c.head_dim), _heads(iv, c.head_dim)], dim=1)
+    out = attention(q, k, v, c.site, c.selector).flatten(2, 3).to(q.dtype)
     txt_attn, img_attn = out.split_with_sizes([txt.shape[1], img.shape[1]], dim=1)
 
     img = img + i_gate.unsqueeze(1) * apply_one(img_attn.contiguous(), w["img_out"])
@@ -102,20 +111,15 @@ def single_block(
     rope: Rope,
     w: dict[str, LinearWeights],
     norms: dict[str, torch.Tensor | None],
-    head_dim: int,
-    eps: float,
-    qk_eps: float,
-    site: AttentionSite,
-    selector: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    c: BlockConstants,
+) -> torch.Tensor:
     """Diffusers' FluxSingleTransformerBlock.forward on ``x = [text, image]``, op for op, with QKV and the MLP
     input in one GEMM."""
     shift, scale, gate = mod.chunk(3, dim=1)
-    q, k, v, mlp = apply_linear(modulate(layer_norm(x, eps), shift, scale), w["qkv_mlp"])
-    dim = (head_dim,)
-    q = _rope(F.rms_norm(_heads(q, head_dim), dim, norms["q"], qk_eps), rope)
-    k = _rope(F.rms_norm(_heads(k, head_dim), dim, norms["k"], qk_eps), rope)
-    out = attention(q, k, _heads(v, head_dim), site, selector).flatten(2, 3).to(q.dtype)
+    q, k, v, mlp = apply_linear(modulate(layer_norm(x, c.eps), shift, scale), w["qkv_mlp"])
+    q = _rope(c.qk_norm(q, norms["q"]), rope)
+    k = _rope(c.qk_norm(k, norms["k"]), rope)
+    out = attention(q, k, _heads(v, c.head_dim), c.site, c.selector).flatten(2, 3).to(q.dtype)
     x = x + gate.unsqueeze(1) * apply_one(torch.cat([out, F.gelu(mlp, approximate="tanh")], dim=2), w["out"])
     return _clip_fp16(x)
 
@@ -175,11 +179,13 @@ class _FluxNative(NativeBlock):
             image_rotary_emb,
             weights,
             self._norms(),
-            self.attn.head_dim,
-            self._layer_norm_eps(),
-            self.attn.norm_q.eps,
-            type(self).site,
-            runtime.selector.index,
+            BlockConstants(
+                self.attn.head_dim,
+                self._layer_norm_eps(),
+                self.attn.norm_q.eps,
+                type(self).site,
+                runtime.selector.index,
+            ),
         )
 
 
@@ -255,6 +261,7 @@ FLUX = NativeModel(
     cfg_pairing=true_cfg_pairs,
     limitations=(
         "IP-adapter processors, Diffusers attention backends set on a processor, fuse_qkv_projections(), "
-        "DoRA adapters and hooks on a projection run Diffusers' forward of the block (counted in the report)",
+        "DoRA adapters, hooks on a submodule and training mode run Diffusers' forward of the block "
+        "(counted in the report)",
     ),
 )

@@ -147,17 +147,6 @@ class FluxTransformer(nn.Module):
     )
     # Lists of identical blocks: compiled once per class with compile=True.
     repeated_blocks = ("double_blocks", "single_blocks")
-    # Inputs with a batch dimension: CFG parallelism splits exactly these.
-    batched_inputs = (
-        "hidden_states",
-        "encoder_hidden_states",
-        "pooled_projections",
-        "timestep",
-        "guidance",
-        "controlnet_block_samples",
-        "controlnet_single_block_samples",
-    )
-
     weight_map = WeightMap(
         [
             (r"transformer_blocks\.(\d+)\.norm1\.linear\.(\w+)", r"double_blocks.\1.img_mod.linear.\2", None),
@@ -365,15 +354,6 @@ class FluxTransformer(nn.Module):
         scale, shift = self.norm_out(temb)
         out = self.proj_out(modulate(layer_norm(img), shift, scale))
         return out if img_sp is None else img_sp.gather(out)
-
-
-def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
-    """FluxPipeline calls the transformer twice per step (cond, then uncond) exactly when true CFG is on."""
-    negative = arguments.get("negative_prompt") is not None or (
-        arguments.get("negative_prompt_embeds") is not None
-        and arguments.get("negative_pooled_prompt_embeds") is not None
-    )
-    return arguments.get("true_cfg_scale", 1.0) > 1 and negative
 
 
 def _shard_all(samples: list[torch.Tensor] | None, sp: SequenceParallel) -> list[torch.Tensor] | None:

@@ -33,8 +33,6 @@ class ModelSpec:
     attention_routes: tuple[tuple[str, str], ...] = ()
     attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     cache_sites: tuple[str, ...] = ()
-    cfg_pairing: str | None = None  # "module:function" telling from a pipeline call's arguments whether the
-    # transformer is called twice per step (cond then uncond), so CFG parallelism pairs those calls
 
     def native_model(self):
         """The model's ``NativeModel`` (see ``models.base``), or None."""
@@ -56,7 +54,6 @@ _SPECS: dict[str, ModelSpec] = {
         family="flux",
         native="omni_accel.models.flux:FLUX",
         legacy_native="omni_accel.models.flux_legacy:FluxTransformer",
-        cfg_pairing="omni_accel.models.flux:true_cfg_pairs",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_flux"),),
         attention_roles={
             r"transformer_blocks\.\d+\.attn": ("flux.joint", "self"),
@@ -108,4 +105,6 @@ def output_class(spec: ModelSpec) -> type:
 
 
 def cfg_pairing_rule(spec: ModelSpec):
-    return _import(spec.cfg_pairing) if spec.cfg_pairing else None
+    """The native model's rule telling whether a pipeline call pairs its transformer calls, or None."""
+    model = spec.native_model()
+    return model.cfg_pairing if model is not None else None
