@@ -10,7 +10,6 @@ from .config import AccelConfig
 from .parallel.config import ParallelConfig
 from .parallel.mesh import is_main_process
 from .report import AccelerationReport
-from .weights import WeightLoadError
 
 __version__ = "0.1.0"
 
@@ -33,7 +32,6 @@ __all__ = [
     "AttentionProviderError",
     "ExactProjectionCache",
     "ParallelConfig",
-    "WeightLoadError",
     "accelerate",
     "attention_scope",
     "describe",

@@ -21,19 +21,16 @@ from torch import nn
 import omni_accel.patches as patches
 from omni_accel.patches import pair_cfg_calls
 
-from .accelerated import AcceleratedTransformer
 from .attention import routing
 from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionSelector, resolve
-from .cache import ExactProjectionCache, attach, wrap_sites
+from .cache import ExactProjectionCache, wrap_sites
 from .config import AccelConfig
-from .layers.attention import Attention
 from .models.base import NativeRuntime, swap_blocks
-from .models.registry import ModelSpec, cfg_pairing_rule, output_class, registered_natives, spec_for
-from .parallel.cfg import CfgParallel
+from .models.registry import ModelSpec, output_class, registered_natives, spec_for
+from .parallel import check_parallel, parallelize
 from .parallel.mesh import ParallelState, init_parallel
 from .report import AccelerationReport, ComponentReport
-from .weights import load_weights
 
 _STATE_ATTR = "_omni_accel_state"
 
@@ -45,14 +42,9 @@ class _Component:
     spec: ModelSpec | None
     report: ComponentReport
     cache: ExactProjectionCache | None = None
-    accelerated: AcceleratedTransformer | None = None
     runtime: NativeRuntime | None = None
+    parallel: ParallelState | None = None  # a distributed layout to apply at commit
     undo: list[Callable[[], None]] = field(default_factory=list)
-
-    @property
-    def module(self) -> nn.Module:
-        """The module that runs in the pipeline after commit."""
-        return self.accelerated if self.accelerated is not None else self.original
 
 
 @dataclass
@@ -89,10 +81,10 @@ def accelerate(
     parallel = init_parallel(config.parallel) if config.parallel is not None else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
     for component in components:
-        _commit(pipe, component)
+        _commit(component)
     undo = _pair_cfg_calls(pipe, components)
     if parallel is not None and parallel.mesh is not None:
-        pipe.to(parallel.device)  # after the swap: each rank moves only its own shards
+        pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
     setattr(pipe, _STATE_ATTR, _State(config, components, undo))
     return pipe
 
@@ -105,8 +97,6 @@ def restore(pipe: DiffusionPipeline) -> DiffusionPipeline:
             undo()
         if component.cache is not None:
             component.cache.clear()
-        if component.accelerated is not None and getattr(pipe, component.name, None) is component.accelerated:
-            object.__setattr__(pipe, component.name, component.accelerated.to_diffusers())
     for undo in reversed(state.undo):
         undo()
     setattr(pipe, _STATE_ATTR, None)
@@ -117,12 +107,7 @@ def describe(pipe: DiffusionPipeline) -> AccelerationReport:
     """What was swapped, which provider serves each attention role and why, cache use, and what was left."""
     state = _state(pipe)
     for component in state.components:
-        if component.accelerated is not None:
-            native = component.accelerated.native
-            component.report.planned_attention = _resolve_rows(
-                _legacy_sites(native), next(native.parameters()), component.report.selector, strict=False
-            )
-        elif component.runtime is not None:
+        if component.runtime is not None:
             sites = _native_sites(component.original, component.spec.native_model())
             component.report.planned_attention = _resolve_rows(
                 sites, next(component.original.parameters()), component.report.selector, strict=False
@@ -140,8 +125,6 @@ def _state(pipe: DiffusionPipeline) -> _State:
 def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelState | None) -> _Component:
     """Decides what to do with one component and builds it, touching nothing in the pipeline."""
     cls_name = type(module).__name__
-    if isinstance(module, AcceleratedTransformer):
-        raise RuntimeError(f"pipe.{name} is already an omni_accel module; restore it first.")
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError(
             f"pipe.{name} is a torch.compile'd module; accelerate the module itself "
@@ -162,20 +145,10 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             f"{', '.join(registered_natives())}. Run it without `parallel`."
         )
     selector = AttentionSelector(config.attention)
-    if native_ok and not distributed:
-        return _plan_swap(name, module, spec, config, selector)
-    if distributed:
-        _refuse_unfused_lora(name, module)
-    # Under TP a hit must be unanimous across the TP group (a collective may run inside the projection).
-    tp_group = parallel.group("tp") if distributed else None
-    cache = (
-        ExactProjectionCache(config.projection_cache_bytes, tp_group=tp_group)
-        if config.projection_cache_bytes
-        else None
-    )
     if native_ok:
-        return _plan_native(name, module, spec, config, parallel, selector, cache)
+        return _plan_swap(name, module, spec, config, selector, parallel if distributed else None)
     if spec is not None and spec.attention_routes:
+        cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
         return _plan_routed(name, module, spec, selector, cache if spec.cache_sites else None)
     report = ComponentReport(
         name,
@@ -187,22 +160,23 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
     return _Component(name, module, spec, report)
 
 
-def _refuse_unfused_lora(name: str, module: nn.Module) -> None:
-    lora = sorted({n.split(".lora_")[0] for n, _ in module.named_modules() if ".lora_" in n})
-    if lora:
-        raise ValueError(
-            f"pipe.{name} has unfused LoRA layers ({lora[:3]}...), which parallel layouts do not run yet. Fuse "
-            "them first (pipe.fuse_lora(); pipe.unload_lora_weights()) and then accelerate."
-        )
-
-
 def _plan_swap(
-    name: str, module: nn.Module, spec: ModelSpec, config: AccelConfig, selector: AttentionSelector
+    name: str,
+    module: nn.Module,
+    spec: ModelSpec,
+    config: AccelConfig,
+    selector: AttentionSelector,
+    parallel: ParallelState | None,
 ) -> _Component:
-    """The Diffusers module stays; its repeated blocks will become native (checked here, swapped at commit)."""
+    """The Diffusers module stays; its repeated blocks will become native and, with ``parallel``, spread over
+    the ranks (everything checked here, applied at commit)."""
     model = spec.native_model()
     patches.check_applicable("hook_chains")
     _check_attention(name, module, _native_sites(module, model), selector)
+    if parallel is not None:
+        check_parallel(module, model.parallel, parallel)
+        if parallel.config.cfg > 1 and model.cfg_pairing is not None:
+            patches.check_applicable("pair_cfg_calls")
     options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
     limitations = list(model.limitations)
     cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
@@ -211,6 +185,8 @@ def _plan_swap(
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
         detail += "; repeated blocks compiled"
+    if parallel is not None:
+        detail += f"; {parallel.config} on {dist.get_world_size()} ranks"
     report = ComponentReport(
         name,
         type(module).__name__,
@@ -221,7 +197,7 @@ def _plan_swap(
         runtime=runtime,
         not_accelerated=limitations,
     )
-    return _Component(name, module, spec, report, cache, runtime=runtime)
+    return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel)
 
 
 def _unless_compiled(
@@ -233,47 +209,6 @@ def _unless_compiled(
         limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
         return None
     return cache
-
-
-def _plan_native(
-    name: str,
-    module: nn.Module,
-    spec: ModelSpec,
-    config: AccelConfig,
-    parallel: ParallelState | None,
-    selector: AttentionSelector,
-    cache: ExactProjectionCache | None,
-) -> _Component:
-    native = _build_native(name, spec, module, selector, parallel)
-    limitations = list(getattr(native, "limitations", ()))
-    cache = _unless_compiled(cache, config, limitations)
-    attach(native, cache)
-    detail = f"swapped for {type(native).__module__}.{type(native).__name__}"
-    if config.compile:
-        options = {} if config.compile is True else dict(config.compile)
-        for block_list in native.repeated_blocks:
-            for block in getattr(native, block_list):
-                block.compile(**options)
-        detail += f"; repeated blocks compiled ({', '.join(native.repeated_blocks)})"
-    cfg = None
-    if parallel is not None:
-        detail += f"; {config.parallel} on {dist.get_world_size()} ranks"
-        if config.parallel.cfg > 1:
-            cfg = CfgParallel(parallel.group("cfg"), spec.native_model().batched_inputs)
-            if cfg_pairing_rule(spec) is not None:
-                patches.check_applicable("pair_cfg_calls")  # fail while nothing is swapped yet
-    report = ComponentReport(
-        name,
-        type(module).__name__,
-        "native",
-        detail,
-        selector,
-        cache=cache,
-        cfg=cfg,
-        not_accelerated=limitations,
-    )
-    accelerated = AcceleratedTransformer(native, module, list(module.state_dict()), output_class(spec), cfg)
-    return _Component(name, module, spec, report, cache, accelerated=accelerated)
 
 
 def _plan_routed(
@@ -358,35 +293,18 @@ def _resolve_rows(sites, param, selector: AttentionSelector, strict: bool) -> li
     return rows
 
 
-def _build_native(
-    name: str, spec: ModelSpec, module: nn.Module, selector: AttentionSelector, parallel: ParallelState | None
-) -> nn.Module:
-    native = spec.native_class().from_diffusers_config(dict(module.config), parallel=parallel)
-    load_weights(native, module.state_dict(), native.weight_map)
-    native.eval()
-    for layer in native.modules():
-        if isinstance(layer, Attention):
-            layer.selector = selector
-    _check_attention(name, native, _legacy_sites(native), selector)  # fails here, not mid-run
-    return native
-
-
-def _legacy_sites(native: nn.Module) -> list[tuple[str, str, int]]:
-    rows = {}
-    for layer in native.modules():
-        if isinstance(layer, Attention):
-            rows.setdefault(layer.role, (layer.role, layer.role_category, layer.head_dim))
-    return list(rows.values())
-
-
-def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
+def _commit(component: _Component) -> None:
     if component.runtime is not None:
-        swapped = swap_blocks(component.original, component.spec.native_model(), component.runtime)
+        model = component.spec.native_model()
+        swapped = swap_blocks(component.original, model, component.runtime)
         component.undo.append(swapped.undo)
-    elif component.accelerated is not None:
-        component.accelerated.train(component.original.training)
-        object.__setattr__(pipe, component.name, component.accelerated)
-        component.original.to("meta")
+        if component.parallel is not None:
+            layout = parallelize(
+                component.original, model.parallel, component.parallel, output_class(component.spec)
+            )
+            component.runtime.layout = layout
+            component.report.cfg = layout.cfg
+            component.undo.append(layout.revert)
     else:
         _route_attention(component)
         if component.cache is not None:
@@ -396,10 +314,10 @@ def _commit(pipe: DiffusionPipeline, component: _Component) -> None:
 def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:
     """Under cfg=2, pipelines that call the transformer twice per step get those calls paired."""
     for component in components:
-        cfg = component.accelerated.cfg if component.accelerated is not None else None
-        rule = cfg_pairing_rule(component.spec) if cfg is not None else None
-        if rule is not None:
-            pair_cfg_calls.apply(pipe, rule, cfg)
+        layout = component.runtime.layout if component.runtime is not None else None
+        rule = component.spec.native_model().cfg_pairing if layout is not None else None
+        if layout is not None and layout.cfg is not None and rule is not None:
+            pair_cfg_calls.apply(pipe, rule, layout.cfg)
             return [lambda: pair_cfg_calls.revert(pipe)]
     return []
 

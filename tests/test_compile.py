@@ -40,7 +40,7 @@ def test_routed_attention_op_passes_opcheck():
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
-    args = (q, k, v, default_selector().index, "test", "self", 8**-0.5)
+    args = (q, k, v, default_selector().index, -1, "test", "self", 8**-0.5)
     torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, args)
 
 

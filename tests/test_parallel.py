@@ -29,7 +29,7 @@ def _check(
     got = _latents(pipe, **call)
     if repeat:
         cache = omni_accel.describe(pipe).components[0].cache
-        assert cache.tp_size == layout.tp and cache.hits == 0
+        assert cache.hits == 0
         again = _latents(pipe, **call)
         assert torch.equal(again, got) and cache.hits > 0
     rel = ((got - oracle).abs().max() / oracle.abs().max()).item()

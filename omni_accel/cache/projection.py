@@ -20,25 +20,25 @@ hook on the module or its children or a global one, or weights without a version
 tensors).
 
 Cost: ``prepare`` compares the conditioning with every stored one of the same shape in one device
-operation and reads the verdict back: one host synchronisation per prepared tensor (under tensor
-parallelism the all-ranks vote rides in the same read). ``project`` does host-side checks only: no
+operation and reads the verdict back: one host synchronisation per prepared tensor. ``project`` does host-side checks only: no
 synchronisation, no device work on a hit.
 
 Admission: entries are admitted while they fit the byte budget and are never evicted to make room. A
 denoising schedule is a cycle (step 1..N, then again for the next request); when the cycle does not fit,
 LRU or FIFO evict each entry just before its reuse and hit nothing, while a frozen set keeps hitting on the
 part that fits. Invalid entries are dropped as soon as they are seen, which frees room for new ones.
+
+Under tensor or sequence parallelism a cached projection must involve no collective (the native models
+cache only replicated conditioning projections), so each rank may decide hits on its own.
 """
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..forward_hooks import has_hooks
@@ -144,20 +144,18 @@ class _Prepared:
     tensor: weakref.ref
     version: int
     cond_id: int | None  # None: not stored (over budget), so nothing under it can be stored either
-    reuse: bool  # every rank of the TP group holds this conditioning with the same, valid entries
+    reuse: bool  # held before this call: its stored outputs may be returned
 
 
 class ExactProjectionCache:
     """See the module docstring. One instance per model; ``max_bytes=0`` disables it at no cost."""
 
-    def __init__(self, max_bytes: int = 256 * 1024**2, *, tp_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, max_bytes: int = 256 * 1024**2) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
             raise TypeError(f"max_bytes must be an int number of bytes, got {max_bytes!r}.")
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 (0 disables the cache), got {max_bytes}.")
         self.max_bytes = max_bytes
-        self.tp_group = tp_group
-        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.hits = 0
         self.misses = 0
         self.bypasses = 0
@@ -170,7 +168,7 @@ class ExactProjectionCache:
 
     def __deepcopy__(self, memo: dict) -> ExactProjectionCache:
         # Stored outputs belong to the original model's weights: a copy starts empty.
-        return ExactProjectionCache(self.max_bytes, tp_group=self.tp_group)
+        return ExactProjectionCache(self.max_bytes)
 
     def __reduce__(self):
         return ExactProjectionCache, (self.max_bytes,)
@@ -208,24 +206,18 @@ class ExactProjectionCache:
         return torch.is_grad_enabled() or torch.compiler.is_compiling()
 
     def prepare(self, conditioning: torch.Tensor) -> None:
-        """Matches ``conditioning`` against the stored ones (one host sync, the TP vote included)."""
+        """Matches ``conditioning`` against the stored ones (one host sync)."""
         if not self.enabled or self._must_bypass() or conditioning.is_inference():
             return
         bits = _bits(conditioning)
         bucket_key = (tuple(bits.shape), bits.dtype, bits.device)
         bucket = self._conds.get(bucket_key, [])
-        local, agreed = self._match(bits, bucket)
-        if local is None:
-            cond_id = self._admit_conditioning(bucket_key, bits)
-        else:
-            cond_id = bucket[local][0]
-            if not agreed:  # this rank holds it but another does not (or differs): recompute everywhere
-                for key in [k for k in self._entries if k[0] == cond_id]:
-                    self._drop(key)
+        local = self._match(bits, bucket)
+        cond_id = self._admit_conditioning(bucket_key, bits) if local is None else bucket[local][0]
         if len(self._prepared) >= _MAX_PREPARED:
             self._prepared.pop(next(iter(self._prepared)))
         self._prepared[id(conditioning)] = _Prepared(
-            weakref.ref(conditioning), conditioning._version, cond_id, reuse=local is not None and agreed
+            weakref.ref(conditioning), conditioning._version, cond_id, reuse=local is not None
         )
 
     def ensure_prepared(self, conditioning: torch.Tensor) -> None:
@@ -239,44 +231,16 @@ class ExactProjectionCache:
         ):
             self.prepare(conditioning)
         elif not prepared.reuse and prepared.cond_id is not None:
-            # Stored when first seen (a miss then); the same unmodified tensor is reusable from now on. Under
-            # TP that must be agreed again by every rank.
-            if self.tp_size == 1:
-                prepared.reuse = True
-            else:
-                self.prepare(conditioning)
+            prepared.reuse = True  # stored when first seen (a miss then): reusable from now on
 
-    def _match(self, bits: torch.Tensor, bucket: list[tuple[int, torch.Tensor]]) -> tuple[int | None, bool]:
-        """Index of the stored conditioning equal to ``bits`` here, and whether every TP rank matched the
-        same one with the same valid entries (always True without TP)."""
-        device = bits.device
-        if bucket:
-            stored = torch.stack([b for _, b in bucket])
-            equal = (stored == bits.unsqueeze(0)).flatten(1).all(dim=1)
-            first = torch.where(equal.any(), equal.int().argmax(), torch.tensor(-1, device=device))
-        else:
-            first = torch.tensor(-1, device=device)
-        if self.tp_size == 1:
-            index = int(first.item())
-            return (None, False) if index < 0 else (index, True)
-        digests = torch.tensor([self._entries_digest(cond_id) for cond_id, _ in bucket] + [0], device=device)
-        digest = digests[first]  # index -1 picks the trailing 0
-        vote = torch.stack([first, digest, -first, -digest]).to(torch.int64)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.tp_group)
-        local, low, low_digest, neg_high, neg_high_digest = torch.cat([first.view(1).long(), vote]).tolist()
-        agreed = low == -neg_high and low_digest == -neg_high_digest
-        return (None, False) if local < 0 else (local, agreed)
-
-    def _entries_digest(self, cond_id: int) -> int:
-        """A host-side summary of the entries held for one conditioning and whether each is still valid, so
-        ranks whose caches diverged (one cleared, one edited a weight) all decide to recompute."""
-        summary = sorted(
-            (name, entry.is_valid())
-            for (entry_cond, name), entry in self._entries.items()
-            if entry_cond == cond_id
-        )
-        # hashlib, not hash(): string hashes are salted per process, and every rank must agree.
-        return int.from_bytes(hashlib.blake2b(repr(summary).encode(), digest_size=7).digest(), "little")
+    def _match(self, bits: torch.Tensor, bucket: list[tuple[int, torch.Tensor]]) -> int | None:
+        """Index of the stored conditioning equal to ``bits``, or None."""
+        if not bucket:
+            return None
+        stored = torch.stack([b for _, b in bucket])
+        equal = (stored == bits.unsqueeze(0)).flatten(1).all(dim=1)
+        index = int(torch.where(equal.any(), equal.int().argmax(), -1).item())
+        return None if index < 0 else index
 
     def _admit_conditioning(self, bucket_key: tuple, bits: torch.Tensor) -> int | None:
         nbytes = bits.numel() * bits.element_size()
@@ -317,15 +281,10 @@ class ExactProjectionCache:
             if valid and prepared.reuse:
                 self.hits += 1
                 return entry.output
-            if not valid and self.tp_size > 1 and prepared.reuse:
-                raise RuntimeError(
-                    f"Projection {name!r} changed between prepare() and project() on this rank only; under tensor "
-                    "parallelism weights and settings must change on every rank between forwards, not within one."
-                )
             self._drop(key)
 
         self.misses += 1
-        output = self._lookup_precomputed(name, module, conditioning) if self.tp_size == 1 else None
+        output = self._lookup_precomputed(name, module, conditioning)
         if output is None:
             output = compute()
         if prepared.cond_id is not None:
@@ -353,7 +312,7 @@ class ExactProjectionCache:
     def _lookup_precomputed(
         self, name: str, module: nn.Module, conditioning: torch.Tensor
     ) -> torch.Tensor | None:
-        """Extension point for validated offline results; consulted only at TP size 1 on a runtime miss.
+        """Extension point for validated offline results; consulted on a runtime miss.
 
         An override returns the exact output ``compute()`` would give, or None. Artifact validation and
         weight binding are the override's job."""

@@ -1,8 +1,7 @@
-"""Connecting an ExactProjectionCache to a model: native layers opt in, Diffusers modules are wrapped.
+"""Connecting an ExactProjectionCache to a Diffusers model that has no native blocks.
 
-Native layers that can reuse a projection carry a ``projection_cache`` attribute (None by default);
-``attach`` hands them the model's cache and a stable name. For a Diffusers module listed as a cache site
-in the registry, ``wrap_module`` replaces its ``forward`` on that instance only (undone by ``restore``):
+(Native blocks consult the cache themselves, see ``NativeBlock.project_conditioning``.) For a Diffusers
+module listed as a cache site in the registry, ``wrap_module`` replaces its ``forward`` on that instance only (undone by ``restore``):
 the input is prepared once per tensor and the output goes through ``project``.
 """
 
@@ -14,17 +13,6 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 from .projection import ExactProjectionCache
-
-
-def attach(model: nn.Module, cache: ExactProjectionCache | None) -> int:
-    """Gives every opted-in layer of ``model`` the cache; returns how many layers use it."""
-    count = 0
-    for name, module in model.named_modules():
-        if hasattr(module, "projection_cache"):
-            module.projection_cache = cache
-            module.projection_name = name
-            count += cache is not None
-    return count
 
 
 def wrap_module(module: nn.Module, name: str, cache: ExactProjectionCache) -> Callable[[], None]:

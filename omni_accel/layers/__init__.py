@@ -1,23 +1,24 @@
-"""Shared building blocks of native transformers: parallel linears, norms, RoPE, modulation, attention."""
+"""Shared pieces of native blocks: projections over a Diffusers module's own linears (packed, LoRA,
+tensor-parallel), the MLP, norms, modulation, RoPE and the provider-routed attention call."""
 
-from .attention import Attention
-from .embeddings import MLPEmbedder, timestep_sinusoid
-from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from .modulation import Modulation, modulate
-from .norms import RMSNorm, layer_norm
-from .rope import apply_rope, rope_cos_sin
+from .attention import AttentionSite, attention
+from .feed_forward import feed_forward, gelu_tanh
+from .modulation import modulate
+from .norms import layer_norm
+from .projection import LinearWeights, apply_linear, apply_one, read_linear, read_packed
+from .rope import apply_rope
 
 __all__ = [
-    "Attention",
-    "ColumnParallelLinear",
-    "MLPEmbedder",
-    "Modulation",
-    "RMSNorm",
-    "ReplicatedLinear",
-    "RowParallelLinear",
+    "AttentionSite",
+    "LinearWeights",
+    "apply_linear",
+    "apply_one",
     "apply_rope",
+    "attention",
+    "feed_forward",
+    "gelu_tanh",
     "layer_norm",
     "modulate",
-    "rope_cos_sin",
-    "timestep_sinusoid",
+    "read_linear",
+    "read_packed",
 ]

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from ..parallel.comm import all_reduce_sum
 
 _PACK_LOCK = threading.Lock()
 
@@ -45,6 +48,7 @@ class LinearWeights:
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
     adapters: tuple[tuple[LowRank, ...], ...]  # per packed output
+    reduce: dist.ProcessGroup | None = None  # tensor-parallel input split: outputs are summed over this group
 
 
 class Unsupported(Exception):
@@ -89,15 +93,33 @@ def _adapters(layer: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, .
 
 
 def _resolve(module: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, ...]]:
-    if _is_adapter_layer(module):
-        return _adapters(module, where)
-    return _plain_linear(module, where), ()
+    base, terms = (
+        _adapters(module, where) if _is_adapter_layer(module) else (_plain_linear(module, where), ())
+    )
+    shard = getattr(base, "omni_tp", None)  # set by tensor parallelism: adapters take the same slice
+    if shard is not None:
+        terms = tuple(_local_term(term, shard) for term in terms)
+    return base, terms
+
+
+def _local_term(term: LowRank, shard) -> LowRank:
+    """The adapter term acting on this rank's slice: an output split slices ``up``, an input split ``down``."""
+    if shard.reduces:
+        return replace(term, down=shard.take(term.down, 1))
+    up_bias = None if term.up_bias is None else shard.take(term.up_bias, 0)
+    return replace(term, up=shard.take(term.up, 0), up_bias=up_bias)
+
+
+def _local_size(base: nn.Linear) -> int:
+    return base.weight.shape[0]  # out_features stays the full size under tensor parallelism
 
 
 def read_linear(module: nn.Module, where: str) -> LinearWeights:
     """The weights of one Diffusers linear (maybe LoRA-wrapped); raises ``Unsupported`` with the reason."""
     base, terms = _resolve(module, where)
-    return LinearWeights(base.weight, base.bias, (base.out_features,), (terms,))
+    shard = getattr(base, "omni_tp", None)
+    reduce = shard.group if shard is not None and shard.reduces else None
+    return LinearWeights(base.weight, base.bias, (_local_size(base),), (terms,), reduce)
 
 
 def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
@@ -113,7 +135,7 @@ def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
                 packed = _packed_view(bases)
     weight, bias = packed
     return LinearWeights(
-        weight, bias, tuple(b.out_features for b in bases), tuple(terms for _, terms in resolved)
+        weight, bias, tuple(_local_size(b) for b in bases), tuple(terms for _, terms in resolved)
     )
 
 
@@ -184,19 +206,37 @@ def pack(bases: Sequence[nn.Linear]) -> None:
 
 def apply_linear(x: torch.Tensor, weights: LinearWeights) -> tuple[torch.Tensor, ...]:
     """``x`` through the (packed) projection: one output per packed linear, adapters added as peft does."""
+    if weights.reduce is not None:
+        return (_summed_over_ranks(x, weights),)
     y = F.linear(x, weights.weight, weights.bias)
     parts = y.split(weights.sizes, dim=-1) if len(weights.sizes) > 1 else (y,)
     return tuple(_add_adapters(x, part, terms) for part, terms in zip(parts, weights.adapters, strict=True))
 
 
-def _add_adapters(x: torch.Tensor, result: torch.Tensor, terms: tuple[LowRank, ...]) -> torch.Tensor:
+def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
+    """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
+    summed in one all-reduce; the biases are added once, after it."""
+    (terms,) = weights.adapters
+    y = all_reduce_sum(_add_adapters(x, F.linear(x, weights.weight), terms, with_bias=False), weights.reduce)
+    if weights.bias is not None:
+        y = y + weights.bias
+    for term in terms:
+        if term.up_bias is not None:
+            y = y + term.up_bias * term.scale
+    return y
+
+
+def _add_adapters(
+    x: torch.Tensor, result: torch.Tensor, terms: tuple[LowRank, ...], with_bias: bool = True
+) -> torch.Tensor:
     if not terms:
         return result
     dtype = result.dtype
     for term in terms:
         if term.cast_input and x.dtype != term.down.dtype:
             x = x.to(term.down.dtype)
-        result = result + F.linear(F.linear(x, term.down), term.up, term.up_bias) * term.scale
+        up_bias = term.up_bias if with_bias else None
+        result = result + F.linear(F.linear(x, term.down), term.up, up_bias) * term.scale
     return result.to(dtype)
 
 

@@ -9,9 +9,9 @@ from those submodules. Whatever the native math cannot serve exactly (an IP-adap
 adapter, hooks on a submodule, training mode) runs Diffusers' own forward of that block, and the report
 counts it.
 
-A model file declares a ``NativeModel`` (which block lists become which native classes, the inputs that
-carry a batch, the CFG pairing rule, limitations) and its block classes, each with its table of packed
-projections (``packed``: name -> the Diffusers linears that read one input) and its pure math.
+A model file declares a ``NativeModel`` (which block lists become which native classes, its parallel plan,
+the CFG pairing rule, limitations) and its block classes, each with its table of packed projections
+(``packed``: name -> the Diffusers linears that read one input), its tensor-parallel plan and its pure math.
 """
 
 from __future__ import annotations
@@ -32,34 +32,48 @@ from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
 from ..forward_hooks import hooked_submodule
 from ..layers.projection import LinearWeights, Unsupported, read_linear, read_packed
+from ..parallel.parallelize import Parallelized, ParallelPlan
+from ..parallel.tensor import TensorPlan
 
 
 @dataclass(frozen=True)
 class NativeModel:
     """One Diffusers transformer class made native.
 
-    ``blocks``: attribute of each repeated-block list -> its native block class. ``batched_inputs``:
-    forward arguments with a batch dimension (CFG parallelism splits exactly these). ``cfg_pairing``:
-    tells from a pipeline call's arguments whether the transformer is called twice per step (cond, then
-    uncond). ``limitations``: what the native blocks hand to Diffusers' forward, for the report.
+    ``blocks``: attribute of each repeated-block list -> its native block class. ``parallel``: what
+    ``parallel.parallelize`` needs (sequence plan, batched inputs, head count...; the TP plans are the
+    block classes' ``tp_plan``). ``cfg_pairing``: tells from a pipeline call's arguments whether the
+    transformer is called twice per step (cond, then uncond). ``limitations``: what the native blocks hand
+    to Diffusers' forward, for the report.
     """
 
     blocks: Mapping[str, type[NativeBlock]]
-    batched_inputs: tuple[str, ...]
+    parallel: ParallelPlan
     cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
     limitations: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        tensor = {name: cls.tp_plan for name, cls in self.blocks.items()}
+        if dict(self.parallel.tensor) != tensor:
+            raise ValueError("ParallelPlan.tensor must hold the tp_plan of each native block class")
 
 
 @dataclass
 class NativeRuntime:
     """What the native blocks of one accelerated transformer share: the attention selector, whether their
-    math is compiled, and the count of calls that ran Diffusers' forward instead (by reason)."""
+    math is compiled, the parallel layout, and the count of calls that ran Diffusers' forward instead (by
+    reason)."""
 
     selector: AttentionSelector
     compile_options: Mapping[str, Any] | None = None
     cache: ExactProjectionCache | None = None
     fallbacks: Counter = field(default_factory=Counter)
+    layout: Parallelized | None = None
     _compiled: dict = field(default_factory=dict)
+
+    @property
+    def layout_index(self) -> int:
+        return -1 if self.layout is None else self.layout.index
 
     def math(self, fn: Callable) -> Callable:
         """``fn`` itself, or its compiled version (one per function: every block of a class shares it)."""
@@ -89,6 +103,7 @@ class NativeBlock:
 
     packed: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     linears: ClassVar[Mapping[str, str]] = {}
+    tp_plan: ClassVar[TensorPlan] = {}
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
 
@@ -117,6 +132,13 @@ class NativeBlock:
                 return weights
             except Unsupported as exc:
                 reason = str(exc)
+        layout = self.omni_runtime.layout
+        if layout is not None and layout.splits_blocks:
+            raise RuntimeError(
+                f"{self.omni_name} cannot run natively ({reason}), and under {layout.description} Diffusers' "
+                "own forward of a block would be wrong (its weights or its sequence are split over the ranks). "
+                "Remove what the reason names, or run without tensor/sequence parallelism."
+            )
         self.omni_runtime.fallbacks[reason] += 1
         return None
 

@@ -19,9 +19,10 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from ..layers import apply_rope, layer_norm, modulate
+from ..layers import apply_rope, feed_forward, gelu_tanh, layer_norm, modulate
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
+from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan
 from .base import NativeBlock, NativeModel
 
 _FP16_MAX = 65504.0
@@ -63,13 +64,10 @@ class BlockConstants:
     qk_eps: float | None  # of the per-head QK RMSNorms
     site: AttentionSite
     selector: int  # AttentionSelector.index
+    layout: int  # Parallelized.index, -1 on one rank
 
     def qk_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return F.rms_norm(_heads(x, self.head_dim), (self.head_dim,), weight, self.qk_eps)
-
-
-def _feed_forward(x: torch.Tensor, up: LinearWeights, down: LinearWeights) -> torch.Tensor:
-    return apply_one(F.gelu(apply_one(x, up), approximate="tanh"), down)
 
 
 def double_block(
@@ -93,14 +91,14 @@ def double_block(
     q = _rope(torch.cat([tq, iq], dim=1), rope)
     k = _rope(torch.cat([tk, ik], dim=1), rope)
     v = torch.cat([_heads(tv, c.head_dim), _heads(iv, c.head_dim)], dim=1)
-    out = attention(q, k, v, c.site, c.selector).flatten(2, 3).to(q.dtype)
+    out = attention(q, k, v, c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
     txt_attn, img_attn = out.split_with_sizes([txt.shape[1], img.shape[1]], dim=1)
 
     img = img + i_gate.unsqueeze(1) * apply_one(img_attn.contiguous(), w["img_out"])
-    ff = _feed_forward(modulate(layer_norm(img, eps), i_shift2, i_scale2), w["img_up"], w["img_down"])
+    ff = feed_forward(modulate(layer_norm(img, eps), i_shift2, i_scale2), w["img_up"], w["img_down"])
     img = img + i_gate2.unsqueeze(1) * ff
     txt = txt + t_gate.unsqueeze(1) * apply_one(txt_attn.contiguous(), w["txt_out"])
-    ff = _feed_forward(modulate(layer_norm(txt, eps), t_shift2, t_scale2), w["txt_up"], w["txt_down"])
+    ff = feed_forward(modulate(layer_norm(txt, eps), t_shift2, t_scale2), w["txt_up"], w["txt_down"])
     txt = txt + t_gate2.unsqueeze(1) * ff
     return _clip_fp16(txt), img
 
@@ -119,8 +117,8 @@ def single_block(
     q, k, v, mlp = apply_linear(modulate(layer_norm(x, c.eps), shift, scale), w["qkv_mlp"])
     q = _rope(c.qk_norm(q, norms["q"]), rope)
     k = _rope(c.qk_norm(k, norms["k"]), rope)
-    out = attention(q, k, _heads(v, c.head_dim), c.site, c.selector).flatten(2, 3).to(q.dtype)
-    x = x + gate.unsqueeze(1) * apply_one(torch.cat([out, F.gelu(mlp, approximate="tanh")], dim=2), w["out"])
+    out = attention(q, k, _heads(v, c.head_dim), c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
+    x = x + gate.unsqueeze(1) * apply_one(torch.cat([out, gelu_tanh(mlp)], dim=2), w["out"])
     return _clip_fp16(x)
 
 
@@ -185,6 +183,7 @@ class _FluxNative(NativeBlock):
                 self.attn.norm_q.eps,
                 type(self).site,
                 runtime.selector.index,
+                runtime.layout_index,
             ),
         )
 
@@ -206,6 +205,15 @@ class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
         "txt_up": "ff_context.net.0.proj",
         "txt_down": "ff_context.net.2",
     }
+    tp_plan = {
+        **dict.fromkeys(packed["img_qkv"] + packed["txt_qkv"], Colwise()),
+        "attn.to_out.0": Rowwise(),
+        "attn.to_add_out": Rowwise(),
+        "ff.net.0.proj": Colwise(),
+        "ff.net.2": Rowwise(),
+        "ff_context.net.0.proj": Colwise(),
+        "ff_context.net.2": Rowwise(),
+    }
     modulations = ("img_mod", "txt_mod")
     site = AttentionSite("flux.joint", "self")
     math = staticmethod(double_block)
@@ -222,6 +230,10 @@ class NativeFluxSingleTransformerBlock(_FluxNative, FluxSingleTransformerBlock):
 
     packed = {"qkv_mlp": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
     linears = {"mod": "norm.linear", "out": "proj_out"}
+    tp_plan = {
+        **dict.fromkeys(packed["qkv_mlp"], Colwise()),
+        "proj_out": Rowwise(input_parts=("attn.to_q", "proj_mlp")),  # its input: cat([attention, mlp])
+    }
     modulations = ("mod",)
     site = AttentionSite("flux.single", "self")
     math = staticmethod(single_block)
@@ -244,24 +256,48 @@ def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
     return arguments.get("true_cfg_scale", 1.0) > 1 and negative
 
 
+def _output_like(transformer: Any, arguments: dict[str, Any]) -> torch.Tensor:
+    hidden = arguments["hidden_states"]
+    return hidden.new_empty(*hidden.shape[:2], transformer.proj_out.out_features)
+
+
+_BLOCKS = {
+    "transformer_blocks": NativeFluxTransformerBlock,
+    "single_transformer_blocks": NativeFluxSingleTransformerBlock,
+}
+
 FLUX = NativeModel(
-    blocks={
-        "transformer_blocks": NativeFluxTransformerBlock,
-        "single_transformer_blocks": NativeFluxSingleTransformerBlock,
-    },
-    batched_inputs=(
-        "hidden_states",
-        "encoder_hidden_states",
-        "pooled_projections",
-        "timestep",
-        "guidance",
-        "controlnet_block_samples",
-        "controlnet_single_block_samples",
+    blocks=_BLOCKS,
+    parallel=ParallelPlan(
+        name="FLUX",
+        attention_heads="num_attention_heads",
+        tensor={name: cls.tp_plan for name, cls in _BLOCKS.items()},
+        sequence=SequencePlan(
+            inputs={
+                "hidden_states": ("image", 1),
+                "img_ids": ("image", -2),  # [tokens, 3] (or Diffusers' deprecated [1, tokens, 3])
+                "controlnet_block_samples": ("image", 1),
+                "controlnet_single_block_samples": ("image", 1),
+                "encoder_hidden_states": ("text", 1),
+                "txt_ids": ("text", -2),
+            },
+            output=("proj_out", "image", 1),
+        ),
+        batched_inputs=(
+            "hidden_states",
+            "encoder_hidden_states",
+            "pooled_projections",
+            "timestep",
+            "guidance",
+            "controlnet_block_samples",
+            "controlnet_single_block_samples",
+        ),
+        output_like=_output_like,
     ),
     cfg_pairing=true_cfg_pairs,
     limitations=(
         "IP-adapter processors, Diffusers attention backends set on a processor, fuse_qkv_projections(), "
         "DoRA adapters, hooks on a submodule and training mode run Diffusers' forward of the block "
-        "(counted in the report)",
+        "(counted in the report; an error under tensor or sequence parallelism)",
     ),
 )

@@ -28,7 +28,6 @@ class ModelSpec:
 
     family: str
     native: str | None = None
-    legacy_native: str | None = None  # the separate native module that parallel layouts still run
     output_class: str = "diffusers.models.modeling_outputs:Transformer2DModelOutput"
     attention_routes: tuple[tuple[str, str], ...] = ()
     attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
@@ -37,9 +36,6 @@ class ModelSpec:
     def native_model(self):
         """The model's ``NativeModel`` (see ``models.base``), or None."""
         return _import(self.native) if self.native else None
-
-    def native_class(self) -> type[nn.Module] | None:
-        return _import(self.legacy_native) if self.legacy_native else None
 
 
 def _import(target: str):
@@ -53,7 +49,6 @@ _SPECS: dict[str, ModelSpec] = {
     "FluxTransformer2DModel": ModelSpec(
         family="flux",
         native="omni_accel.models.flux:FLUX",
-        legacy_native="omni_accel.models.flux_legacy:FluxTransformer",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_flux"),),
         attention_roles={
             r"transformer_blocks\.\d+\.attn": ("flux.joint", "self"),
@@ -102,9 +97,3 @@ def registered_natives() -> list[str]:
 
 def output_class(spec: ModelSpec) -> type:
     return _import(spec.output_class)
-
-
-def cfg_pairing_rule(spec: ModelSpec):
-    """The native model's rule telling whether a pipeline call pairs its transformer calls, or None."""
-    model = spec.native_model()
-    return model.cfg_pairing if model is not None else None

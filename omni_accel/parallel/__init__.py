@@ -1,1 +1,16 @@
-"""Process groups and collectives for tensor, sequence and CFG parallelism."""
+"""Tensor, sequence and CFG parallelism: the mesh, the collectives, and ``parallelize``, which applies a
+layout to a Diffusers module from the plans its native model declares."""
+
+from .parallelize import Parallelized, ParallelPlan, check_parallel, parallelize
+from .sequence_hooks import SequencePlan
+from .tensor import Colwise, Rowwise
+
+__all__ = [
+    "Colwise",
+    "ParallelPlan",
+    "Parallelized",
+    "Rowwise",
+    "SequencePlan",
+    "check_parallel",
+    "parallelize",
+]

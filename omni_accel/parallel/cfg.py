@@ -8,6 +8,10 @@ runs both branches concurrently, one per rank, fills the buffer and returns its 
 because such pipelines read the conditional result only after the unconditional call returns; the pairing
 is switched on only for pipeline calls the model's registry entry says pair this way, and an unpaired call
 is an error, never a silent wrong result.
+
+Both run in a hook on the Diffusers module (``SplitGuidance``, registered through Diffusers' HookRegistry);
+the branch of a call comes from the pipeline's ``cache_context("cond"/"uncond")``, which Diffusers hands to
+every stateful hook.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks import ModelHook
+from diffusers.hooks.hooks import StateManager
 from torch import nn
 
 from .comm import all_gather_dim
+from .hooks import bound_arguments
 
 _BRANCHES = ("cond", "uncond")
 
@@ -32,13 +39,17 @@ class CfgParallel:
         self.rank = dist.get_rank(group)
         self.batched_inputs = tuple(batched_inputs)
         self.pairing = False  # set for the duration of a pipeline call whose calls pair (see patches)
-        self.branch: str | None = None  # set by the transformer's cache_context
+        self.branch: str | None = None  # the pipeline's cache_context of the call in flight
         self._pending: tuple[dict[str, Any], torch.Tensor] | None = None
         self.split_calls = self.paired_calls = self.replicated_calls = 0
 
     def run(
-        self, model: nn.Module, kwargs: dict[str, Any], output_like: Callable[[dict], torch.Tensor]
+        self,
+        model: Callable[..., torch.Tensor],
+        kwargs: dict[str, Any],
+        output_like: Callable[[dict], torch.Tensor],
     ) -> torch.Tensor:
+        """``model(**kwargs)`` (the model's output tensor), computed with the other rank's help."""
         if self.pairing:
             return self._paired(model, kwargs, output_like)
         batch = kwargs[self.batched_inputs[0]].shape[0]
@@ -89,3 +100,40 @@ class CfgParallel:
                 "CFG pairing was on; its result was never computed. This pipeline's calls do not pair as its "
                 "registry entry says."
             )
+
+
+class _NoState:
+    def reset(self) -> None:
+        pass
+
+
+class SplitGuidance(ModelHook):
+    """Runs the module's forward through ``CfgParallel``. ``output_like(module, arguments)`` is an empty
+    tensor shaped like the output; ``output_class`` wraps it as the module returns it with ``return_dict``."""
+
+    _is_stateful = True  # so Diffusers hands it the cache context (the branch name)
+
+    def __init__(
+        self,
+        cfg: CfgParallel,
+        output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor],
+        output_class: type,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.output_like, self.output_class = cfg, output_like, output_class
+        self.context = StateManager(_NoState)
+
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        arguments = bound_arguments(module, args, kwargs)
+        return_dict = arguments.pop("return_dict", True)
+        context = self.context._context
+        self.cfg.branch = None if context is None else context.name
+
+        def forward(**call: Any) -> torch.Tensor:
+            return self.fn_ref.original_forward(**call, return_dict=False)[0]
+
+        sample = self.cfg.run(forward, arguments, lambda call: self.output_like(module, call))
+        return self.output_class(sample=sample) if return_dict else (sample,)
+
+    def reset_state(self, module: nn.Module) -> nn.Module:
+        return module

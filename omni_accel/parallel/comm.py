@@ -7,6 +7,11 @@ import torch.distributed as dist
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ``group``; traceable, so compiled blocks keep their collectives in the graph."""
+    if torch.compiler.is_compiling():
+        import torch.distributed._functional_collectives as funcol  # imports dynamo: only when compiling
+
+        return funcol.all_reduce(tensor, "sum", group)
     tensor = tensor.contiguous()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor

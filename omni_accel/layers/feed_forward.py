@@ -1,0 +1,24 @@
+"""The transformer MLP: up projection, activation, down projection (each maybe LoRA, maybe TP-split)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from .projection import LinearWeights, apply_one
+
+gelu_tanh = partial(F.gelu, approximate="tanh")
+
+
+def feed_forward(
+    x: torch.Tensor,
+    up: LinearWeights,
+    down: LinearWeights,
+    activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh,
+) -> torch.Tensor:
+    """``down(activation(up(x)))``; under tensor parallelism ``up`` splits its outputs and ``down`` its
+    inputs, so the activation runs on the local slice and one all-reduce ends the MLP."""
+    return apply_one(activation(apply_one(x, up)), down)

@@ -1,0 +1,26 @@
+"""Registering our layout hooks through Diffusers' ``HookRegistry``: named, composable with the user's own
+hooks (step caches, offload, layerwise casting) and removable."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from diffusers.hooks import HookRegistry, ModelHook
+from torch import nn
+
+
+def register(module: nn.Module, hook: ModelHook, name: str) -> Callable[[], None]:
+    """Registers ``hook`` on ``module`` as ``name``; returns the undo."""
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    registry.register_hook(hook, name)
+    return lambda: registry.remove_hook(name, recurse=False)
+
+
+def bound_arguments(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward call's arguments by name (pipelines pass most by keyword, some positionally)."""
+    signature = inspect.signature(type(module).forward)
+    arguments = signature.bind(module, *args, **kwargs).arguments
+    arguments.pop(next(iter(signature.parameters)))  # self
+    return dict(arguments)

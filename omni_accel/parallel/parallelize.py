@@ -1,0 +1,126 @@
+"""``parallelize``: spreads a Diffusers transformer whose blocks are native over the mesh, in ordered steps.
+
+1. tensor parallelism: shard the planned linears of every repeated block in place (``tensor.py``);
+2. sequence parallelism: split the sequence inputs and gather the output (hooks, ``sequence_hooks.py``);
+3. CFG parallelism: split the guidance batch or pair the cond/uncond calls (a hook, ``cfg.py``), outermost.
+
+A model declares what these steps need as data (``ParallelPlan``); parallel/ never imports models/.
+``check_parallel`` runs every check first, so a layout that cannot apply fails before anything changes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cfg import CfgParallel, SplitGuidance
+from .hooks import register
+from .mesh import ParallelState
+from .sequence import SequenceParallel
+from .sequence_hooks import GatherSequence, SequencePlan, SequenceState, SplitSequence
+from .tensor import TensorPlan, apply_tensor_parallel, plan_shards
+
+_HOOK_PREFIX = "omni_accel."
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What a native model declares so that ``parallelize`` can spread it.
+
+    ``name``: the model family, for messages. ``attention_heads``: the config key of the head count (TP
+    splits whole heads). ``tensor``: block list -> its TP plan. ``sequence``: the SP plan.
+    ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these).
+    ``output_like(module, arguments)``: an empty tensor shaped like the output of that call.
+    """
+
+    name: str
+    attention_heads: str
+    tensor: Mapping[str, TensorPlan]
+    sequence: SequencePlan
+    batched_inputs: tuple[str, ...]
+    output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor]
+
+
+_LAYOUTS: list[weakref.ref] = []
+
+
+@dataclass(eq=False)
+class Parallelized:
+    """One applied layout. ``index`` lets compiled attention find it (and its sequence plan) at run time."""
+
+    description: str
+    splits_blocks: bool  # tp or sp > 1: a block's own Diffusers forward would be wrong here
+    sequence: SequenceState | None = None
+    cfg: CfgParallel | None = None
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    index: int = -1
+
+    def __post_init__(self) -> None:
+        self.index = len(_LAYOUTS)
+        _LAYOUTS.append(weakref.ref(self))
+
+    def revert(self) -> None:
+        for step in reversed(self.undo):
+            step()
+        self.undo.clear()
+
+
+def current_sequence(index: int) -> SequenceParallel | None:
+    """The sequence layout of the forward in flight under layout ``index`` (-1: none)."""
+    if index < 0:
+        return None
+    layout = _LAYOUTS[index]()
+    return None if layout is None or layout.sequence is None else layout.sequence.joint
+
+
+def check_parallel(transformer: nn.Module, plan: ParallelPlan, state: ParallelState) -> None:
+    """Raises with the reason and the fix when ``state``'s layout cannot apply to ``transformer``."""
+    tp = state.config.tp
+    if tp > 1:
+        heads = transformer.config[plan.attention_heads]
+        if heads % tp:
+            fits = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(
+                f"tp={tp} does not divide {plan.name}'s {heads} attention heads; use a tp in {fits}."
+            )
+        group = state.group("tp")
+        for list_name, block_plan in plan.tensor.items():
+            for block in getattr(transformer, list_name):
+                plan_shards(block, block_plan, group)
+
+
+def parallelize(
+    transformer: nn.Module, plan: ParallelPlan, state: ParallelState, output_class: type
+) -> Parallelized:
+    """Applies ``state``'s layout to ``transformer`` (its blocks already native); undo with ``revert``."""
+    check_parallel(transformer, plan, state)
+    config = state.config
+    layout = Parallelized(str(config), splits_blocks=config.tp > 1 or config.sequence_parallel > 1)
+    if config.tp > 1:
+        blocks = [
+            (block, block_plan)
+            for list_name, block_plan in plan.tensor.items()
+            for block in getattr(transformer, list_name)
+        ]
+        layout.undo.append(apply_tensor_parallel(blocks, state.group("tp")))
+    if config.sequence_parallel > 1:
+        layout.sequence = SequenceState(state.group("ulysses"), state.group("ring"))
+        output_module = transformer.get_submodule(plan.sequence.output[0])
+        layout.undo.append(
+            register(transformer, SplitSequence(plan.sequence, layout.sequence), _HOOK_PREFIX + "sp_split")
+        )
+        layout.undo.append(
+            register(
+                output_module, GatherSequence(plan.sequence, layout.sequence), _HOOK_PREFIX + "sp_gather"
+            )
+        )
+    if config.cfg > 1:
+        layout.cfg = CfgParallel(state.group("cfg"), plan.batched_inputs)
+        hook = SplitGuidance(layout.cfg, plan.output_like, output_class)
+        layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "cfg_split"))
+    return layout

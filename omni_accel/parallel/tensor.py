@@ -1,0 +1,163 @@
+"""Tensor parallelism applied in place to a Diffusers module's own linears (Megatron-style).
+
+A model's plan names, per repeated block, which linears split their outputs (``Colwise``: Q/K/V, MLP up)
+and which split their inputs (``Rowwise``: attention out, MLP down; their partial outputs are summed over
+the ranks). ``apply_tensor_parallel`` replaces each such weight by this rank's slice and records the split
+on the linear (``omni_tp``), where the native math finds it. The linear keeps its Diffusers name, class and
+``in_features``/``out_features`` (so peft builds full-size adapters, which the native math slices the same
+way). ``state_dict()`` gives the full tensors (a collective: every rank calls it, as every rank of an SPMD
+script does) and ``load_state_dict`` takes full tensors and keeps this rank's slice, so Diffusers names and
+shapes hold under TP; ``undo`` gathers the full weights back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import all_gather_dim
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Output features split over the TP ranks: each rank computes its slice of the outputs."""
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Input features split over the TP ranks; the partial outputs are summed. ``input_parts``: the linears
+    whose outputs, concatenated, form this input (each part was split on its own), empty for one part."""
+
+    input_parts: tuple[str, ...] = ()
+
+
+TensorPlan = Mapping[str, Colwise | Rowwise]
+"""Path of a linear inside a block -> how it splits."""
+
+
+@dataclass(frozen=True, eq=False)
+class LinearShard:
+    """How one linear is split: along weight dim ``dim`` (0: outputs, 1: inputs), each of ``parts`` (full
+    sizes of the blocks along that dim) split evenly over the ``size`` ranks of ``group``."""
+
+    dim: int
+    parts: tuple[int, ...]
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    @property
+    def reduces(self) -> bool:
+        """The outputs are partial sums (input split): they are all-reduced, the bias added after."""
+        return self.dim == 1
+
+    def take(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of ``full`` along ``dim`` (a view for one part)."""
+        pieces, start = [], 0
+        for part in self.parts:
+            local = part // self.size
+            pieces.append(full.narrow(dim, start + self.rank * local, local))
+            start += part
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+    def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        """The full tensor from every rank's slice (a collective)."""
+        per_rank = all_gather_dim(local.contiguous(), dim, self.group).split(local.shape[dim], dim=dim)
+        pieces, start = [], 0
+        for part in self.parts:
+            size = part // self.size
+            pieces.extend(chunk.narrow(dim, start, size) for chunk in per_rank)
+            start += size
+        return torch.cat(pieces, dim=dim)
+
+    def full_shape(self, local: torch.Tensor, dim: int) -> tuple[int, ...]:
+        shape = list(local.shape)
+        shape[dim] = sum(self.parts)
+        return tuple(shape)
+
+
+def _base(module: nn.Module) -> nn.Linear:
+    """The linear itself, or the base layer of a peft adapter wrapped around it."""
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
+def _sharded_params(linear: nn.Linear, shard: LinearShard) -> dict[str, int]:
+    """Parameter name -> the dim it is split along (a row-split linear keeps its bias whole)."""
+    dims = {"weight": shard.dim}
+    if linear.bias is not None and shard.dim == 0:
+        dims["bias"] = 0
+    return dims
+
+
+def plan_shards(
+    block: nn.Module, plan: TensorPlan, group: dist.ProcessGroup
+) -> list[tuple[str, nn.Linear, LinearShard]]:
+    """The split of every planned linear of ``block``; raises (touching nothing) when a size does not divide."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    shards = []
+    for path, style in plan.items():
+        linear = _base(block.get_submodule(path))
+        if isinstance(style, Colwise):
+            dim, parts = 0, (linear.out_features,)
+        else:
+            dim = 1
+            parts = tuple(_base(block.get_submodule(p)).out_features for p in style.input_parts) or (
+                linear.in_features,
+            )
+            if sum(parts) != linear.in_features:
+                raise ValueError(f"{path}: input parts {parts} do not add up to {linear.in_features} inputs")
+        bad = [part for part in parts if part % size]
+        if bad:
+            raise ValueError(
+                f"tp={size} does not divide the {bad} {'output' if dim == 0 else 'input'} features of {path}; "
+                "use a tp that divides them."
+            )
+        shards.append((path, linear, LinearShard(dim, parts, group, rank, size)))
+    return shards
+
+
+def apply_tensor_parallel(
+    blocks: list[tuple[nn.Module, TensorPlan]], group: dist.ProcessGroup
+) -> Callable[[], None]:
+    """Shards every planned linear of ``blocks`` in place; returns the undo (a collective)."""
+    shards = [entry for block, plan in blocks for entry in plan_shards(block, plan, group)]
+    handles = []
+    for _, linear, shard in shards:
+        for name, dim in _sharded_params(linear, shard).items():
+            param = getattr(linear, name)
+            param.data = shard.take(param.data, dim).contiguous().clone()
+        linear.omni_tp = shard
+        handles.append(linear.register_state_dict_post_hook(_full_state))
+        handles.append(linear.register_load_state_dict_pre_hook(_local_state))
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+        for _, linear, shard in shards:
+            for name, dim in _sharded_params(linear, shard).items():
+                param = getattr(linear, name)
+                param.data = shard.gather(param.data, dim)
+            del linear.omni_tp
+
+    return undo
+
+
+def _full_state(module: nn.Linear, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    shard: LinearShard = module.omni_tp
+    for name, dim in _sharded_params(module, shard).items():
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = shard.gather(state_dict[key], dim)
+
+
+def _local_state(module: nn.Linear, state_dict: dict, prefix: str, *args) -> None:
+    shard: LinearShard = module.omni_tp
+    for name, dim in _sharded_params(module, shard).items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is not None and tuple(value.shape) == shard.full_shape(getattr(module, name), dim):
+            state_dict[key] = shard.take(value, dim)
