@@ -7,6 +7,7 @@ each recording its own undo). ``restore`` runs the undos in reverse order.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import threading
 from collections.abc import Callable
@@ -33,6 +34,15 @@ from .parallel.mesh import ParallelState, init_parallel
 from .report import AccelerationReport, ComponentReport
 
 _STATE_ATTR = "_omni_accel_state"
+
+
+def _tp_lora_patches() -> list[tuple[str, str]]:
+    """Under TP, Diffusers' LoRA loaders must see full shapes, and peft (when installed: Diffusers' LoRA
+    backend) must merge (fuse) this rank's slice of each delta."""
+    needed = [("lora_full_shapes", "diffusers.loaders.lora_pipeline")]
+    if importlib.util.find_spec("peft") is not None:
+        needed.append(("lora_tp_merge", "peft.tuners.lora.layer"))
+    return needed
 
 
 @dataclass
@@ -177,6 +187,9 @@ def _plan_swap(
         check_parallel(module, model.parallel, parallel)
         if parallel.config.cfg > 1 and model.cfg_pairing is not None:
             patches.check_applicable("pair_cfg_calls")
+        if parallel.config.tp > 1:
+            for patch, _ in _tp_lora_patches():
+                patches.check_applicable(patch)
     options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
     limitations = list(model.limitations)
     cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
@@ -305,6 +318,10 @@ def _commit(component: _Component) -> None:
             component.runtime.layout = layout
             component.report.cfg = layout.cfg
             component.undo.append(layout.revert)
+            if component.parallel.config.tp > 1:
+                for patch in _tp_lora_patches():
+                    patches.apply(*patch)
+                    component.undo.append(lambda patch=patch: patches.revert(*patch))
     else:
         _route_attention(component)
         if component.cache is not None:

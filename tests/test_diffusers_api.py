@@ -313,3 +313,25 @@ def test_projection_cache_is_exact_whatever_changes_a_weight(edit):
         _WEIGHT_EDITS[edit](pipe)
     after = _same(plain, fast)
     assert not torch.equal(after, before)
+
+
+def test_compiled_blocks_take_new_lora_scales_and_hotswaps_without_recompiling():
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    fast = omni_accel.tiny_flux_pipeline(seed=0)
+    for pipe in (plain, fast):
+        pipe.load_lora_weights(_lora(1), adapter_name="a")
+    omni_accel.accelerate(fast, compile={"backend": "aot_eager"})
+    _same(plain, fast)
+    counters.clear()
+    steps = [
+        lambda p: p.set_adapters(["a"], [0.3]),
+        lambda p: p.transformer.set_adapters(["a"], [-1.5]),
+        lambda p: p.load_lora_weights(_lora(3), adapter_name="a", hotswap=True),
+    ]
+    for step in steps:
+        step(plain)
+        step(fast)
+        _same(plain, fast)
+    assert counters["stats"]["unique_graphs"] == 0, "a scale change or a same-rank hotswap recompiled"

@@ -36,7 +36,7 @@ class LowRank:
     down: torch.Tensor
     up: torch.Tensor
     up_bias: torch.Tensor | None
-    scale: float
+    scale: torch.Tensor  # 0-d, on the CPU: a compiled graph takes it as an input, so a new scale is no recompile
     cast_input: bool
 
 
@@ -88,8 +88,21 @@ def _adapters(layer: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, .
         if down.bias is not None:
             raise Unsupported(f"{where}: adapter {name!r} has a bias on lora_A")
         cast = getattr(layer, "cast_input_dtype_enabled", True)
-        terms.append(LowRank(down.weight, up.weight, up.bias, layer.scaling[name], cast))
+        terms.append(LowRank(down.weight, up.weight, up.bias, _scale_tensor(layer.scaling[name]), cast))
     return base, tuple(terms)
+
+
+_SCALES: dict[float, torch.Tensor] = {}
+
+
+def _scale_tensor(scale: float) -> torch.Tensor:
+    """The 0-d tensor of ``scale``, one per value (a few distinct scales are in use at any time)."""
+    tensor = _SCALES.get(scale)
+    if tensor is None:
+        if len(_SCALES) >= 256:
+            _SCALES.clear()
+        tensor = _SCALES[scale] = torch.tensor(float(scale), dtype=torch.float64)
+    return tensor
 
 
 def _resolve(module: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, ...]]:

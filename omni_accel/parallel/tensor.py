@@ -12,7 +12,8 @@ shapes hold under TP; ``undo`` gathers the full weights back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -146,11 +147,32 @@ def apply_tensor_parallel(
     return undo
 
 
+@contextlib.contextmanager
+def full_shapes(module: nn.Module) -> Iterator[None]:
+    """Inside, every split linear of ``module`` holds meta tensors of its full shapes instead of its slices:
+    for third-party code that checks shapes only (see ``patches/lora_full_shapes.py``)."""
+    swapped = []
+    for linear in module.modules():
+        shard = getattr(linear, "omni_tp", None)
+        for name, dim in _sharded_params(linear, shard).items() if shard is not None else ():
+            real = linear._parameters[name]
+            shape = shard.full_shape(real, dim)
+            linear._parameters[name] = nn.Parameter(
+                torch.empty(shape, dtype=real.dtype, device="meta"), requires_grad=False
+            )
+            swapped.append((linear, name, real))
+    try:
+        yield
+    finally:
+        for linear, name, real in swapped:
+            linear._parameters[name] = real
+
+
 def _full_state(module: nn.Linear, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     shard: LinearShard = module.omni_tp
     for name, dim in _sharded_params(module, shard).items():
         key = prefix + name
-        if key in state_dict:
+        if key in state_dict and not state_dict[key].is_meta:  # meta: a full_shapes placeholder
             state_dict[key] = shard.gather(state_dict[key], dim)
 
 

@@ -1,0 +1,141 @@
+"""Under parallel layouts the accelerated pipeline is still a Diffusers pipeline: LoRA (loaded before or
+after accelerate, scaled, disabled, unloaded), state_dict/load_state_dict with Diffusers names and full
+shapes, save_pretrained, compile, against plain Diffusers doing the same steps in the same process."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import rel_err
+from diffusers import FluxTransformer2DModel
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from multirank import run_multirank
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+import omni_accel
+from omni_accel import ParallelConfig
+
+CALL = dict(prompt=["a cat", "a dog"], height=24, width=40, num_inference_steps=2, output_type="latent")
+# Every kind of TP split: packed column (QKV, QKV+MLP), row (out, ff down), row over two input parts
+# (the single block's proj_out), replicated (modulation).
+TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_v_proj",
+    "proj_mlp",
+    "proj_out",
+    "norm1.linear",
+    "ff.net.2",
+]
+
+
+def _latents(pipe, **kwargs):
+    return pipe(**{**CALL, **kwargs}, generator=torch.Generator().manual_seed(0)).images
+
+
+def _same(plain, fast, **kwargs):
+    expected, got = _latents(plain, **kwargs), _latents(fast, **kwargs)
+    err = rel_err(got, expected)
+    assert err <= 1e-5, f"relative error {err:.2e} against plain Diffusers"
+    gathered = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, got)
+    assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks disagree"
+
+
+def _lora(seed: int) -> dict:
+    torch.manual_seed(seed)
+    source = omni_accel.tiny_flux_pipeline(seed=0).transformer
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS, init_lora_weights=False)
+    source.add_adapter(config, adapter_name="x")
+    return {f"transformer.{k}": v for k, v in get_peft_model_state_dict(source, adapter_name="x").items()}
+
+
+class _CustomProcessor(FluxAttnProcessor):
+    pass
+
+
+def _lora_under_tp(tmp_path: str) -> None:
+    plain, fast = omni_accel.tiny_flux_pipeline(seed=0), omni_accel.tiny_flux_pipeline(seed=0)
+    first, second = _lora(1), _lora(2)
+    for pipe in (plain, fast):
+        pipe.load_lora_weights(dict(first), adapter_name="a")  # before accelerate
+    omni_accel.accelerate(fast, parallel=ParallelConfig(tp=2))
+    to_q = fast.transformer.transformer_blocks[0].attn.to_q
+    assert to_q.base_layer.weight.shape == (16, 32) and to_q.lora_B["a"].weight.shape == (
+        32,
+        2,
+    )  # sliced when read
+    _same(plain, fast)
+    steps = [
+        lambda p: p.load_lora_weights(dict(second), adapter_name="b"),  # after accelerate
+        lambda p: p.set_adapters(["a", "b"], [0.7, -0.4]),
+        lambda p: p.transformer.set_adapters(["a"], [0.0]),
+        lambda p: p.set_adapters(["a", "b"], [1.0, 0.5]),
+        lambda p: p.disable_lora(),
+        lambda p: p.enable_lora(),
+        lambda p: p.fuse_lora(lora_scale=0.8),  # peft merges this rank's slice of each delta
+        lambda p: p.unfuse_lora(),
+        lambda p: p.delete_adapters("a"),
+    ]
+    for step in steps:
+        step(plain)
+        step(fast)
+        _same(plain, fast)
+    _same(plain, fast, joint_attention_kwargs={"scale": 0.3})
+    assert not omni_accel.describe(fast).components[0].runtime.fallbacks
+
+    # state_dict: Diffusers names and full tensors (a collective); load_state_dict takes full tensors
+    got, expected = fast.transformer.state_dict(), plain.transformer.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    for pipe in (plain, fast):
+        pipe.unload_lora_weights()
+    edited = {k: v * 1.01 for k, v in plain.transformer.state_dict().items()}
+    for pipe in (plain, fast):
+        pipe.transformer.load_state_dict(edited)
+    _same(plain, fast)
+
+    # save_pretrained writes the Diffusers layout, on the main process only
+    fast.transformer.save_pretrained(tmp_path, is_main_process=omni_accel.is_main_process())
+    dist.barrier()
+    saved = FluxTransformer2DModel.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(saved[k], edited[k]) for k in edited)
+
+    # what the native blocks cannot run is an error under TP, never Diffusers' forward on a shard
+    block = fast.transformer.transformer_blocks[0]
+    block.attn.set_processor(_CustomProcessor())
+    with pytest.raises(RuntimeError, match="transformer_blocks.0 cannot run natively"):
+        _latents(fast)
+    block.attn.set_processor(FluxAttnProcessor())
+
+    omni_accel.restore(fast)
+    restored = fast.transformer.state_dict()
+    assert all(torch.equal(restored[k], edited[k]) for k in edited)
+    assert all(not hasattr(m, "omni_tp") for m in fast.transformer.modules())
+
+
+def _compiled_layouts() -> None:
+    oracle = _latents(omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0)))
+    for layout in (ParallelConfig(tp=2), ParallelConfig(ulysses=2), ParallelConfig(ring=2)):
+        torch._dynamo.reset()
+        pipe = omni_accel.accelerate(
+            omni_accel.tiny_flux_pipeline(seed=0), parallel=layout, compile={"backend": "aot_eager"}
+        )
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        got = _latents(pipe)
+        assert rel_err(got, oracle) <= 1e-5, f"{layout} compiled"
+        assert counters["stats"]["unique_graphs"] >= 2, f"{layout}: blocks were not compiled"
+
+
+def _body(rank: int, world: int, tmp_path: str) -> None:
+    torch.set_num_threads(1)
+    _lora_under_tp(tmp_path)
+    _compiled_layouts()
+
+
+@pytest.mark.multirank
+def test_diffusers_api_under_parallel_layouts(tmp_path):
+    run_multirank(_body, 2, str(tmp_path), timeout=500)
