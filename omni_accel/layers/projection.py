@@ -36,7 +36,9 @@ class LowRank:
     down: torch.Tensor
     up: torch.Tensor
     up_bias: torch.Tensor | None
-    scale: torch.Tensor  # 0-d, on the CPU: a compiled graph takes it as an input, so a new scale is no recompile
+    scale: (
+        torch.Tensor
+    )  # 0-d, on the CPU: a compiled graph takes it as an input, so a new scale is no recompile
     cast_input: bool
 
 
