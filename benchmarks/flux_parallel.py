@@ -18,11 +18,19 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from flux_lora_step import with_lora
 from flux_step import bare_pipeline, build_transformer, rel_err
 from timing import timed
 
 import omni_accel
 from omni_accel import ParallelConfig
+
+_ONE_GPU = {"plain": "1gpu", "true_cfg": "1gpu_true_cfg", "lora": "1gpu_lora"}
+
+
+def _kind(layout_name: str) -> str:
+    """Which one-GPU run a layout compares with: same calls (true CFG or not), same adapters."""
+    return next((kind for kind in ("true_cfg", "lora") if layout_name.endswith(kind)), "plain")
 
 
 def _embeddings(device: str, dtype: torch.dtype, seed: int) -> dict:
@@ -101,6 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
         "ring2": ParallelConfig(ring=2),
         "1gpu_true_cfg": None,
         "cfg2_true_cfg": ParallelConfig(cfg=2),
+        "1gpu_lora": None,  # a rank-16 LoRA on every attention projection, unfused
+        "tp2_lora": ParallelConfig(tp=2),
     }
     gpus = (
         [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -115,10 +125,13 @@ def main(argv: list[str] | None = None) -> dict:
         if args.layouts and name not in args.layouts:
             continue
         true_cfg = name.endswith("true_cfg")
-        pipe = bare_pipeline(build_transformer(device, dtype, **size))
+        model = build_transformer(device, dtype, **size)
+        if name.endswith("lora"):
+            with_lora(model, rank=16)
+        pipe = bare_pipeline(model)
         omni_accel.accelerate(pipe, parallel=layout, **compile_options)
         result, latents = _measure(pipe, args.steps, args.repeats, true_cfg, device)
-        key = "true_cfg" if true_cfg else "plain"
+        key = _kind(name)
         oracle.setdefault(key, latents)  # the first layout run of each kind is the reference
         result["rel_err_vs_1gpu"] = rel_err(latents, oracle[key].float())
         results[name] = result
@@ -148,9 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     for name, result in results.items():
         if isinstance(result, dict) and "back_to_back_ms_per_step" in result:
-            single = results["1gpu_true_cfg" if name.endswith("true_cfg") else "1gpu"][
-                "back_to_back_ms_per_step"
-            ]
+            single = results[_ONE_GPU[_kind(name)]]["back_to_back_ms_per_step"]
             result["speedup_vs_1gpu"] = single / result["back_to_back_ms_per_step"]
             if omni_accel.is_main_process():
                 print(f"{name:20s} {json.dumps(result)}")

@@ -19,13 +19,26 @@ def global_hooks_active() -> bool:
 
 def is_hooked(module: nn.Module) -> bool:
     """A hook on this module itself (not its children)."""
-    registry = getattr(module, "_diffusers_hook", None)
+    # Read the instance dict: hasattr() on a missing attribute runs Module.__getattr__ and raises, which
+    # is most of the cost when this runs over every submodule of every block at every call.
+    state = module.__dict__
+    registry = state.get("_diffusers_hook")
     return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or hasattr(module, "_hf_hook")
+        state["_forward_hooks"]
+        or state["_forward_pre_hooks"]
+        or "_hf_hook" in state
         or (registry is not None and registry.hooks)
     )
+
+
+def _first_hooked_below(module: nn.Module) -> nn.Module | None:
+    stack = [m for m in module._modules.values() if m is not None]
+    while stack:
+        child = stack.pop()
+        if is_hooked(child):
+            return child
+        stack.extend(m for m in child._modules.values() if m is not None)
+    return None
 
 
 def hooked_submodule(block: nn.Module) -> str | None:
@@ -33,12 +46,12 @@ def hooked_submodule(block: nn.Module) -> str | None:
     hook"; None when nothing below ``block`` is hooked."""
     if global_hooks_active():
         return "a global forward hook"
-    for name, module in block.named_modules():
-        if name and is_hooked(module):
-            return name
-    return None
+    hooked = _first_hooked_below(block)
+    if hooked is None:
+        return None
+    return next(name for name, module in block.named_modules() if module is hooked)
 
 
 def has_hooks(module: nn.Module) -> bool:
     """A hook on ``module`` or anything below it, or a global one."""
-    return global_hooks_active() or any(is_hooked(m) for m in module.modules())
+    return global_hooks_active() or is_hooked(module) or _first_hooked_below(module) is not None
