@@ -12,6 +12,7 @@ result. True CFG (two transformer calls per step) is measured for cfg=2 against 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         if omni_accel.is_main_process():
             print(f"{name:20s} {json.dumps(result)}", flush=True)
         del pipe
+        gc.collect()  # hooks (ours and Diffusers') hold their module in reference cycles
         torch.cuda.empty_cache()
 
     for name, ulysses in (("diffusers_1gpu", 1), ("diffusers_ulysses2", 2)):
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
             result = {"error": f"{type(exc).__name__}: {exc}"}
         results[name] = result
         del model
+        gc.collect()
         torch.cuda.empty_cache()
 
     for name, result in results.items():

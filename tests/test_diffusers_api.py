@@ -335,3 +335,67 @@ def test_compiled_blocks_take_new_lora_scales_and_hotswaps_without_recompiling()
         step(fast)
         _same(plain, fast)
     assert counters["stats"]["unique_graphs"] == 0, "a scale change or a same-rank hotswap recompiled"
+
+
+def _ip_adapter_state(transformer, clip_dim: int = 12) -> dict:
+    """A random FLUX IP-Adapter in the layout Diffusers' loader takes (4 image tokens)."""
+    g = torch.Generator().manual_seed(5)
+    cfg = transformer.config
+    context, inner = cfg.joint_attention_dim, transformer.inner_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    image_proj = {
+        "proj.weight": rand(4 * context, clip_dim),
+        "proj.bias": rand(4 * context),
+        "norm.weight": rand(context),
+        "norm.bias": rand(context),
+    }
+    ip_adapter = {}
+    for block in range(cfg.num_layers):
+        for name in ("to_k_ip", "to_v_ip"):
+            ip_adapter[f"{block}.{name}.weight"] = rand(inner, context)
+            ip_adapter[f"{block}.{name}.bias"] = rand(inner)
+    return {"image_proj": image_proj, "ip_adapter": ip_adapter}
+
+
+def test_flux_ip_adapter_matches_plain_diffusers():
+    """IP-Adapter processors run Diffusers' forward of the double blocks (the single blocks stay native)."""
+    from conftest import flux_inputs, random_flux_transformer
+
+    plain, fast = random_flux_transformer(), random_flux_transformer()
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    pipe.transformer = fast
+    omni_accel.accelerate(pipe)
+    state = _ip_adapter_state(plain)
+    for model in (plain, fast):
+        model._load_ip_adapter_weights(copy.deepcopy(state), low_cpu_mem_usage=False)
+    inputs = flux_inputs(plain)
+    image = torch.randn(2, 1, 12, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected, got = (
+            m(**inputs, joint_attention_kwargs={"ip_adapter_image_embeds": [image]}, return_dict=False)[0]
+            for m in (plain, fast)
+        )
+        without = random_flux_transformer()(**inputs, return_dict=False)[0]
+    assert rel_err(got, expected) <= 1e-5 and not torch.equal(expected, without)
+    fallbacks = omni_accel.describe(pipe).components[0].runtime.fallbacks
+    assert sum(fallbacks.values()) == plain.config.num_layers  # the double blocks, once each
+    assert all("FluxIPAdapterAttnProcessor" in reason for reason in fallbacks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_model_cpu_offload_before_or_after_accelerate(when):
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    plain.enable_model_cpu_offload()
+    fast = omni_accel.tiny_flux_pipeline(seed=0)
+    if when == "before":
+        fast.enable_model_cpu_offload()
+    omni_accel.accelerate(fast)
+    if when == "after":
+        fast.enable_model_cpu_offload()
+    _same(plain, fast)
+    _native_calls_only(fast)
+    assert fast.transformer.device.type == "cpu"  # offloaded again after the call

@@ -8,6 +8,7 @@ call fall back to Diffusers' forward.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,20 @@ def _attention_reason(block: Any, joint_attention_kwargs: dict[str, Any] | None)
         return "a Diffusers attention backend or context-parallel config is set on the processor"
     if block.attn.fused_projections:
         return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
-    if joint_attention_kwargs:
-        return f"joint_attention_kwargs {sorted(joint_attention_kwargs)} are handled by Diffusers' processors"
+    used = sorted(set(joint_attention_kwargs or ()) & _PROCESSOR_ARGUMENTS)
+    if used:  # others (an IP-adapter's ip_hidden_states) the default processor ignores, and so do we
+        return f"joint_attention_kwargs {used} are handled by Diffusers' processor"
     return None
+
+
+# What FluxAttnProcessor takes from joint_attention_kwargs (Diffusers' Attention drops the other keys).
+_PROCESSOR_ARGUMENTS = set(inspect.signature(FluxAttnProcessor.__call__).parameters) - {
+    "self",
+    "attn",
+    "hidden_states",
+    "encoder_hidden_states",
+    "image_rotary_emb",
+}
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,8 @@ def single_block(
 def _joined(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
     """``cat([txt, img], dim=1)``; without a copy when they are the two halves of one tensor, as the
     previous single block returns them (so only the first single block pays for the concatenation)."""
+    if torch.compiler.is_compiling():  # storage checks do not trace; the compiler handles the copy
+        return torch.cat([txt, img], dim=1)
     batch, text_len, dim = txt.shape
     length = text_len + img.shape[1]
     stride = (length * dim, dim, 1)
@@ -159,33 +173,46 @@ class _FluxNative(NativeBlock):
         image_rotary_emb: Rope = None,
         joint_attention_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        weights = self.native_weights(joint_attention_kwargs)
-        if weights is None:
+        prepared = self._prepare(temb, joint_attention_kwargs)
+        if prepared is None:
             return super().forward(
                 hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs
             )
-        runtime = self.omni_runtime
-        modulation = [
-            self.project_conditioning(name, temb, lambda name=name: apply_one(F.silu(temb), weights[name]))
-            for name in self.modulations
-        ]
+        modulation, weights, norms, constants = prepared
+        math = self.omni_runtime.math(type(self).math)
         return self._run(
-            runtime.math(type(self).math),
+            math,
             hidden_states,
             encoder_hidden_states,
             *modulation,
             image_rotary_emb,
             weights,
-            self._norms(),
-            BlockConstants(
-                self.attn.head_dim,
-                self._layer_norm_eps(),
-                self.attn.norm_q.eps,
-                type(self).site,
-                runtime.selector.index,
-                runtime.layout_index,
-            ),
+            norms,
+            constants,
         )
+
+    @torch.compiler.disable
+    def _prepare(self, temb: torch.Tensor, joint_attention_kwargs: dict[str, Any] | None):
+        """Everything host-side (reading and packing weights, the projection cache, constants), or None when
+        this call runs Diffusers' forward. Never traced: when Diffusers' ``compile_repeated_blocks()`` compiles
+        the whole block, this stays eager (one graph break) and the math is what gets compiled."""
+        weights = self.native_weights(joint_attention_kwargs)
+        if weights is None:
+            return None
+        runtime = self.omni_runtime
+        modulation = [
+            self.project_conditioning(name, temb, lambda name=name: apply_one(F.silu(temb), weights[name]))
+            for name in self.modulations
+        ]
+        constants = BlockConstants(
+            self.attn.head_dim,
+            self._layer_norm_eps(),
+            self.attn.norm_q.eps,
+            type(self).site,
+            runtime.selector.index,
+            runtime.layout_index,
+        )
+        return modulation, weights, self._norms(), constants
 
 
 class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
