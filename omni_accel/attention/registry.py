@@ -23,6 +23,10 @@ _PLATFORM_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "sdpa_math"),
 }
 _DEFAULT_PREFERENCE = ("sdpa", "sdpa_math")
+# A masked call goes to PyTorch's own SDPA dispatch first: it picks the kernel plain Diffusers gets for the
+# same mask (on an H200, Qwen-Image's padded text mask ran 1.4x faster there than pinned to the efficient
+# kernel, the only pinned one declaring masks), so a routed model is never slower than in Diffusers.
+_MASKED_FIRST = "sdpa"
 
 _INSTANCES: dict[str, AttentionProvider] = {}
 
@@ -31,8 +35,11 @@ def provider_names() -> list[str]:
     return sorted(_TARGETS)
 
 
-def platform_preference(device_type: str) -> tuple[str, ...]:
-    return _PLATFORM_PREFERENCE.get(device_type, _DEFAULT_PREFERENCE)
+def platform_preference(device_type: str, masked: bool = False) -> tuple[str, ...]:
+    preference = _PLATFORM_PREFERENCE.get(device_type, _DEFAULT_PREFERENCE)
+    if masked:
+        preference = (_MASKED_FIRST, *(name for name in preference if name != _MASKED_FIRST))
+    return preference
 
 
 def check_provider_name(name: str, *, where: str) -> None:

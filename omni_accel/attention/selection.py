@@ -111,7 +111,7 @@ def resolve(config: AttentionConfig, role: str, category: str, request: Attentio
         if reasons:
             usable = [
                 n
-                for n in platform_preference(request.device_type)
+                for n in platform_preference(request.device_type, request.has_mask)
                 if not get_provider(n).reasons_against(request)
             ]
             raise AttentionProviderError(
@@ -122,7 +122,7 @@ def resolve(config: AttentionConfig, role: str, category: str, request: Attentio
         return Resolution(provider, f"{source} = {name!r}")
 
     skipped = []
-    for name in platform_preference(request.device_type):
+    for name in platform_preference(request.device_type, request.has_mask):
         provider = get_provider(name)
         reasons = provider.reasons_against(request)
         if not reasons:

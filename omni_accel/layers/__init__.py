@@ -3,6 +3,7 @@ tensor-parallel), the MLP, norms, modulation, RoPE and the provider-routed atten
 
 from .attention import AttentionSite, attention
 from .feed_forward import feed_forward, gelu_tanh
+from .fused import gated_residual, norm_modulate, qk_norm_rope
 from .modulation import modulate
 from .norms import layer_norm
 from .projection import LinearWeights, apply_linear, apply_one, read_linear, read_packed
@@ -16,9 +17,12 @@ __all__ = [
     "apply_rope",
     "attention",
     "feed_forward",
+    "gated_residual",
     "gelu_tanh",
     "layer_norm",
     "modulate",
+    "norm_modulate",
+    "qk_norm_rope",
     "read_linear",
     "read_packed",
 ]

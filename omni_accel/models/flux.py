@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from ..layers import apply_rope, feed_forward, gelu_tanh, layer_norm, modulate
+from ..layers import feed_forward, gated_residual, gelu_tanh, norm_modulate, qk_norm_rope
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan
@@ -37,10 +37,6 @@ def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, head_dim))
-
-
-def _rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    return x if rope is None else apply_rope(x, *rope)
 
 
 def _attention_reason(block: Any, joint_attention_kwargs: dict[str, Any] | None) -> str | None:
@@ -78,9 +74,6 @@ class BlockConstants:
     selector: int  # AttentionSelector.index
     layout: int  # Parallelized.index, -1 on one rank
 
-    def qk_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        return F.rms_norm(_heads(x, self.head_dim), (self.head_dim,), weight, self.qk_eps)
-
 
 def double_block(
     img: torch.Tensor,
@@ -92,26 +85,24 @@ def double_block(
     norms: dict[str, torch.Tensor | None],
     c: BlockConstants,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Diffusers' FluxTransformerBlock.forward, op for op, over packed projections."""
+    """Diffusers' FluxTransformerBlock.forward over packed projections, its elementwise steps fused."""
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=1)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=1)
-    eps = c.eps
-    iq, ik, iv = apply_linear(modulate(layer_norm(img, eps), i_shift, i_scale), w["img_qkv"])
-    tq, tk, tv = apply_linear(modulate(layer_norm(txt, eps), t_shift, t_scale), w["txt_qkv"])
-    iq, ik = c.qk_norm(iq, norms["q"]), c.qk_norm(ik, norms["k"])
-    tq, tk = c.qk_norm(tq, norms["added_q"]), c.qk_norm(tk, norms["added_k"])
-    q = _rope(torch.cat([tq, iq], dim=1), rope)
-    k = _rope(torch.cat([tk, ik], dim=1), rope)
-    v = torch.cat([_heads(tv, c.head_dim), _heads(iv, c.head_dim)], dim=1)
+    eps, head_dim = c.eps, c.head_dim
+    iq, ik, iv = apply_linear(norm_modulate(img, i_shift, i_scale, eps), w["img_qkv"])
+    tq, tk, tv = apply_linear(norm_modulate(txt, t_shift, t_scale, eps), w["txt_qkv"])
+    q = qk_norm_rope([(tq, norms["added_q"]), (iq, norms["q"])], head_dim, c.qk_eps, rope)
+    k = qk_norm_rope([(tk, norms["added_k"]), (ik, norms["k"])], head_dim, c.qk_eps, rope)
+    v = torch.cat([_heads(tv, head_dim), _heads(iv, head_dim)], dim=1)
     out = attention(q, k, v, c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
     txt_attn, img_attn = out.split_with_sizes([txt.shape[1], img.shape[1]], dim=1)
 
-    img = img + i_gate.unsqueeze(1) * apply_one(img_attn.contiguous(), w["img_out"])
-    ff = feed_forward(modulate(layer_norm(img, eps), i_shift2, i_scale2), w["img_up"], w["img_down"])
-    img = img + i_gate2.unsqueeze(1) * ff
-    txt = txt + t_gate.unsqueeze(1) * apply_one(txt_attn.contiguous(), w["txt_out"])
-    ff = feed_forward(modulate(layer_norm(txt, eps), t_shift2, t_scale2), w["txt_up"], w["txt_down"])
-    txt = txt + t_gate2.unsqueeze(1) * ff
+    img = gated_residual(img, i_gate, apply_one(img_attn.contiguous(), w["img_out"]))
+    ff = feed_forward(norm_modulate(img, i_shift2, i_scale2, eps), w["img_up"], w["img_down"])
+    img = gated_residual(img, i_gate2, ff)
+    txt = gated_residual(txt, t_gate, apply_one(txt_attn.contiguous(), w["txt_out"]))
+    ff = feed_forward(norm_modulate(txt, t_shift2, t_scale2, eps), w["txt_up"], w["txt_down"])
+    txt = gated_residual(txt, t_gate2, ff)
     return _clip_fp16(txt), img
 
 
@@ -123,14 +114,14 @@ def single_block(
     norms: dict[str, torch.Tensor | None],
     c: BlockConstants,
 ) -> torch.Tensor:
-    """Diffusers' FluxSingleTransformerBlock.forward on ``x = [text, image]``, op for op, with QKV and the MLP
-    input in one GEMM."""
+    """Diffusers' FluxSingleTransformerBlock.forward on ``x = [text, image]``, with QKV and the MLP input in
+    one GEMM and its elementwise steps fused."""
     shift, scale, gate = mod.chunk(3, dim=1)
-    q, k, v, mlp = apply_linear(modulate(layer_norm(x, c.eps), shift, scale), w["qkv_mlp"])
-    q = _rope(c.qk_norm(q, norms["q"]), rope)
-    k = _rope(c.qk_norm(k, norms["k"]), rope)
+    q, k, v, mlp = apply_linear(norm_modulate(x, shift, scale, c.eps), w["qkv_mlp"])
+    q = qk_norm_rope([(q, norms["q"])], c.head_dim, c.qk_eps, rope)
+    k = qk_norm_rope([(k, norms["k"])], c.head_dim, c.qk_eps, rope)
     out = attention(q, k, _heads(v, c.head_dim), c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
-    x = x + gate.unsqueeze(1) * apply_one(torch.cat([out, gelu_tanh(mlp)], dim=2), w["out"])
+    x = gated_residual(x, gate, apply_one(torch.cat([out, gelu_tanh(mlp)], dim=2), w["out"]))
     return _clip_fp16(x)
 
 

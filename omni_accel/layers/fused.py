@@ -1,0 +1,77 @@
+"""Fused elementwise steps of the native blocks: one pass over the activations where PyTorch's eager ops
+make several (each a full read and write of a 4608 x 3072 tensor at FLUX's size).
+
+* ``norm_modulate``: LayerNorm (no affine) then AdaLN, ``norm(x) * (1 + scale) + shift``;
+* ``gated_residual``: ``x + gate * y``;
+* ``qk_norm_rope``: per-head RMSNorm then RoPE of one or more sequence segments (text, image), written
+  straight into the joint ``[B, S, H, D]`` tensor attention reads (no concatenation).
+
+Each rounds where Diffusers' unfused ops round (a bf16 result after the norm, after ``1 + scale``, after
+the product...), so the fused result differs from Diffusers' only by the order of a reduction. On CUDA
+with Triton installed the kernels run as ``torch.library`` custom ops (with fakes, so a traced graph can
+hold them); on CPU, without Triton, or while compiling (inductor fuses the reference itself) the
+reference runs, so the CPU suite stays exact against Diffusers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .modulation import modulate
+from .norms import layer_norm
+from .rope import apply_rope
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_kernel(*tensors: torch.Tensor) -> bool:
+    return (
+        HAS_TRITON
+        and not torch.compiler.is_compiling()
+        and all(t.is_cuda and t.dtype in _KERNEL_DTYPES for t in tensors)
+    )
+
+
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``modulate(layer_norm(x, eps), shift, scale)`` for ``x`` ``[B, S, D]`` and ``[B, D]`` modulation."""
+    if shift.ndim == 2 and x.stride(-1) == 1 and _use_kernel(x, shift, scale):
+        return torch.ops.omni_accel.norm_modulate(x, shift, scale, eps)
+    return modulate(layer_norm(x, eps), shift, scale)
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + gate[:, None] * y`` for ``[B, S, D]`` activations and a ``[B, D]`` gate."""
+    if x.is_contiguous() and y.is_contiguous() and _use_kernel(x, gate, y) and x.dtype == y.dtype:
+        return torch.ops.omni_accel.gated_residual(x, gate, y)
+    return x + gate.unsqueeze(1) * y
+
+
+def qk_norm_rope(
+    segments: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    head_dim: int,
+    eps: float | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """``apply_rope(cat([rms_norm(x_i, w_i) ...], dim=1), *rope)`` over BSHD heads of each ``(x_i, w_i)``
+    (``x_i`` is ``[B, S_i, H * head_dim]``, maybe a strided view of a packed projection)."""
+    tensors = [x for x, _ in segments]
+    weights = [w for _, w in segments]
+    if (
+        rope is not None
+        and all(w is not None for w in weights)
+        and all(x.stride(-1) == 1 for x in tensors)
+        and _use_kernel(*tensors, *weights)
+    ):
+        return torch.ops.omni_accel.qk_norm_rope(tensors, weights, head_dim, eps, *rope)
+    normed = [F.rms_norm(x.unflatten(-1, (-1, head_dim)), (head_dim,), w, eps) for x, w in segments]
+    joint = normed[0] if len(normed) == 1 else torch.cat(normed, dim=1)
+    return joint if rope is None else apply_rope(joint, *rope)
+
+
+if HAS_TRITON:
+    from . import fused_kernels  # noqa: F401  (registers the custom ops)

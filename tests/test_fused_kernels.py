@@ -1,0 +1,115 @@
+"""The fused Triton kernels against the unfused references they replace.
+
+On a GPU (``-m gpu``) at FLUX's shapes in bf16, fp16 and fp32; on CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``, fp32 only: the interpreter does not round to bf16 as the GPU does), when Triton is
+installed. The native blocks' parity with Diffusers runs the references on CPU (tests/test_flux_native.py).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omni_accel.layers import apply_rope, layer_norm, modulate
+
+HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
+
+
+def _ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The difference in units of the last place of ``ref``'s dtype at ``ref``'s magnitude."""
+    eps = torch.finfo(ref.dtype).eps
+    return (got.float() - ref.float()).abs() / (ref.float().abs().clamp_min(1e-3) * eps)
+
+
+def _check(name: str, got: torch.Tensor, ref: torch.Tensor, exact_in_half: bool = False) -> None:
+    """Half precision: bitwise where only elementwise roundings are involved, else at most a rare one-step
+    difference (the norms reduce in another order). fp32 carries the reordering into every element:
+    relative 1e-5."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, name
+    if ref.dtype == torch.float32:
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+        return
+    if exact_in_half:
+        assert torch.equal(got, ref), f"{name}: not bitwise equal"
+        return
+    ulps = _ulps(got, ref)
+    assert ulps.max() <= 2.01, f"{name}: {ulps.max():.1f} ulps"
+    assert (ulps > 0).float().mean() <= 0.02, f"{name}: {(ulps > 0).float().mean():.3%} of elements differ"
+
+
+def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=192, heads=3, head_dim=128):
+    from omni_accel.layers import fused_kernels as kernels
+
+    g = torch.Generator(device).manual_seed(0)
+    dim = heads * head_dim
+
+    def randn(*shape, dtype):
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+    for dtype in dtypes:
+        x = randn(batch, image, dim, dtype=dtype) * 3
+        mod = randn(batch, 6 * dim, dtype=dtype)
+        shift, scale, gate = mod.chunk(6, dim=1)[:3]
+        ref = modulate(layer_norm(x, 1e-6), shift, scale)
+        _check(f"norm_modulate {dtype}", kernels.norm_modulate(x, shift, scale, 1e-6), ref)
+        strided = randn(batch, image, 2 * dim, dtype=dtype)[..., :dim]  # rows of a packed projection
+        ref = modulate(layer_norm(strided, 1e-6), shift, scale)
+        _check(f"norm_modulate strided {dtype}", kernels.norm_modulate(strided, shift, scale, 1e-6), ref)
+
+        y = randn(batch, image, dim, dtype=dtype)
+        _check(
+            f"gated_residual {dtype}",
+            kernels.gated_residual(x, gate, y),
+            x + gate.unsqueeze(1) * y,
+            exact_in_half=True,
+        )
+
+        packed = randn(batch, image, 3 * dim, dtype=dtype)  # q is a strided view of the QKV GEMM's output
+        txt = randn(batch, text, dim, dtype=dtype)
+        w_img, w_txt = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
+        angles = torch.rand(text + image, head_dim // 2, generator=g, device=device) * 100
+        cos, sin = (f(angles).repeat_interleave(2, dim=1) for f in (torch.cos, torch.sin))
+        segments = [(txt, w_txt), (packed[..., :dim], w_img)]
+        normed = [F.rms_norm(t.unflatten(-1, (-1, head_dim)), (head_dim,), w, 1e-6) for t, w in segments]
+        ref = apply_rope(torch.cat(normed, dim=1), cos, sin)
+        got = kernels.qk_norm_rope(
+            [t for t, _ in segments], [w for _, w in segments], head_dim, 1e-6, cos, sin
+        )
+        _check(f"qk_norm_rope {dtype}", got, ref)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+def test_kernels_in_the_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "import torch, test_fused_kernels as t; t.run_checks('cpu', [torch.float32], image=24, text=8)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_kernels_on_the_gpu_at_flux_shapes():
+    run_checks(
+        "cuda", [torch.bfloat16, torch.float16, torch.float32], batch=1, text=512, image=4096, heads=24
+    )
+
+
+@pytest.mark.gpu
+def test_custom_ops_pass_opcheck():
+    from omni_accel.layers import fused_kernels  # noqa: F401
+
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(2, 5, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    mod = torch.randn(2, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    shift, scale = mod.chunk(2, dim=1)
+    cos, sin = torch.ones(5, 16, device="cuda"), torch.zeros(5, 16, device="cuda")
+    w = torch.ones(16, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.omni_accel.norm_modulate.default, (x, shift, scale, 1e-6))
+    torch.library.opcheck(torch.ops.omni_accel.gated_residual.default, (x, shift, x))
+    torch.library.opcheck(torch.ops.omni_accel.qk_norm_rope.default, ([x], [w], 16, 1e-6, cos, sin))
