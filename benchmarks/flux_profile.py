@@ -1,0 +1,80 @@
+"""Where a FLUX.1-dev step spends its GPU time: kernel families (GEMM, attention, elementwise) per step for
+Diffusers' untouched module and for omni_accel eager and compiled, from torch.profiler.
+
+    python benchmarks/flux_profile.py --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from collections import defaultdict
+
+import torch
+from flux_step import bare_pipeline, build_transformer, inputs
+from torch.profiler import ProfilerActivity, profile
+
+import omni_accel
+
+_FAMILIES = (
+    ("attention", ("fmha", "flash", "cudnn", "attention", "sdpa", "fprop")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")),
+    ("copy / concat", ("copy", "cat", "memcpy", "memset")),
+)
+
+
+def family(kernel: str) -> str:
+    name = kernel.lower()
+    for label, markers in _FAMILIES:
+        if any(marker in name for marker in markers):
+            return label
+    return "elementwise / norm / other"
+
+
+def kernel_table(fn, steps: int, x: dict) -> dict:
+    for _ in range(2):
+        fn(**x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn(**x)
+        torch.cuda.synchronize()
+    totals, top = defaultdict(float), defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            ms = event.self_device_time_total / 1000 / steps
+            totals[family(event.key)] += ms
+            top[event.key] += ms
+    biggest = dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])
+    return {"per_step_ms": dict(totals), "total_ms": sum(totals.values()), "top_kernels_ms": biggest}
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    device, dtype = "cuda", torch.bfloat16
+    x = inputs(1, 4096, 512, device, dtype)
+    results = {}
+    results["diffusers_default"] = kernel_table(build_transformer(device, dtype).__call__, args.steps, x)
+    for name, options in (("omni_eager", {}), ("omni_compiled", {"compile": True})):
+        pipe = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), **options)
+        results[name] = kernel_table(pipe.transformer.__call__, args.steps, x)
+        del pipe
+        gc.collect()
+    for name, table in results.items():
+        families = ", ".join(f"{k} {v:.1f}" for k, v in sorted(table["per_step_ms"].items()))
+        print(f"{name:18s} kernels {table['total_ms']:.1f} ms/step: {families}")
+        for kernel, ms in table["top_kernels_ms"].items():
+            print(f"    {ms:7.2f} ms  {kernel[:110]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
