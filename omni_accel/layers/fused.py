@@ -63,6 +63,7 @@ def qk_norm_rope(
     weights = [w for _, w in segments]
     if (
         rope is not None
+        and head_dim & (head_dim - 1) == 0  # a power of two: the kernel holds a head in one tile
         and all(w is not None for w in weights)
         and all(x.stride(-1) == 1 for x in tensors)
         and _use_kernel(*tensors, *weights)

@@ -60,40 +60,35 @@ def _qk_norm_rope_kernel(
     OUT,
     seq,
     heads,
-    head_dim,
     stride_xb,
     stride_xs,
     out_seq,
     out_start,
     eps,
+    HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    HALF: tl.constexpr,
 ):
-    """One token of one segment: every head's RMSNorm, then RoPE on (even, odd) channel pairs."""
+    """One token of one segment: every head's RMSNorm, then RoPE on (even, odd) channel pairs. Rows are
+    read and written whole (coalesced); the pairs are split and joined in registers."""
     row = tl.program_id(0)
     b = row // seq
     s = row % seq
     h = tl.arange(0, BLOCK_H)[:, None]
-    i = tl.arange(0, HALF)[None, :]
-    half = head_dim // 2
-    mask = (h < heads) & (i < half)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = (h < heads) & (d < HEAD_DIM)
     dtype = OUT.dtype.element_ty
-    src = X + b * stride_xb + s * stride_xs + h * head_dim + 2 * i
-    even = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(even * even, 1) + tl.sum(odd * odd, 1)) / head_dim + eps)[:, None]
-    w_even = tl.load(W + 2 * i, mask=i < half, other=0.0).to(tl.float32)
-    w_odd = tl.load(W + 2 * i + 1, mask=i < half, other=0.0).to(tl.float32)
-    even = _round(_round(even * rstd, dtype) * w_even, dtype)  # RMSNorm's output
-    odd = _round(_round(odd * rstd, dtype) * w_odd, dtype)
-    position = (out_start + s) * head_dim + 2 * i
-    cos_even = tl.load(COS + position, mask=i < half, other=0.0)
-    cos_odd = tl.load(COS + position + 1, mask=i < half, other=0.0)
-    sin_even = tl.load(SIN + position, mask=i < half, other=0.0)
-    sin_odd = tl.load(SIN + position + 1, mask=i < half, other=0.0)
-    dst = OUT + ((b * out_seq + out_start + s) * heads + h) * head_dim + 2 * i
-    tl.store(dst, (even * cos_even - odd * sin_even).to(dtype), mask=mask)
-    tl.store(dst + 1, (odd * cos_odd + even * sin_odd).to(dtype), mask=mask)
+    x = tl.load(X + b * stride_xb + s * stride_xs + h * HEAD_DIM + d, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+    weight = tl.load(W + d).to(tl.float32)
+    x = _round(_round(x * rstd, dtype) * weight, dtype)  # RMSNorm's output
+    position = (out_start + s) * HEAD_DIM + d
+    cos = tl.load(COS + position)
+    sin = tl.load(SIN + position)
+    even, odd = tl.split(tl.reshape(x, (BLOCK_H, HEAD_DIM // 2, 2)))
+    rotated = tl.reshape(tl.join(-odd, even), (BLOCK_H, HEAD_DIM))  # (-odd, even) per pair
+    out = x * cos + rotated * sin
+    dst = OUT + ((b * out_seq + out_start + s) * heads + h) * HEAD_DIM + d
+    tl.store(dst, out.to(dtype), mask=mask)
 
 
 @torch.library.custom_op("omni_accel::norm_modulate", mutates_args=())
@@ -150,8 +145,8 @@ def qk_norm_rope(
         seq = x.shape[1]
         if batch * seq:
             _qk_norm_rope_kernel[(batch * seq,)](
-                x, weight, cos, sin, out, seq, heads, head_dim, x.stride(0), x.stride(1), total, start, eps,
-                BLOCK_H=triton.next_power_of_2(heads), HALF=triton.next_power_of_2(head_dim // 2),
+                x, weight, cos, sin, out, seq, heads, x.stride(0), x.stride(1), total, start, eps,
+                HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
             )  # fmt: skip
         start += seq
     return out
