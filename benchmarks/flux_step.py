@@ -74,6 +74,27 @@ def rel_err(got: torch.Tensor, reference: torch.Tensor) -> float:
     return ((got.float() - reference).abs().max() / reference.abs().max()).item()
 
 
+def image_times(pipelines: dict, steps: int, device: str, dtype: torch.dtype, repeats: int = 2) -> dict:
+    """Seconds per image of a whole FluxPipeline call (prompt embeddings in, latents out), interleaved."""
+    g = torch.Generator(device).manual_seed(2)
+    embeds = dict(
+        prompt_embeds=torch.randn(1, 512, 4096, generator=g, device=device, dtype=dtype),
+        pooled_prompt_embeds=torch.randn(1, 768, generator=g, device=device, dtype=dtype),
+    )
+
+    def call(pipe):
+        return pipe(**embeds, height=1024, width=1024, num_inference_steps=steps, output_type="latent")
+
+    for pipe in pipelines.values():
+        pipe.set_progress_bar_config(disable=True)
+        call(pipe)  # warm-up
+    times = {name: [] for name in pipelines}
+    for _ in range(repeats):
+        for name, pipe in pipelines.items():
+            times[name].append(timed(lambda pipe=pipe: call(pipe), device)[1] / 1000)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,6 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--calls", type=int, default=5, help="timed calls per variant per round")
     parser.add_argument("--compile", action="store_true", help="add compiled variants of both")
+    parser.add_argument(
+        "--pipeline-steps", type=int, default=0, help="also time whole FluxPipeline calls of this many steps"
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     device, dtype = "cuda", torch.bfloat16
@@ -157,6 +181,17 @@ def main(argv: list[str] | None = None) -> dict:
             f"  first call {first_call[name] / 1000:.1f} s  rel err vs fp32 {err:.2e}"
         )
     cache.max_bytes = 256 * 1024**2  # the no-cache variant turned it off last
+    if args.pipeline_steps:
+        pipelines = {
+            "diffusers_default": bare_pipeline(diffusers_model),
+            "diffusers_best": bare_pipeline(best),
+        }
+        pipelines["omni_accel_auto"] = pipe
+        if args.compile:
+            pipelines["omni_accel_compiled"] = compiled
+        results["pipeline_s_per_image"] = image_times(pipelines, args.pipeline_steps, device, dtype)
+        for name, seconds in results["pipeline_s_per_image"].items():
+            print(f"{name:28s} {args.pipeline_steps}-step 1024x1024 image: {seconds:.2f} s")
     results["report"] = str(omni_accel.describe(pipe))
     print(results["report"])
     if args.out:
