@@ -20,21 +20,14 @@ from omni_accel.layers import apply_rope, layer_norm, modulate
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _check(
-    name: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None, exact_in_half=False
-) -> None:
-    """Half precision: bitwise where only elementwise roundings are involved; else at most two rounding
-    steps of ``scale`` (the magnitude of the values that were rounded: the norms reduce in another order,
-    so an intermediate may round the other way; on an H200 a quarter of LayerNorm+AdaLN outputs land one
-    step apart from PyTorch's, with the same error against fp32). fp32 carries the reordering into every
-    element: relative 1e-5."""
+def _check(name: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None:
+    """The kernels round once where the references round after every op: in half precision the results
+    may differ by up to two rounding steps of ``scale`` (the magnitude of the values the reference rounds).
+    fp32 carries the reordering into every element: relative 1e-5."""
     assert got.shape == ref.shape and got.dtype == ref.dtype, name
     if ref.dtype == torch.float32:
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
-        return
-    if exact_in_half:
-        assert torch.equal(got, ref), f"{name}: not bitwise equal"
         return
     steps = (got.float() - ref.float()).abs() / (scale.float() * torch.finfo(ref.dtype).eps)
     assert steps.max() <= 2.01, f"{name}: {steps.max():.1f} rounding steps"
@@ -61,12 +54,9 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
             _check(f"norm_modulate{label} {dtype}", got, modulate(normed, shift, scale), magnitude)
 
         y = randn(batch, image, dim, dtype=dtype)
-        _check(
-            f"gated_residual {dtype}",
-            kernels.gated_residual(x, gate, y),
-            x + gate.unsqueeze(1) * y,
-            exact_in_half=True,
-        )
+        product = gate.unsqueeze(1) * y
+        magnitude = x.abs() + product.abs()
+        _check(f"gated_residual {dtype}", kernels.gated_residual(x, gate, y), x + product, magnitude)
 
         packed = randn(batch, image, 3 * dim, dtype=dtype)  # q is a strided view of the QKV GEMM's output
         txt = randn(batch, text, dim, dtype=dtype)

@@ -6,8 +6,8 @@ make several (each a full read and write of a 4608 x 3072 tensor at FLUX's size)
 * ``qk_norm_rope``: per-head RMSNorm then RoPE of one or more sequence segments (text, image), written
   straight into the joint ``[B, S, H, D]`` tensor attention reads (no concatenation).
 
-Each rounds where Diffusers' unfused ops round (a bf16 result after the norm, after ``1 + scale``, after
-the product...), so the fused result differs from Diffusers' only by the order of a reduction. On CUDA
+Each computes in float32 and rounds once (Diffusers' unfused ops round after every op), so a bf16 result
+may differ from Diffusers' by a rounding step, as two of Diffusers' own kernels do. On CUDA
 with Triton installed the kernels run as ``torch.library`` custom ops (with fakes, so a traced graph can
 hold them); on CPU, without Triton, or while compiling (inductor fuses the reference itself) the
 reference runs, so the CPU suite stays exact against Diffusers.
