@@ -53,11 +53,21 @@ def bare_pipeline(model: FluxTransformer2DModel) -> FluxPipeline:
     return FluxPipeline(FlowMatchEulerDiscreteScheduler(), None, None, None, None, None, model)
 
 
-def inputs(batch: int, image_tokens: int, text_tokens: int, device: str, dtype: torch.dtype) -> dict:
+def inputs(
+    batch: int,
+    image_tokens: int,
+    text_tokens: int,
+    device: str,
+    dtype: torch.dtype,
+    grid: tuple[int, int] | None = None,
+) -> dict:
+    """One transformer call's arguments; ``grid`` is the (rows, columns) of image tokens (square if None)."""
     g = torch.Generator(device).manual_seed(1)
-    side = int(image_tokens**0.5)
-    axes = torch.arange(side).float()
-    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), axes, axes, indexing="ij"), -1).reshape(-1, 3)
+    rows, cols = grid or (int(image_tokens**0.5),) * 2
+    img_ids = torch.stack(
+        torch.meshgrid(torch.zeros(1), torch.arange(rows).float(), torch.arange(cols).float(), indexing="ij"),
+        -1,
+    ).reshape(-1, 3)
     return dict(
         hidden_states=torch.randn(batch, image_tokens, 64, generator=g, device=device, dtype=dtype),
         encoder_hidden_states=torch.randn(batch, text_tokens, 4096, generator=g, device=device, dtype=dtype),

@@ -1,0 +1,85 @@
+"""FLUX.1-dev step time over resolutions and batch sizes: Diffusers untouched (a), Diffusers' best switches
+(b), omni_accel eager and compiled, all in one process with identical weights, interleaved per shape.
+
+    python benchmarks/flux_sweep.py --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from flux_step import bare_pipeline, build_transformer, inputs
+from timing import timed
+
+import omni_accel
+
+SHAPES = [(512, 512), (768, 1344), (1024, 1024)]
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    device, dtype = "cuda", torch.bfloat16
+    default = build_transformer(device, dtype)
+    best = build_transformer(device, dtype)
+    best.fuse_qkv_projections()
+    best.set_attention_backend("_native_cudnn")
+    best.compile_repeated_blocks(fullgraph=True)
+    eager = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype))).transformer
+    compiled = omni_accel.accelerate(
+        bare_pipeline(build_transformer(device, dtype)), compile=True
+    ).transformer
+    modules = {
+        "diffusers_default": default,
+        "diffusers_best": best,
+        "omni_eager": eager,
+        "omni_compiled": compiled,
+    }
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    for height, width in SHAPES:
+        for batch in args.batches:
+            x = inputs(
+                batch, (height // 16) * (width // 16), 512, device, dtype, grid=(height // 16, width // 16)
+            )
+            for module in modules.values():  # warm-up: compilation for this shape
+                module(**x)
+            samples = {name: [] for name in modules}
+            for _ in range(args.rounds):
+                for name, module in modules.items():
+                    samples[name] += [
+                        timed(lambda m=module, x=x: m(**x), device)[1] for _ in range(args.calls)
+                    ]
+            medians = {name: statistics.median(times) for name, times in samples.items()}
+            row = {
+                name: {
+                    "ms": ms,
+                    "vs_default": medians["diffusers_default"] / ms,
+                    "vs_best": medians["diffusers_best"] / ms,
+                }
+                for name, ms in medians.items()
+            }
+            key = f"{height}x{width}_b{batch}"
+            results["shapes"][key] = row
+            print(
+                key,
+                "  ".join(
+                    f"{n} {r['ms']:.1f} ms (x{r['vs_default']:.2f} a, x{r['vs_best']:.2f} b)"
+                    for n, r in row.items()
+                ),
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
