@@ -118,7 +118,8 @@ def _lora_under_tp(tmp_path: str) -> None:
 
 def _compiled_layouts() -> None:
     oracle = _latents(omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0)))
-    for layout in (ParallelConfig(tp=2), ParallelConfig(ulysses=2), ParallelConfig(ring=2)):
+    layouts = (ParallelConfig(tp=2), ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2))
+    for layout in layouts:
         torch._dynamo.reset()
         pipe = omni_accel.accelerate(
             omni_accel.tiny_flux_pipeline(seed=0), parallel=layout, compile={"backend": "aot_eager"}
@@ -127,7 +128,8 @@ def _compiled_layouts() -> None:
         counters.clear()
         got = _latents(pipe)
         assert rel_err(got, oracle) <= 1e-5, f"{layout} compiled"
-        assert counters["stats"]["unique_graphs"] >= 2, f"{layout}: blocks were not compiled"
+        graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+        assert graphs == 2 and not breaks, f"{layout}: {graphs} graphs (one per block class expected), {breaks}"
 
 
 def _body(rank: int, world: int, tmp_path: str) -> None:
