@@ -3,8 +3,10 @@
 pipe = omni_accel.accelerate(pipe)
 """
 
+from . import _checkout  # noqa: F401  (first: omni_accel.patches from a plain checkout)
 from .api import accelerate, describe, restore
 from .attention import AttentionConfig, AttentionProviderError, attention_scope, provider_names
+from .auto import disable, enable, load_ipython_extension, unload_ipython_extension
 from .cache import ExactProjectionCache
 from .config import AccelConfig
 from .parallel.config import ParallelConfig
@@ -35,11 +37,15 @@ __all__ = [
     "accelerate",
     "attention_scope",
     "describe",
+    "disable",
+    "enable",
     "is_main_process",
+    "load_ipython_extension",
     "provider_names",
     "restore",
     "tiny_flux_pipeline",
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",
     "tiny_wan_pipeline",
+    "unload_ipython_extension",
 ]

@@ -27,13 +27,17 @@ from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
 from .config import AccelConfig
-from .models.base import NativeRuntime, swap_blocks
+from .models.base import NativeBlock, NativeRuntime, swap_blocks
 from .models.registry import ModelSpec, output_class, registered_natives, spec_for
 from .parallel import check_parallel, parallelize
 from .parallel.mesh import ParallelState, init_parallel
 from .report import AccelerationReport, ComponentReport
+from .utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 _STATE_ATTR = "_omni_accel_state"
+_SHARED = "native (shared)"
 
 
 def _tp_lora_patches() -> list[tuple[str, str]]:
@@ -87,6 +91,7 @@ def accelerate(
             "runs exactly as in Diffusers",
         )
         setattr(pipe, _STATE_ATTR, _State(config, [], [], absent=[note]))
+        logger.warning("%s: %s", type(pipe).__name__, note.detail)
         return pipe
     parallel = init_parallel(config.parallel) if config.parallel is not None else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
@@ -96,7 +101,23 @@ def accelerate(
     if parallel is not None and parallel.mesh is not None:
         pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
     setattr(pipe, _STATE_ATTR, _State(config, components, undo))
+    _log_summary(pipe, components)
     return pipe
+
+
+def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:
+    """One INFO line per accelerate; a WARNING for whatever was left to Diffusers."""
+    summary = "; ".join(f"{c.name} ({c.report.diffusers_class}) {c.report.mode}" for c in components)
+    logger.info("%s accelerated: %s (omni_accel.describe(pipe) for details)", type(pipe).__name__, summary)
+    for component in components:
+        report = component.report
+        if report.mode not in ("native", _SHARED):
+            logger.warning(
+                "pipe.%s (%s) is %s: %s", report.name, report.diffusers_class, report.mode, report.detail
+            )
+        for item in report.not_accelerated:
+            if report.mode == "native" and item.startswith("exact projection cache: off"):
+                logger.warning("pipe.%s: %s", report.name, item)
 
 
 def restore(pipe: DiffusionPipeline) -> DiffusionPipeline:
@@ -117,7 +138,7 @@ def describe(pipe: DiffusionPipeline) -> AccelerationReport:
     """What was swapped, which provider serves each attention role and why, cache use, and what was left."""
     state = _state(pipe)
     for component in state.components:
-        if component.runtime is not None:
+        if component.report.runtime is not None:
             sites = _native_sites(component.original, component.spec.native_model())
             component.report.planned_attention = _resolve_rows(
                 sites, next(component.original.parameters()), component.report.selector, strict=False
@@ -141,6 +162,19 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             f"(pipe.{name} = pipe.{name}._orig_mod) and pass compile=True to compile the native blocks."
         )
     spec = spec_for(module)
+    runtime = next((m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock)), None)
+    if runtime is not None:  # e.g. a sibling made by from_pipe shares an accelerated transformer
+        report = ComponentReport(
+            name,
+            cls_name,
+            _SHARED,
+            "already accelerated by another pipeline that shares this module; restore that pipeline to undo",
+            runtime.selector,
+            cache=runtime.cache,
+            cfg=runtime.layout.cfg if runtime.layout is not None else None,
+            runtime=runtime,
+        )
+        return _Component(name, module, spec, report)
     native_ok = spec is not None and spec.native is not None and config.native
     distributed = parallel is not None and parallel.mesh is not None
     if config.compile and not native_ok:
@@ -307,6 +341,8 @@ def _resolve_rows(sites, param, selector: AttentionSelector, strict: bool) -> li
 
 
 def _commit(component: _Component) -> None:
+    if component.report.mode == _SHARED:
+        return  # the pipeline that accelerated the module owns its undo
     if component.runtime is not None:
         model = component.spec.native_model()
         swapped = swap_blocks(component.original, model, component.runtime)

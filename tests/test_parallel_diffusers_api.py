@@ -129,7 +129,9 @@ def _compiled_layouts() -> None:
         got = _latents(pipe)
         assert rel_err(got, oracle) <= 1e-5, f"{layout} compiled"
         graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
-        assert graphs == 2 and not breaks, f"{layout}: {graphs} graphs (one per block class expected), {breaks}"
+        assert graphs == 2 and not breaks, (
+            f"{layout}: {graphs} graphs (one per block class expected), {breaks}"
+        )
 
 
 def _body(rank: int, world: int, tmp_path: str) -> None:

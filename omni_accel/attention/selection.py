@@ -12,8 +12,11 @@ import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from ..utils.logging import get_logger
 from .base import AttentionProvider, AttentionProviderError, AttentionRequest
 from .registry import check_provider_name, get_provider, platform_preference
+
+logger = get_logger(__name__)
 
 
 class _FrozenMapping(Mapping):
@@ -158,11 +161,15 @@ class AttentionSelector:
         found = self._cache.get(key)
         if found is None:
             found = self._cache[key] = resolve(config, role, category, request)
+            log = logger.warning if "skipped" in found.reason else logger.debug
+            log("attention %s [%s] -> %s (%s)", role, request.describe(), found.name, found.reason)
         return found
 
     def note_unrouted(self, role: str, reason: str) -> None:
         """Counts a call left to Diffusers' own kernel, so the report can say which and why."""
-        self.unrouted[(role, reason)] = self.unrouted.get((role, reason), 0) + 1
+        count = self.unrouted[(role, reason)] = self.unrouted.get((role, reason), 0) + 1
+        if count == 1:
+            logger.warning("attention %s runs Diffusers' own kernel: %s", role, reason)
 
     def decisions(self) -> list[tuple[str, str, str, str]]:
         """(role, request, provider, reason) for every distinct call seen so far; choices made under an

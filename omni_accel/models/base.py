@@ -34,6 +34,9 @@ from ..forward_hooks import hooked_submodule
 from ..layers.projection import LinearWeights, Unsupported, read_linear, read_packed
 from ..parallel.parallelize import Parallelized, ParallelPlan
 from ..parallel.tensor import TensorPlan
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,10 @@ class NativeBlock:
                 "own forward of a block would be wrong (its weights or its sequence are split over the ranks). "
                 "Remove what the reason names, or run without tensor/sequence parallelism."
             )
-        self.omni_runtime.fallbacks[reason] += 1
+        fallbacks = self.omni_runtime.fallbacks
+        fallbacks[reason] += 1
+        if fallbacks[reason] == 1:
+            logger.warning("%s runs Diffusers' forward: %s (counted in describe)", self.omni_name, reason)
         return None
 
     def project_conditioning(

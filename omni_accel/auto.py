@@ -1,0 +1,140 @@
+"""Zero-code acceleration: every Diffusers pipeline built after ``enable()`` is accelerated as it is built.
+
+However a script builds its pipelines (``from_pretrained``, ``from_pipe``, a constructor,
+``AutoPipelineFor*``), each ends in the ``__init__`` of a ``DiffusionPipeline`` subclass; ``enable`` wraps
+those (the classes loaded now, and through ``__init_subclass__`` the ones Diffusers imports later) so that
+when the outermost ``__init__`` returns, ``accelerate(pipe, **options)`` runs. ``disable`` unwraps them;
+pipelines already accelerated stay so (``omni_accel.restore(pipe)`` undoes one). In IPython:
+``%load_ext omni_accel`` enables it with the options from the environment (see ``options_from_env``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+
+from diffusers import DiffusionPipeline
+
+from .api import accelerate
+from .config import AccelConfig
+from .parallel.config import ParallelConfig
+from .utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_LOCK = threading.Lock()
+_LOCAL = threading.local()  # the depth of nested pipeline __init__ calls on this thread
+_options: dict[str, Any] | None = None
+_wrapped: dict[type, Any] = {}  # class -> its original __init__
+_original_init_subclass = None
+
+
+def enable(**options: Any) -> None:
+    """Accelerates every pipeline built from now on with ``accelerate(pipe, **options)``."""
+    AccelConfig().with_overrides(**options)  # a bad option fails here, not at the first pipeline
+    global _options, _original_init_subclass
+    with _LOCK:
+        _options = dict(options)
+        if _original_init_subclass is None:
+            _original_init_subclass = DiffusionPipeline.__dict__.get("__init_subclass__")
+            DiffusionPipeline.__init_subclass__ = classmethod(_init_subclass)
+        for cls in _subclasses(DiffusionPipeline):
+            _wrap(cls)
+    logger.info(
+        "zero-code acceleration on for pipelines built from now on (options %s)", options or "default"
+    )
+
+
+def disable() -> None:
+    """Stops accelerating new pipelines (the ones already accelerated stay so)."""
+    global _options, _original_init_subclass
+    with _LOCK:
+        _options = None
+        for cls, original in _wrapped.items():
+            cls.__init__ = original
+        _wrapped.clear()
+        if _original_init_subclass is not None:
+            if isinstance(_original_init_subclass, classmethod):
+                DiffusionPipeline.__init_subclass__ = _original_init_subclass
+            else:
+                del DiffusionPipeline.__init_subclass__
+            _original_init_subclass = None
+
+
+def enabled() -> bool:
+    return _options is not None
+
+
+def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """``accelerate`` options from ``OMNI_ACCEL_ATTENTION``, ``OMNI_ACCEL_COMPILE`` (1/0),
+    ``OMNI_ACCEL_PARALLEL`` ("tp=2,ulysses=1,..."), ``OMNI_ACCEL_PROJECTION_CACHE_BYTES``."""
+    env = os.environ if environ is None else environ
+    options: dict[str, Any] = {}
+    if env.get("OMNI_ACCEL_ATTENTION"):
+        options["attention"] = env["OMNI_ACCEL_ATTENTION"]
+    if env.get("OMNI_ACCEL_COMPILE", "").lower() in ("1", "true", "yes"):
+        options["compile"] = True
+    if env.get("OMNI_ACCEL_PARALLEL"):
+        options["parallel"] = parse_parallel(env["OMNI_ACCEL_PARALLEL"])
+    if env.get("OMNI_ACCEL_PROJECTION_CACHE_BYTES"):
+        options["projection_cache_bytes"] = int(env["OMNI_ACCEL_PROJECTION_CACHE_BYTES"])
+    return options
+
+
+def parse_parallel(text: str) -> ParallelConfig:
+    """ "tp=2,ulysses=2" -> ParallelConfig(tp=2, ulysses=2)."""
+    degrees = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in ("tp", "ulysses", "ring", "cfg") or not value.isdigit():
+            raise ValueError(f"parallel layout {text!r}: expected items like tp=2, ulysses=2, ring=1, cfg=2")
+        degrees[name] = int(value)
+    return ParallelConfig(**degrees)
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, stack = [], list(cls.__subclasses__())
+    while stack:
+        sub = stack.pop()
+        found.append(sub)
+        stack.extend(sub.__subclasses__())
+    return found
+
+
+def _init_subclass(cls, **kwargs: Any) -> None:
+    super(DiffusionPipeline, cls).__init_subclass__(**kwargs)
+    with _LOCK:
+        if _options is not None:
+            _wrap(cls)
+
+
+def _wrap(cls: type) -> None:
+    original = cls.__dict__.get("__init__")
+    if original is None or cls in _wrapped:
+        return  # inherits a wrapped __init__, or already wrapped
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        depth = getattr(_LOCAL, "depth", 0)
+        _LOCAL.depth = depth + 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            _LOCAL.depth = depth
+        options = _options
+        if depth == 0 and options is not None:
+            accelerate(self, **options)
+
+    _wrapped[cls] = original
+    cls.__init__ = __init__
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext omni_accel``: pipelines created in the notebook from now on are accelerated."""
+    enable(**options_from_env())
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    disable()

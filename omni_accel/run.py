@@ -1,0 +1,64 @@
+"""Run an unmodified Diffusers script with every pipeline it builds accelerated.
+
+    python -m omni_accel.run [options] my_script.py [script args]
+    omni-accel run [options] my_script.py [script args]
+    torchrun --nproc-per-node 2 -m omni_accel.run --ulysses 2 my_script.py [script args]
+
+Options come from the flags below, or from the environment (OMNI_ACCEL_ATTENTION, OMNI_ACCEL_COMPILE,
+OMNI_ACCEL_PARALLEL, OMNI_ACCEL_PROJECTION_CACHE_BYTES); flags win. Under torchrun every rank runs the
+whole script: a script that saves files should save on one rank (``omni_accel.is_main_process()``), or
+every rank writes the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from typing import Any
+
+from . import auto
+from .attention import provider_names
+from .parallel.config import ParallelConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omni-accel run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--attention", choices=["auto", *provider_names()])
+    parser.add_argument("--compile", action="store_true", help="compile the native blocks")
+    parser.add_argument("--projection-cache-bytes", type=int)
+    for degree in ("tp", "ulysses", "ring", "cfg"):
+        parser.add_argument(f"--{degree}", type=int, help="parallel degree (launch with torchrun)")
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    options = auto.options_from_env()
+    if args.attention:
+        options["attention"] = args.attention
+    if args.compile:
+        options["compile"] = True
+    if args.projection_cache_bytes is not None:
+        options["projection_cache_bytes"] = args.projection_cache_bytes
+    degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg") if getattr(args, d)}
+    if degrees:
+        options["parallel"] = ParallelConfig(**degrees)
+    return options
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    auto.enable(**options_from_args(args))
+    sys.argv = [args.script, *args.args]
+    try:
+        runpy.run_path(args.script, run_name="__main__")
+    finally:
+        auto.disable()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Zero-code acceleration: an unmodified script run through ``omni_accel.run``, and ``enable()`` for
+pipelines however they are built."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel_err
+from diffusers import AutoPipelineForText2Image, DiffusionPipeline, FluxImg2ImgPipeline
+
+import omni_accel
+from omni_accel.auto import options_from_env, parse_parallel
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "diffusers_script.py"
+
+
+@pytest.fixture(scope="module")
+def saved_pipeline(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_flux")
+    omni_accel.tiny_flux_pipeline(seed=0).save_pretrained(path)
+    return path
+
+
+def _mode(pipe) -> str:
+    return omni_accel.describe(pipe).components[0].mode
+
+
+def test_an_unmodified_script_runs_accelerated(saved_pipeline, tmp_path):
+    env = {**os.environ, "OMNI_ACCEL_VERBOSITY": "info"}
+    plain, fast = tmp_path / "plain.pt", tmp_path / "fast.pt"
+    subprocess.run([sys.executable, str(SCRIPT), str(saved_pipeline), str(plain)], check=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_accel.run", str(SCRIPT), str(saved_pipeline), str(fast)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FluxPipeline accelerated: transformer (FluxTransformer2DModel) native" in done.stderr
+    assert rel_err(torch.load(fast), torch.load(plain)) <= 1e-5
+
+
+def test_enable_accelerates_pipelines_however_they_are_built(saved_pipeline):
+    omni_accel.enable()
+    try:
+        loaded = DiffusionPipeline.from_pretrained(saved_pipeline)
+        auto = AutoPipelineForText2Image.from_pretrained(saved_pipeline)
+        built = omni_accel.tiny_flux_pipeline(seed=0)  # a constructor call
+        sibling = FluxImg2ImgPipeline.from_pipe(built)
+        assert [_mode(p) for p in (loaded, auto, built)] == ["native"] * 3
+        assert _mode(sibling) == "native (shared)"  # its transformer is the accelerated one of `built`
+    finally:
+        omni_accel.disable()
+    after = omni_accel.tiny_flux_pipeline(seed=0)
+    assert getattr(after, "_omni_accel_state", None) is None
+    kwargs = dict(prompt="a cat", height=32, width=32, num_inference_steps=2, output_type="latent")
+    expected = after(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    got = loaded(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    assert rel_err(got, expected) <= 1e-5
+
+
+def test_enable_checks_options_at_once():
+    with pytest.raises(TypeError):
+        omni_accel.enable(no_such_option=1)
+    assert not omni_accel.auto.enabled()
+
+
+def test_options_from_the_environment():
+    env = {
+        "OMNI_ACCEL_ATTENTION": "sdpa_math",
+        "OMNI_ACCEL_COMPILE": "1",
+        "OMNI_ACCEL_PARALLEL": "tp=2, cfg=2",
+        "OMNI_ACCEL_PROJECTION_CACHE_BYTES": "0",
+    }
+    options = options_from_env(env)
+    assert options == {
+        "attention": "sdpa_math",
+        "compile": True,
+        "parallel": omni_accel.ParallelConfig(tp=2, cfg=2),
+        "projection_cache_bytes": 0,
+    }
+    with pytest.raises(ValueError, match="items like tp=2"):
+        parse_parallel("tp2")
+
+
+def test_ipython_extension_enables_and_disables():
+    omni_accel.load_ipython_extension(None)
+    try:
+        assert omni_accel.auto.enabled()
+    finally:
+        omni_accel.unload_ipython_extension(None)
+    assert not omni_accel.auto.enabled()
