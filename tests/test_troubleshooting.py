@@ -1,0 +1,48 @@
+"""docs/troubleshooting.md covers every error omni_accel raises: each ``raise`` whose message a user can
+see has its longest literal piece on the page, with what it means and the fix."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Caught inside the package (an Unsupported reason becomes a counted fallback, not an error) or Python's
+# own protocol (a missing attribute).
+INTERNAL = {"Unsupported", "AttributeError"}
+
+
+def _signature(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        parts = [node.value]
+    elif isinstance(node, ast.JoinedStr):
+        parts = [v.value for v in node.values if isinstance(v, ast.Constant)]
+    elif isinstance(node, ast.BinOp):
+        return _signature(node.left) or _signature(node.right)
+    else:
+        return None
+    longest = max(parts, key=len, default="").strip()
+    return longest[:48] if len(longest) >= 12 else None
+
+
+def raised_messages() -> dict[str, str]:
+    """Signature -> where it is raised, for every user-visible raise with a message in the package."""
+    found = {}
+    for folder in ("omni_accel", "patches"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
+                    continue
+                func = node.exc.func
+                if getattr(func, "id", getattr(func, "attr", None)) in INTERNAL:
+                    continue
+                signature = _signature(node.exc.args[0])
+                if signature:
+                    found[signature] = f"{path.relative_to(ROOT)}:{node.lineno}"
+    return found
+
+
+def test_every_error_message_is_on_the_troubleshooting_page():
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    missing = {sig: where for sig, where in raised_messages().items() if sig not in page}
+    assert not missing, "add these to docs/troubleshooting.md:\n" + "\n".join(
+        f"  {where}: {sig!r}" for sig, where in missing.items()
+    )
