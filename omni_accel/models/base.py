@@ -84,6 +84,10 @@ class NativeRuntime:
             return fn
         compiled = self._compiled.get(fn)
         if compiled is None:
+            logger.info(
+                "compiling %s: its first call per input shape compiles (seconds to a minute; cached on disk)",
+                fn.__name__,
+            )
             compiled = self._compiled[fn] = torch.compile(fn, **self.compile_options)
         return compiled
 

@@ -21,7 +21,10 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from ...utils.logging import get_logger
 from ..base import AttentionProvider, Capabilities
+
+logger = get_logger(__name__)
 
 SUPPORTED_VERSIONS = SpecifierSet(">=0.6.1,<0.7")
 INSTALL_HINT = "pip install 'omni-accel[flashinfer]' (flashinfer-python==0.6.1)"
@@ -105,6 +108,14 @@ def _planned_wrapper(
     # fa3 is FlashInfer's Hopper kernel; elsewhere FlashInfer knows best (fa2 on Ampere/Ada/Blackwell).
     backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "auto"
     wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+    logger.info(
+        "flashinfer: planning %s heads x %s, %s x %s tokens (the first plan of a kernel JIT-compiles it: "
+        "tens of seconds, cached on disk afterwards)",
+        heads,
+        head_dim,
+        seq_q,
+        seq_kv,
+    )
     wrapper.plan(
         ragged_indptr(batch, seq_q),
         ragged_indptr(batch, seq_kv),
