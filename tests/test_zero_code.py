@@ -94,3 +94,22 @@ def test_ipython_extension_enables_and_disables():
     finally:
         omni_accel.unload_ipython_extension(None)
     assert not omni_accel.auto.enabled()
+
+
+def _torchrun_ranks(rank: int, world: int, saved: str, out_dir: str) -> None:
+    """What ``torchrun --nproc-per-node 2 -m omni_accel.run --tp 2 SCRIPT ...`` does on each rank."""
+    from omni_accel import run
+
+    run.main(["--tp", "2", str(SCRIPT), saved, f"{out_dir}/rank{rank}.pt"])
+
+
+@pytest.mark.multirank
+def test_an_unmodified_script_under_torchrun(saved_pipeline, tmp_path):
+    from multirank import run_multirank
+
+    plain = tmp_path / "plain.pt"
+    subprocess.run([sys.executable, str(SCRIPT), str(saved_pipeline), str(plain)], check=True)
+    run_multirank(_torchrun_ranks, 2, str(saved_pipeline), str(tmp_path), init=False, timeout=300)
+    expected = torch.load(plain)
+    for rank in range(2):
+        assert rel_err(torch.load(tmp_path / f"rank{rank}.pt"), expected) <= 1e-5
