@@ -226,7 +226,8 @@ def _plan_swap(
                 patches.check_applicable(patch)
     options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
     limitations = list(model.limitations)
-    cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
+    wanted = config.projection_cache_bytes and model.projection_cache
+    cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
     cache = _unless_compiled(cache, config, limitations)
     runtime = NativeRuntime(selector, options, cache)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
@@ -291,8 +292,8 @@ def _native_sites(module: nn.Module, model) -> list[tuple[str, str, int]]:
     rows = {}
     for list_name, native_cls in model.blocks.items():
         for block in getattr(module, list_name):
-            site = native_cls.site
-            rows.setdefault(site.role, (site.role, site.category, block.attn.head_dim))
+            for site in native_cls.sites:
+                rows.setdefault(site.role, (site.role, site.category, native_cls.head_dim(block)))
     return list(rows.values())
 
 

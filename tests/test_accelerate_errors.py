@@ -89,7 +89,7 @@ def test_patch_outside_its_checked_versions_is_refused(monkeypatch):
     import omni_accel.patches.dispatch_attention as patch
 
     monkeypatch.setattr(patch, "CHECKED_VERSIONS", ("0.1.0", "0.2.0"))
-    pipe = omni_accel.tiny_wan_pipeline(seed=0)
+    pipe = omni_accel.tiny_qwenimage_pipeline(seed=0)
     applied_before = patches.applied()
     with pytest.raises(RuntimeError, match="checked against diffusers 0.1.0 to < 0.2.0"):
         omni_accel.accelerate(pipe)

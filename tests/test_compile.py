@@ -32,7 +32,7 @@ def test_compiled_blocks_match_eager_and_follow_the_scope():
 
 def test_compile_needs_a_native_transformer():
     with pytest.raises(ValueError, match="compile_repeated_blocks"):
-        omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), compile=True)
+        omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), compile=True)
 
 
 def test_routed_attention_op_passes_opcheck():

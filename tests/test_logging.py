@@ -47,13 +47,13 @@ def test_native_pipeline_logs_one_info_summary_and_no_warning(records, capsys):
 
 
 def test_what_is_left_to_diffusers_is_a_warning(records):
-    omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0))
+    omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0))
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
     pipe.transformer.transformer_blocks[0].attn.set_processor(_Custom())
     for _ in range(2):
         pipe("a cat", height=32, width=32, num_inference_steps=1, output_type="latent")
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert any("WanTransformer3DModel) is routed" in w for w in warnings)
+    assert any("SD3Transformer2DModel) is routed" in w for w in warnings)
     fallbacks = [w for w in warnings if "runs Diffusers' forward" in w]
     assert len(fallbacks) == 1 and "_Custom" in fallbacks[0]  # once per reason, not per call
 

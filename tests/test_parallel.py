@@ -79,8 +79,11 @@ def _two_ranks(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="spans 4 ranks, but 2 were started"):
         omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2, ulysses=2))
     wan = omni_accel.tiny_wan_pipeline(seed=0)
-    with pytest.raises(ValueError, match="needs a native transformer"):
+    with pytest.raises(ValueError, match="Wan cannot run ulysses=2 yet"):
         omni_accel.accelerate(wan, parallel=ParallelConfig(ulysses=2))
+    assert type(wan.transformer.blocks[0]).__name__ == "WanTransformerBlock"  # nothing was swapped
+    with pytest.raises(ValueError, match="needs a native transformer"):
+        omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
 
 
 def _four_ranks(rank: int, world: int) -> None:

@@ -6,8 +6,11 @@ import torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates each (even, odd) channel pair of BSHD ``x``; math in float32, result in ``x``'s dtype."""
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    """Rotates each (even, odd) channel pair of BSHD ``x``; math in float32 (or the tables' float64),
+    result in ``x``'s dtype. ``cos``/``sin`` are ``[S, D]`` (FLUX) or broadcastable ``[1, S, 1, D]`` (Wan),
+    each frequency repeated for both channels of its pair."""
+    if cos.ndim == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     pairs = x.unflatten(-1, (-1, 2))
     rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

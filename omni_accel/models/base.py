@@ -31,6 +31,7 @@ from omni_accel.patches import hook_chains
 from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
 from ..forward_hooks import hooked_submodule
+from ..layers.attention import AttentionSite
 from ..layers.projection import LinearWeights, Unsupported, read_linear, read_packed
 from ..parallel.parallelize import Parallelized, ParallelPlan
 from ..parallel.tensor import TensorPlan
@@ -47,13 +48,15 @@ class NativeModel:
     ``parallel.parallelize`` needs (sequence plan, batched inputs, head count...; the TP plans are the
     block classes' ``tp_plan``). ``cfg_pairing``: tells from a pipeline call's arguments whether the
     transformer is called twice per step (cond, then uncond). ``limitations``: what the native blocks hand
-    to Diffusers' forward, for the report.
+    to Diffusers' forward, for the report. ``projection_cache``: whether the blocks consult the exact
+    projection cache (``NativeBlock.project_conditioning``); without sites none is made.
     """
 
     blocks: Mapping[str, type[NativeBlock]]
     parallel: ParallelPlan
     cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
     limitations: tuple[str, ...] = ()
+    projection_cache: bool = True
 
     def __post_init__(self) -> None:
         tensor = {name: cls.tp_plan for name, cls in self.blocks.items()}
@@ -111,6 +114,7 @@ class NativeBlock:
     packed: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     linears: ClassVar[Mapping[str, str]] = {}
     tp_plan: ClassVar[TensorPlan] = {}
+    sites: ClassVar[tuple[AttentionSite, ...]] = ()  # the block's attention call sites (roles)
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
 
@@ -119,6 +123,14 @@ class NativeBlock:
         return next(
             base for base in cls.__mro__[1:] if issubclass(base, nn.Module) and base is not NativeBlock
         )
+
+    def head_dim(self) -> int:
+        """The head size of this block's attention (for capability checks at accelerate)."""
+        raise NotImplementedError
+
+    def packed_projections(self) -> Mapping[str, tuple[str, ...]]:
+        """``packed``, plus any projection only some variants of the model have (override to add them)."""
+        return self.packed
 
     def unsupported_reason(self, *args: Any, **kwargs: Any) -> str | None:
         """A model-specific reason this call must run Diffusers' forward (a custom processor...), or None."""
@@ -131,7 +143,8 @@ class NativeBlock:
         if reason is None:
             try:
                 weights = {
-                    name: read_packed(self._modules_at(paths), name) for name, paths in self.packed.items()
+                    name: read_packed(self._modules_at(paths), name)
+                    for name, paths in self.packed_projections().items()
                 }
                 weights.update(
                     {name: read_linear(self.get_submodule(path), path) for name, path in self.linears.items()}

@@ -151,6 +151,9 @@ class _FluxNative(NativeBlock):
     def unsupported_reason(self, joint_attention_kwargs: dict[str, Any] | None) -> str | None:
         return _attention_reason(self, joint_attention_kwargs)
 
+    def head_dim(self) -> int:
+        return self.attn.head_dim
+
     def _norms(self) -> dict[str, torch.Tensor | None]:
         attn = self.attn
         names = ("q", "k", "added_q", "added_k") if attn.added_kv_proj_dim is not None else ("q", "k")
@@ -234,6 +237,7 @@ class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
     }
     modulations = ("img_mod", "txt_mod")
     site = AttentionSite("flux.joint", "self")
+    sites = (site,)
     math = staticmethod(double_block)
 
     def _run(self, math, img, txt, *args):
@@ -254,6 +258,7 @@ class NativeFluxSingleTransformerBlock(_FluxNative, FluxSingleTransformerBlock):
     }
     modulations = ("mod",)
     site = AttentionSite("flux.single", "self")
+    sites = (site,)
     math = staticmethod(single_block)
 
     def _run(self, math, img, txt, *args):

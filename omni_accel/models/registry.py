@@ -57,6 +57,7 @@ _SPECS: dict[str, ModelSpec] = {
     ),
     "WanTransformer3DModel": ModelSpec(
         family="wan",
+        native="omni_accel.models.wan:WAN",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_wan"),),
         attention_roles={r".*\.attn1": ("wan.self", "self"), r".*\.attn2": ("wan.cross", "cross")},
         cache_sites=(

@@ -36,14 +36,16 @@ class ParallelPlan:
     splits whole heads). ``tensor``: block list -> its TP plan. ``sequence``: the SP plan.
     ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these).
     ``output_like(module, arguments)``: an empty tensor shaped like the output of that call.
+    ``unsupported``: layout dimension (tp, ulysses, ring, cfg) -> why this model cannot take it yet.
     """
 
     name: str
     attention_heads: str
     tensor: Mapping[str, TensorPlan]
-    sequence: SequencePlan
+    sequence: SequencePlan | None
     batched_inputs: tuple[str, ...]
     output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor]
+    unsupported: Mapping[str, str] = field(default_factory=dict)
 
 
 _LAYOUTS: list[weakref.ref] = []
@@ -80,7 +82,15 @@ def current_sequence(index: int) -> SequenceParallel | None:
 
 def check_parallel(transformer: nn.Module, plan: ParallelPlan, state: ParallelState) -> None:
     """Raises with the reason and the fix when ``state``'s layout cannot apply to ``transformer``."""
-    tp = state.config.tp
+    config = state.config
+    for dim, reason in plan.unsupported.items():
+        if getattr(config, dim) > 1:
+            usable = [d for d in ("tp", "ulysses", "ring", "cfg") if d not in plan.unsupported]
+            raise ValueError(
+                f"{plan.name} cannot run {dim}={getattr(config, dim)} yet: {reason}. Use {', '.join(usable)} "
+                f"instead (or {dim}=1)."
+            )
+    tp = config.tp
     if tp > 1:
         heads = transformer.config[plan.attention_heads]
         if heads % tp:

@@ -1,0 +1,226 @@
+"""Native Wan 2.1 / 2.2 blocks (T2V, I2V with image K/V, TI2V's per-token timesteps): Diffusers'
+WanTransformer3DModel keeps its patch embedding, condition embedder, RoPE and output layers; its blocks
+run the math below over packed projections (self-attention Q/K/V, cross-attention K/V of the text), with
+attention through our providers.
+
+Only what is Wan's own lives here: the block math (Diffusers' float32 norms and gates, RMSNorm across all
+heads, the I2V image branch), the table of packed projections and what makes a call fall back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
+
+from ..layers import apply_rope, feed_forward
+from ..layers.attention import AttentionSite, attention
+from ..layers.projection import LinearWeights, apply_linear, apply_one
+from ..parallel import ParallelPlan
+from .base import NativeBlock, NativeModel
+
+_TEXT_TOKENS = 512  # Diffusers' WanAttnProcessor: the text context is the last 512 tokens (I2V: image first)
+
+SELF = AttentionSite("wan.self", "self")
+CROSS = AttentionSite("wan.cross", "cross")
+
+
+@dataclass(frozen=True)
+class BlockConstants:
+    heads: int
+    eps: float  # of the float32 LayerNorms
+    qk_eps: float | None  # of the RMSNorms across all heads
+    selector: int
+    layout: int
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.unflatten(2, (heads, -1))
+
+
+def _qk_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)  # across all heads, as Diffusers' norm_q/norm_k
+
+
+def _modulations(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """shift, scale, gate (attention), then shift, scale, gate (MLP), in float32: ``[B, 1, D]`` per sample
+    (Wan 2.1, 2.2 A14B) or ``[B, S, D]`` per token (Wan 2.2 TI2V)."""
+    if temb.ndim == 4:
+        return tuple(m.squeeze(2) for m in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2))
+    return (table + temb.float()).chunk(6, dim=1)
+
+
+def wan_block(
+    x: torch.Tensor,
+    context: torch.Tensor,
+    temb: torch.Tensor,
+    table: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    w: dict[str, LinearWeights],
+    norms: dict[str, torch.Tensor | None],
+    c: BlockConstants,
+) -> torch.Tensor:
+    """Diffusers' WanTransformerBlock.forward, op for op, over packed projections."""
+    shift, scale, gate, c_shift, c_scale, c_gate = _modulations(table, temb)
+    width = x.shape[-1]
+
+    # Self-attention (float32 norm and gate, as Diffusers).
+    h = (F.layer_norm(x.float(), (width,), eps=c.eps) * (1 + scale) + shift).type_as(x)
+    q, k, v = apply_linear(h, w["qkv"])
+    q = apply_rope(_heads(_qk_norm(q, norms["q"], c.qk_eps), c.heads), *rope)
+    k = apply_rope(_heads(_qk_norm(k, norms["k"], c.qk_eps), c.heads), *rope)
+    out = attention(q, k, _heads(v, c.heads), SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
+    x = (x.float() + apply_one(out, w["out"]) * gate).type_as(x)
+
+    # Cross-attention over the text (and, for I2V, the image tokens before it).
+    h = x if norms["cross_norm"] is None else _affine_norm(x, norms, c.eps)
+    q = _heads(_qk_norm(apply_one(h, w["q2"]), norms["q2"], c.qk_eps), c.heads)
+    image = None
+    if "added_kv" in w:
+        image, context = context[:, : context.shape[1] - _TEXT_TOKENS], context[:, -_TEXT_TOKENS:]
+    k, v = apply_linear(context, w["kv2"])
+    k = _heads(_qk_norm(k, norms["k2"], c.qk_eps), c.heads)
+    out = attention(q, k, _heads(v, c.heads), CROSS, c.selector).flatten(2, 3).type_as(q)
+    if image is not None:
+        k_img, v_img = apply_linear(image, w["added_kv"])
+        k_img = _heads(_qk_norm(k_img, norms["added_k"], c.qk_eps), c.heads)
+        image_out = attention(q, k_img, _heads(v_img, c.heads), CROSS, c.selector).flatten(2, 3).type_as(q)
+        out = out + image_out
+    x = x + apply_one(out, w["out2"])
+
+    # Feed-forward.
+    h = (F.layer_norm(x.float(), (width,), eps=c.eps) * (1 + c_scale) + c_shift).type_as(x)
+    ff = feed_forward(h, w["up"], w["down"])
+    return (x.float() + ff.float() * c_gate).type_as(x)
+
+
+def _affine_norm(x: torch.Tensor, norms: dict[str, torch.Tensor | None], eps: float) -> torch.Tensor:
+    """Diffusers' FP32LayerNorm with weights (``cross_attn_norm=True``)."""
+    weight, bias = norms["cross_norm"], norms["cross_norm_bias"]
+    return F.layer_norm(
+        x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps
+    ).type_as(x)
+
+
+def _attention_reason(block_: Any) -> str | None:
+    for name in ("attn1", "attn2"):
+        attn = getattr(block_, name)
+        if type(attn.processor) is not WanAttnProcessor:
+            return f"{name} processor {type(attn.processor).__name__} (custom) runs in Diffusers"
+        if attn.processor._attention_backend is not None or attn.processor._parallel_config is not None:
+            return "a Diffusers attention backend or context-parallel config is set on a processor"
+        if attn.fused_projections:
+            return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
+    return None
+
+
+class NativeWanTransformerBlock(NativeBlock, WanTransformerBlock):
+    """Self-attention with RoPE, cross-attention over the text (and image), MLP; AdaLN from the timestep."""
+
+    packed = {
+        "qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+        "kv2": ("attn2.to_k", "attn2.to_v"),
+    }
+    linears = {
+        "out": "attn1.to_out.0",
+        "q2": "attn2.to_q",
+        "out2": "attn2.to_out.0",
+        "up": "ffn.net.0.proj",
+        "down": "ffn.net.2",
+    }
+
+    sites = (SELF, CROSS)
+
+    def unsupported_reason(self) -> str | None:
+        return _attention_reason(self)
+
+    def head_dim(self) -> int:
+        return self.attn1.inner_dim // self.attn1.heads
+
+    def packed_projections(self) -> dict[str, tuple[str, ...]]:
+        if self.attn2.add_k_proj is None:
+            return dict(self.packed)
+        return {**self.packed, "added_kv": ("attn2.add_k_proj", "attn2.add_v_proj")}  # I2V
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        prepared = self._prepare()
+        if prepared is None:
+            return super().forward(hidden_states, encoder_hidden_states, temb, rotary_emb)
+        weights, norms, constants = prepared
+        math = self.omni_runtime.math(wan_block)
+        table = self.scale_shift_table
+        return math(hidden_states, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants)
+
+    @torch.compiler.disable
+    def _prepare(self):
+        """Everything host-side (weights, constants), or None when this call runs Diffusers' forward."""
+        weights = self.native_weights()
+        if weights is None:
+            return None
+        attn1, attn2 = self.attn1, self.attn2
+        cross_norm = self.norm2 if isinstance(self.norm2, torch.nn.LayerNorm) else None
+        norms = {
+            "q": attn1.norm_q.weight,
+            "k": attn1.norm_k.weight,
+            "q2": attn2.norm_q.weight,
+            "k2": attn2.norm_k.weight,
+            "added_k": attn2.norm_added_k.weight if attn2.add_k_proj is not None else None,
+            "cross_norm": None if cross_norm is None else cross_norm.weight,
+            "cross_norm_bias": None if cross_norm is None else cross_norm.bias,
+        }
+        runtime = self.omni_runtime
+        eps = self.norm1.eps
+        constants = BlockConstants(
+            attn1.heads, eps, attn1.norm_q.eps, runtime.selector.index, runtime.layout_index
+        )
+        return weights, norms, constants
+
+
+def _output_like(transformer: Any, arguments: dict[str, Any]) -> torch.Tensor:
+    hidden = arguments["hidden_states"]
+    channels = transformer.config.out_channels or transformer.config.in_channels
+    return hidden.new_empty(hidden.shape[0], channels, *hidden.shape[2:])
+
+
+def cfg_pairs(arguments: dict[str, Any]) -> bool:
+    """WanPipeline calls the transformer twice per step (cond, then uncond) when guidance is on."""
+    return arguments.get("guidance_scale", 5.0) > 1.0
+
+
+_BLOCKS = {"blocks": NativeWanTransformerBlock}
+_NORM_SPANS_HEADS = "its QK RMSNorm spans all heads, and a distributed norm is not built yet"
+
+WAN = NativeModel(
+    blocks=_BLOCKS,
+    parallel=ParallelPlan(
+        name="Wan",
+        attention_heads="num_attention_heads",
+        tensor={name: cls.tp_plan for name, cls in _BLOCKS.items()},
+        sequence=None,
+        batched_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
+        output_like=_output_like,
+        unsupported={
+            "tp": _NORM_SPANS_HEADS,
+            "ulysses": "its video tokens are made inside the model (no sequence plan yet)",
+            "ring": "its video tokens are made inside the model (no sequence plan yet)",
+        },
+    ),
+    cfg_pairing=cfg_pairs,
+    limitations=(
+        "custom attention processors, Diffusers attention backends set on a processor, "
+        "fuse_qkv_projections(), DoRA adapters, hooks on a submodule and training mode run Diffusers' "
+        "forward of the block (counted in the report); tp, ulysses and ring are not available for Wan yet",
+        "exact projection cache: Wan's blocks have no cache sites yet (text K/V and timestep projections "
+        "are the candidates)",
+    ),
+    projection_cache=False,
+)
