@@ -366,14 +366,17 @@ def _commit(component: _Component) -> None:
 
 
 def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:
-    """Under cfg=2, pipelines that call the transformer twice per step get those calls paired."""
-    for component in components:
-        layout = component.runtime.layout if component.runtime is not None else None
-        rule = component.spec.native_model().cfg_pairing if layout is not None else None
-        if layout is not None and layout.cfg is not None and rule is not None:
-            pair_cfg_calls.apply(pipe, rule, layout.cfg)
-            return [lambda: pair_cfg_calls.revert(pipe)]
-    return []
+    """Under cfg=2, pipelines that call their transformers twice per step get those calls paired."""
+    paired = [
+        (component.spec.native_model().cfg_pairing, component.runtime.layout.cfg)
+        for component in components
+        if component.runtime is not None and component.runtime.layout is not None
+        if component.runtime.layout.cfg is not None and component.spec.native_model().cfg_pairing is not None
+    ]
+    if not paired:
+        return []
+    pair_cfg_calls.apply(pipe, paired[0][0], [cfg for _, cfg in paired])
+    return [lambda: pair_cfg_calls.revert(pipe)]
 
 
 def _route_attention(component: _Component) -> None:

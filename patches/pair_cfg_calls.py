@@ -16,20 +16,24 @@ PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
 
 
-def apply(pipe: Any, pairs: Callable[[dict[str, Any]], bool], cfg) -> None:
-    """``pairs(arguments)`` says, from the bound call arguments, whether this call pairs its calls."""
+def apply(pipe: Any, pairs: Callable[[dict[str, Any]], bool], cfgs: list) -> None:
+    """``pairs(arguments)`` says, from the bound call arguments, whether this call pairs its calls; ``cfgs``:
+    the CfgParallel of every transformer the pipeline calls (Wan 2.2 has two experts)."""
     original = type(pipe)
     signature = inspect.signature(original.__call__)
 
     def __call__(self, *args, **kwargs):
         arguments = signature.bind_partial(self, *args, **kwargs).arguments
-        cfg.pairing = pairs(arguments)
+        for cfg in cfgs:
+            cfg.pairing = pairs(arguments)
         try:
             result = original.__call__(self, *args, **kwargs)
         except BaseException:
-            cfg.finish_call(completed=False)
+            for cfg in cfgs:
+                cfg.finish_call(completed=False)
             raise
-        cfg.finish_call(completed=True)
+        for cfg in cfgs:
+            cfg.finish_call(completed=True)
         return result
 
     pipe.__class__ = type(

@@ -134,10 +134,28 @@ def _compiled_layouts() -> None:
         )
 
 
+def _wan_cfg_pairs_both_experts() -> None:
+    """Wan calls its transformer (or, in 2.2, the expert of the step) cond then uncond: cfg=2 runs the two
+    on the two ranks, exactly as one rank does."""
+    kwargs = dict(prompt="a cat", negative_prompt="blurry", guidance_scale=4.0, height=32, width=32)
+    kwargs.update(num_frames=5, num_inference_steps=4, output_type="latent")
+    for experts in (False, True):
+        plain = omni_accel.tiny_wan_pipeline(seed=0, two_experts=experts)
+        expected = plain(**kwargs, generator=torch.Generator().manual_seed(0)).frames
+        pipe = omni_accel.accelerate(
+            omni_accel.tiny_wan_pipeline(seed=0, two_experts=experts), parallel=ParallelConfig(cfg=2)
+        )
+        got = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).frames
+        assert rel_err(got, expected) <= 1e-5, f"two experts={experts}: {rel_err(got, expected):.2e}"
+        paired = [c.cfg.paired_calls for c in omni_accel.describe(pipe).components]
+        assert all(count > 0 for count in paired), paired
+
+
 def _body(rank: int, world: int, tmp_path: str) -> None:
     torch.set_num_threads(1)
     _lora_under_tp(tmp_path)
     _compiled_layouts()
+    _wan_cfg_pairs_both_experts()
 
 
 @pytest.mark.multirank

@@ -90,3 +90,17 @@ def test_tiny_wan_pipeline_native_matches_diffusers_with_cfg():
     got = fast(**kwargs, generator=torch.Generator().manual_seed(0)).frames
     assert torch.equal(got, expected)  # the same ops in the same order
     assert omni_accel.describe(fast).components[0].mode == "native"
+
+
+def test_wan_2_2_two_experts_are_both_native():
+    kwargs = dict(prompt="a cat", negative_prompt="blurry", guidance_scale=4.0, height=32, width=32)
+    kwargs.update(num_frames=5, num_inference_steps=4, output_type="latent")
+    plain = omni_accel.tiny_wan_pipeline(seed=0, two_experts=True)
+    fast = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, two_experts=True))
+    expected = plain(**kwargs, generator=torch.Generator().manual_seed(0)).frames
+    assert torch.equal(fast(**kwargs, generator=torch.Generator().manual_seed(0)).frames, expected)
+    report = omni_accel.describe(fast)
+    assert [(c.name, c.mode) for c in report.components] == [
+        ("transformer", "native"),
+        ("transformer_2", "native"),
+    ]

@@ -369,10 +369,14 @@ def tiny_wan_pipeline(
     num_layers: int = 2,
     num_attention_heads: int = 2,
     attention_head_dim: int = 16,
+    two_experts: bool = False,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> WanPipeline:
     """Wan 2.1 text-to-video pipeline (3D DiT with cross-attention, UMT5, causal video VAE) at toy size.
+
+    ``two_experts=True`` gives Wan 2.2 A14B's layout: a second transformer (``transformer_2``, its own
+    random weights) takes the low-noise steps below ``boundary_ratio`` 0.8 (with 4 steps: the last two).
 
     The VAE keeps Wan's 4x temporal compression (so ``num_frames`` must be 4k+1, e.g. 5) but compresses space
     only 4x, so small clips still give several tokens per frame; height and width must be multiples of 8.
@@ -394,19 +398,25 @@ def tiny_wan_pipeline(
             scale_factor_temporal=4,
         )
     inner_dim = num_attention_heads * attention_head_dim
-    with _seeded(seed, "transformer"):
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=num_attention_heads,
-            attention_head_dim=attention_head_dim,
-            in_channels=_LATENT_CHANNELS,
-            out_channels=_LATENT_CHANNELS,
-            text_dim=text_encoder.config.d_model,
-            freq_dim=inner_dim,
-            ffn_dim=2 * inner_dim,
-            num_layers=num_layers,
-        )
-        _randomize_(transformer)
+
+    def expert(name: str) -> WanTransformer3DModel:
+        with _seeded(seed, name):
+            model = WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=num_attention_heads,
+                attention_head_dim=attention_head_dim,
+                in_channels=_LATENT_CHANNELS,
+                out_channels=_LATENT_CHANNELS,
+                text_dim=text_encoder.config.d_model,
+                freq_dim=inner_dim,
+                ffn_dim=2 * inner_dim,
+                num_layers=num_layers,
+            )
+            _randomize_(model)
+        return model
+
+    transformer = expert("transformer")
+    extra = {"transformer_2": expert("transformer_2"), "boundary_ratio": 0.8} if two_experts else {}
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
@@ -415,6 +425,7 @@ def tiny_wan_pipeline(
             prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
         ),
         transformer=transformer,
+        **extra,
     )
     return _finish(pipe, dtype, device)
 
