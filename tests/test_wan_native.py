@@ -60,7 +60,13 @@ class TestWanContract(NativeContract):
         ),
         ({}, dict(batch=2, frames=2, side=4, text=7, per_token_timesteps=True)),
     ]
-    layouts = [(ParallelConfig(cfg=2), {}, None)]
+    layouts = [
+        (ParallelConfig(cfg=2), {}, None),
+        (ParallelConfig(tp=2), {}, None),  # heads split: the QK RMSNorm reduces across the ranks
+        (ParallelConfig(tp=2), {"cross_attn_norm": True}, None),
+        (ParallelConfig(tp=2), {"image_dim": 20, "added_kv_proj_dim": 32}, cases[2][1]),  # I2V
+        (ParallelConfig(tp=2), {}, cases[3][1]),  # per-token timesteps
+    ]
 
     make_module = staticmethod(random_wan_transformer)
     make_inputs = staticmethod(wan_inputs)
@@ -73,8 +79,8 @@ def test_layouts_wan_cannot_take_yet_are_refused_with_the_reason(monkeypatch):
 
     module = random_wan_transformer()
     for layout, words in (
-        (ParallelConfig(tp=2), "QK RMSNorm spans all heads"),
         (ParallelConfig(ulysses=2), "no sequence plan yet"),
+        (ParallelConfig(ring=2), "no sequence plan yet"),
     ):
         state = ParallelState(layout, None, torch.device("cpu"))
         with pytest.raises(ValueError, match=words):

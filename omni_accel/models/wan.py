@@ -19,7 +19,9 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanT
 from ..layers import apply_rope, feed_forward
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
-from ..parallel import ParallelPlan
+from ..parallel import Colwise, ParallelPlan, Rowwise
+from ..parallel.comm import all_reduce_sum
+from ..parallel.tensor import shard_of
 from .base import NativeBlock, NativeModel
 
 _TEXT_TOKENS = 512  # Diffusers' WanAttnProcessor: the text context is the last 512 tokens (I2V: image first)
@@ -30,19 +32,28 @@ CROSS = AttentionSite("wan.cross", "cross")
 
 @dataclass(frozen=True)
 class BlockConstants:
-    heads: int
+    head_dim: int
     eps: float  # of the float32 LayerNorms
     qk_eps: float | None  # of the RMSNorms across all heads
     selector: int
     layout: int
+    tp_group: Any = None  # the heads are split over this group: the QK norms reduce across it
+    inner_dim: int = 0  # all heads' width (the QK norms' size)
 
 
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x.unflatten(2, (heads, -1))
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return x.unflatten(2, (-1, head_dim))
 
 
-def _qk_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)  # across all heads, as Diffusers' norm_q/norm_k
+def _qk_norm(x: torch.Tensor, weight: torch.Tensor | None, c: BlockConstants) -> torch.Tensor:
+    """RMSNorm across all heads, as Diffusers' norm_q/norm_k; under tensor parallelism this rank holds
+    some heads (and the matching slice of ``weight``), and the mean square is summed over the ranks."""
+    if c.tp_group is None:
+        return F.rms_norm(x, (x.shape[-1],), weight, c.qk_eps)
+    eps = torch.finfo(x.dtype).eps if c.qk_eps is None else c.qk_eps
+    squares = all_reduce_sum(x.float().pow(2).sum(-1, keepdim=True), c.tp_group)
+    normed = (x.float() * torch.rsqrt(squares / c.inner_dim + eps)).type_as(x)
+    return normed if weight is None else normed * weight
 
 
 def _modulations(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -70,24 +81,24 @@ def wan_block(
     # Self-attention (float32 norm and gate, as Diffusers).
     h = (F.layer_norm(x.float(), (width,), eps=c.eps) * (1 + scale) + shift).type_as(x)
     q, k, v = apply_linear(h, w["qkv"])
-    q = apply_rope(_heads(_qk_norm(q, norms["q"], c.qk_eps), c.heads), *rope)
-    k = apply_rope(_heads(_qk_norm(k, norms["k"], c.qk_eps), c.heads), *rope)
-    out = attention(q, k, _heads(v, c.heads), SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
+    q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
+    k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
+    out = attention(q, k, _heads(v, c.head_dim), SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
     x = (x.float() + apply_one(out, w["out"]) * gate).type_as(x)
 
     # Cross-attention over the text (and, for I2V, the image tokens before it).
     h = x if norms["cross_norm"] is None else _affine_norm(x, norms, c.eps)
-    q = _heads(_qk_norm(apply_one(h, w["q2"]), norms["q2"], c.qk_eps), c.heads)
+    q = _heads(_qk_norm(apply_one(h, w["q2"]), norms["q2"], c), c.head_dim)
     image = None
     if "added_kv" in w:
         image, context = context[:, : context.shape[1] - _TEXT_TOKENS], context[:, -_TEXT_TOKENS:]
     k, v = apply_linear(context, w["kv2"])
-    k = _heads(_qk_norm(k, norms["k2"], c.qk_eps), c.heads)
-    out = attention(q, k, _heads(v, c.heads), CROSS, c.selector).flatten(2, 3).type_as(q)
+    k = _heads(_qk_norm(k, norms["k2"], c), c.head_dim)
+    out = attention(q, k, _heads(v, c.head_dim), CROSS, c.selector).flatten(2, 3).type_as(q)
     if image is not None:
         k_img, v_img = apply_linear(image, w["added_kv"])
-        k_img = _heads(_qk_norm(k_img, norms["added_k"], c.qk_eps), c.heads)
-        image_out = attention(q, k_img, _heads(v_img, c.heads), CROSS, c.selector).flatten(2, 3).type_as(q)
+        k_img = _heads(_qk_norm(k_img, norms["added_k"], c), c.head_dim)
+        image_out = attention(q, k_img, _heads(v_img, c.head_dim), CROSS, c.selector).flatten(2, 3).type_as(q)
         out = out + image_out
     x = x + apply_one(out, w["out2"])
 
@@ -132,6 +143,16 @@ class NativeWanTransformerBlock(NativeBlock, WanTransformerBlock):
         "down": "ffn.net.2",
     }
 
+    tp_plan = {
+        **dict.fromkeys(
+            ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_q", "attn2.to_k", "attn2.to_v"), Colwise()
+        ),
+        **dict.fromkeys(("attn2.add_k_proj", "attn2.add_v_proj"), Colwise(optional=True)),  # I2V
+        "attn1.to_out.0": Rowwise(),
+        "attn2.to_out.0": Rowwise(),
+        "ffn.net.0.proj": Colwise(),
+        "ffn.net.2": Rowwise(),
+    }
     sites = (SELF, CROSS)
 
     def unsupported_reason(self) -> str | None:
@@ -169,20 +190,34 @@ class NativeWanTransformerBlock(NativeBlock, WanTransformerBlock):
         attn1, attn2 = self.attn1, self.attn2
         cross_norm = self.norm2 if isinstance(self.norm2, torch.nn.LayerNorm) else None
         norms = {
-            "q": attn1.norm_q.weight,
-            "k": attn1.norm_k.weight,
-            "q2": attn2.norm_q.weight,
-            "k2": attn2.norm_k.weight,
-            "added_k": attn2.norm_added_k.weight if attn2.add_k_proj is not None else None,
+            "q": _local(attn1.norm_q, attn1.to_q),
+            "k": _local(attn1.norm_k, attn1.to_k),
+            "q2": _local(attn2.norm_q, attn2.to_q),
+            "k2": _local(attn2.norm_k, attn2.to_k),
+            "added_k": _local(attn2.norm_added_k, attn2.add_k_proj) if attn2.add_k_proj is not None else None,
             "cross_norm": None if cross_norm is None else cross_norm.weight,
             "cross_norm_bias": None if cross_norm is None else cross_norm.bias,
         }
         runtime = self.omni_runtime
         eps = self.norm1.eps
+        shard = shard_of(attn1.to_q)
         constants = BlockConstants(
-            attn1.heads, eps, attn1.norm_q.eps, runtime.selector.index, runtime.layout_index
+            attn1.inner_dim // attn1.heads,
+            eps,
+            attn1.norm_q.eps,
+            runtime.selector.index,
+            runtime.layout_index,
+            None if shard is None else shard.group,
+            attn1.inner_dim,
         )
         return weights, norms, constants
+
+
+def _local(norm: torch.nn.Module, linear: torch.nn.Module) -> torch.Tensor | None:
+    """The norm's weight for the heads this rank holds (all of them without tensor parallelism)."""
+    shard = shard_of(linear)
+    weight = norm.weight
+    return weight if shard is None or weight is None else shard.take(weight, 0)
 
 
 def _output_like(transformer: Any, arguments: dict[str, Any]) -> torch.Tensor:
@@ -197,7 +232,6 @@ def cfg_pairs(arguments: dict[str, Any]) -> bool:
 
 
 _BLOCKS = {"blocks": NativeWanTransformerBlock}
-_NORM_SPANS_HEADS = "its QK RMSNorm spans all heads, and a distributed norm is not built yet"
 
 WAN = NativeModel(
     blocks=_BLOCKS,
@@ -209,7 +243,6 @@ WAN = NativeModel(
         batched_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
         output_like=_output_like,
         unsupported={
-            "tp": _NORM_SPANS_HEADS,
             "ulysses": "its video tokens are made inside the model (no sequence plan yet)",
             "ring": "its video tokens are made inside the model (no sequence plan yet)",
         },
@@ -218,7 +251,7 @@ WAN = NativeModel(
     limitations=(
         "custom attention processors, Diffusers attention backends set on a processor, "
         "fuse_qkv_projections(), DoRA adapters, hooks on a submodule and training mode run Diffusers' "
-        "forward of the block (counted in the report); tp, ulysses and ring are not available for Wan yet",
+        "forward of the block (counted in the report); ulysses and ring are not available for Wan yet",
         "exact projection cache: Wan's blocks have no cache sites yet (text K/V and timestep projections "
         "are the candidates)",
     ),

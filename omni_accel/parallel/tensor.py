@@ -25,7 +25,10 @@ from .comm import all_gather_dim
 
 @dataclass(frozen=True)
 class Colwise:
-    """Output features split over the TP ranks: each rank computes its slice of the outputs."""
+    """Output features split over the TP ranks: each rank computes its slice of the outputs. ``optional``:
+    the linear exists only in some variants of the model (skipped where it is None)."""
+
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Rowwise:
     whose outputs, concatenated, form this input (each part was split on its own), empty for one part."""
 
     input_parts: tuple[str, ...] = ()
+    optional: bool = False
 
 
 TensorPlan = Mapping[str, Colwise | Rowwise]
@@ -101,6 +105,9 @@ def plan_shards(
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     shards = []
     for path, style in plan.items():
+        owner, _, leaf = path.rpartition(".")
+        if style.optional and getattr(block.get_submodule(owner), leaf, None) is None:
+            continue
         linear = _base(block.get_submodule(path))
         if isinstance(style, Colwise):
             dim, parts = 0, (linear.out_features,)
@@ -145,6 +152,11 @@ def apply_tensor_parallel(
             del linear.omni_tp
 
     return undo
+
+
+def shard_of(module: nn.Module) -> LinearShard | None:
+    """How ``module`` (a linear, maybe peft-wrapped) is split, or None."""
+    return getattr(_base(module), "omni_tp", None)
 
 
 @contextlib.contextmanager
