@@ -1,7 +1,6 @@
 """Wan 2.1 / 2.2 on the native-model test contract: T2V, I2V (image K/V), the affine cross-attention
 norm, and Wan 2.2 TI2V's per-token timesteps."""
 
-import pytest
 import torch
 from diffusers import WanTransformer3DModel
 from native_contract import NativeContract
@@ -66,25 +65,15 @@ class TestWanContract(NativeContract):
         (ParallelConfig(tp=2), {"cross_attn_norm": True}, None),
         (ParallelConfig(tp=2), {"image_dim": 20, "added_kv_proj_dim": 32}, cases[2][1]),  # I2V
         (ParallelConfig(tp=2), {}, cases[3][1]),  # per-token timesteps
+        # 3 frames x 3 x 3 patches = 27 tokens: uneven over 2 ranks; the text K/V stay whole on each rank
+        (ParallelConfig(ulysses=2), {"num_attention_heads": 3}, dict(batch=2, frames=3, side=6, text=7)),
+        (ParallelConfig(ring=2), {}, dict(batch=2, frames=3, side=6, text=7)),
+        (ParallelConfig(ulysses=2), {"image_dim": 20, "added_kv_proj_dim": 32}, cases[2][1]),  # I2V
+        (ParallelConfig(ring=2), {}, dict(batch=1, frames=3, side=6, text=5, per_token_timesteps=True)),
     ]
 
     make_module = staticmethod(random_wan_transformer)
     make_inputs = staticmethod(wan_inputs)
-
-
-def test_layouts_wan_cannot_take_yet_are_refused_with_the_reason(monkeypatch):
-    from omni_accel.models.wan import WAN
-    from omni_accel.parallel import check_parallel
-    from omni_accel.parallel.mesh import ParallelState
-
-    module = random_wan_transformer()
-    for layout, words in (
-        (ParallelConfig(ulysses=2), "no sequence plan yet"),
-        (ParallelConfig(ring=2), "no sequence plan yet"),
-    ):
-        state = ParallelState(layout, None, torch.device("cpu"))
-        with pytest.raises(ValueError, match=words):
-            check_parallel(module, WAN.parallel, state)
 
 
 def test_tiny_wan_pipeline_native_matches_diffusers_with_cfg():

@@ -56,7 +56,9 @@ def _attend_in_layout(
                 f"Attention role {role!r}: masked attention under sequence parallelism is not supported; "
                 "run this model with ulysses=1 and ring=1."
             )
-        return sp.attention(query, key, value, attend)
+        # Sequence parallelism splits the tokens that attend (self-attention's Q, K and V); the K/V of
+        # cross-attention are conditioning (a prompt's text) that every rank holds whole.
+        return sp.attention(query, key, value, attend, kv_replicated=category == "cross")
     return attend(query, key, value)
 
 

@@ -23,7 +23,7 @@ from diffusers.models.transformers.transformer_flux import (
 from ..layers import feed_forward, gated_residual, gelu_tanh, norm_modulate, qk_norm_rope
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
-from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan
+from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from .base import NativeBlock, NativeModel
 
 _FP16_MAX = 65504.0
@@ -297,14 +297,14 @@ FLUX = NativeModel(
         tensor={name: cls.tp_plan for name, cls in _BLOCKS.items()},
         sequence=SequencePlan(
             inputs={
-                "hidden_states": ("image", 1),
-                "img_ids": ("image", -2),  # [tokens, 3] (or Diffusers' deprecated [1, tokens, 3])
-                "controlnet_block_samples": ("image", 1),
-                "controlnet_single_block_samples": ("image", 1),
-                "encoder_hidden_states": ("text", 1),
-                "txt_ids": ("text", -2),
+                "hidden_states": Split("image", 1),
+                "img_ids": Split("image", -2),  # [tokens, 3] (or Diffusers' deprecated [1, tokens, 3])
+                "controlnet_block_samples": Split("image", 1),
+                "controlnet_single_block_samples": Split("image", 1),
+                "encoder_hidden_states": Split("text", 1),
+                "txt_ids": Split("text", -2),
             },
-            output=("proj_out", "image", 1),
+            output=("proj_out", Split("image", 1)),
         ),
         batched_inputs=(
             "hidden_states",

@@ -19,7 +19,7 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanT
 from ..layers import apply_rope, feed_forward
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
-from ..parallel import Colwise, ParallelPlan, Rowwise
+from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.comm import all_reduce_sum
 from ..parallel.tensor import shard_of
 from .base import NativeBlock, NativeModel
@@ -239,19 +239,24 @@ WAN = NativeModel(
         name="Wan",
         attention_heads="num_attention_heads",
         tensor={name: cls.tp_plan for name, cls in _BLOCKS.items()},
-        sequence=None,
+        sequence=SequencePlan(
+            # The video tokens are made inside the model: split the RoPE tables, the per-token timestep
+            # embeddings (Wan 2.2 TI2V; per-sample ones stay whole) and the first block's tokens.
+            submodule_outputs={
+                "rope": {0: Split("video", 1), 1: Split("video", 1)},
+                "condition_embedder": {0: Split("video", 1, ndim=3), 1: Split("video", 1, ndim=3)},
+            },
+            submodule_inputs={"blocks.0": {"hidden_states": Split("video", 1)}},
+            output=("proj_out", Split("video", 1)),
+        ),
         batched_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
         output_like=_output_like,
-        unsupported={
-            "ulysses": "its video tokens are made inside the model (no sequence plan yet)",
-            "ring": "its video tokens are made inside the model (no sequence plan yet)",
-        },
     ),
     cfg_pairing=cfg_pairs,
     limitations=(
         "custom attention processors, Diffusers attention backends set on a processor, "
         "fuse_qkv_projections(), DoRA adapters, hooks on a submodule and training mode run Diffusers' "
-        "forward of the block (counted in the report); ulysses and ring are not available for Wan yet",
+        "forward of the block (counted in the report)",
         "exact projection cache: Wan's blocks have no cache sites yet (text K/V and timestep projections "
         "are the candidates)",
     ),

@@ -2,7 +2,7 @@
 layout to a Diffusers module from the plans its native model declares."""
 
 from .parallelize import Parallelized, ParallelPlan, check_parallel, parallelize
-from .sequence_hooks import SequencePlan
+from .sequence_hooks import SequencePlan, Split
 from .tensor import Colwise, Rowwise
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "Parallelized",
     "Rowwise",
     "SequencePlan",
+    "Split",
     "check_parallel",
     "parallelize",
 ]

@@ -22,7 +22,14 @@ from .cfg import CfgParallel, SplitGuidance
 from .hooks import register
 from .mesh import ParallelState
 from .sequence import SequenceParallel
-from .sequence_hooks import GatherSequence, SequencePlan, SequenceState, SplitSequence
+from .sequence_hooks import (
+    GatherSequence,
+    SequencePlan,
+    SequenceState,
+    SplitInputs,
+    SplitOutputs,
+    SplitSequence,
+)
 from .tensor import TensorPlan, apply_tensor_parallel, plan_shards
 
 _HOOK_PREFIX = "omni_accel."
@@ -36,7 +43,6 @@ class ParallelPlan:
     splits whole heads). ``tensor``: block list -> its TP plan. ``sequence``: the SP plan.
     ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these).
     ``output_like(module, arguments)``: an empty tensor shaped like the output of that call.
-    ``unsupported``: layout dimension (tp, ulysses, ring, cfg) -> why this model cannot take it yet.
     """
 
     name: str
@@ -45,7 +51,6 @@ class ParallelPlan:
     sequence: SequencePlan | None
     batched_inputs: tuple[str, ...]
     output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor]
-    unsupported: Mapping[str, str] = field(default_factory=dict)
 
 
 _LAYOUTS: list[weakref.ref] = []
@@ -83,13 +88,8 @@ def current_sequence(index: int) -> SequenceParallel | None:
 def check_parallel(transformer: nn.Module, plan: ParallelPlan, state: ParallelState) -> None:
     """Raises with the reason and the fix when ``state``'s layout cannot apply to ``transformer``."""
     config = state.config
-    for dim, reason in plan.unsupported.items():
-        if getattr(config, dim) > 1:
-            usable = [d for d in ("tp", "ulysses", "ring", "cfg") if d not in plan.unsupported]
-            raise ValueError(
-                f"{plan.name} cannot run {dim}={getattr(config, dim)} yet: {reason}. Use {', '.join(usable)} "
-                f"instead (or {dim}=1)."
-            )
+    if config.sequence_parallel > 1 and plan.sequence is None:
+        raise ValueError(f"{plan.name} declares no sequence plan, so ulysses and ring cannot apply to it.")
     tp = config.tp
     if tp > 1:
         heads = transformer.config[plan.attention_heads]
@@ -119,16 +119,19 @@ def parallelize(
         ]
         layout.undo.append(apply_tensor_parallel(blocks, state.group("tp")))
     if config.sequence_parallel > 1:
-        layout.sequence = SequenceState(state.group("ulysses"), state.group("ring"))
-        output_module = transformer.get_submodule(plan.sequence.output[0])
-        layout.undo.append(
-            register(transformer, SplitSequence(plan.sequence, layout.sequence), _HOOK_PREFIX + "sp_split")
-        )
-        layout.undo.append(
-            register(
-                output_module, GatherSequence(plan.sequence, layout.sequence), _HOOK_PREFIX + "sp_gather"
-            )
-        )
+        layout.sequence = sequence = SequenceState(state.group("ulysses"), state.group("ring"))
+        seq, at = plan.sequence, transformer.get_submodule
+        hooks = [(transformer, SplitSequence(seq, sequence), "sp_split")]
+        hooks += [
+            (at(path), SplitInputs(s, sequence), "sp_split") for path, s in seq.submodule_inputs.items()
+        ]
+        hooks += [
+            (at(path), SplitOutputs(s, sequence), "sp_split") for path, s in seq.submodule_outputs.items()
+        ]
+        path, split = seq.output
+        hooks.append((at(path), GatherSequence(split, sequence), "sp_gather"))
+        for module, hook, name in hooks:
+            layout.undo.append(register(module, hook, _HOOK_PREFIX + name))
     if config.cfg > 1:
         layout.cfg = CfgParallel(state.group("cfg"), plan.batched_inputs)
         hook = SplitGuidance(layout.cfg, plan.output_like, output_class)

@@ -1,17 +1,20 @@
-"""Sequence parallelism as two hooks on the Diffusers module: split its sequence inputs, gather its output.
+"""Sequence parallelism as hooks on the Diffusers module: split where the sequence appears, gather the
+output.
 
-A model's ``SequencePlan`` says which forward arguments carry a sequence and of which stream (FLUX: the
-image tokens and their ids, the text tokens and their ids). Each stream is split evenly over the
-Ulysses x ring ranks on its own, so every rank holds a slice of each stream; attention joins the streams
-rank by rank, which is exact because attention does not depend on the order of its keys and every query
-returns to the rank it came from. Everything between the split and the gather (embedders, RoPE from the
-local ids, the blocks) then runs on local tokens; only attention communicates.
+A model's ``SequencePlan`` says where tokens of each stream enter the model: forward arguments (FLUX: the
+image tokens and their ids, the text tokens and their ids), arguments of a submodule (Wan: the first
+block's tokens, made inside the model by its patch embedding) or outputs of a submodule (Wan: the RoPE
+tables, the per-token timestep embeddings). Each stream is split evenly over the Ulysses x ring ranks on
+its own the first time it is met in a forward, so every rank holds a slice of each stream; attention joins
+the streams rank by rank, which is exact because attention does not depend on the order of its keys and
+every query returns to the rank it came from. Cross-attention K/V (the text of a video model) are not
+split. Between the splits and the gather only attention communicates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,46 +26,74 @@ from .sequence import SequenceParallel
 
 
 @dataclass(frozen=True)
-class SequencePlan:
-    """``inputs``: forward argument -> (stream, sequence dim); a list argument has its dim on each item.
-    ``output``: (submodule whose output is the model's output, its stream, its sequence dim). Attention
-    joins every stream named in ``inputs``."""
+class Split:
+    """Split along ``dim`` as part of ``stream``; with ``ndim``, only tensors of that rank (a model may pass
+    a per-sample or a per-token tensor in the same place)."""
 
-    inputs: Mapping[str, tuple[str, int]]
-    output: tuple[str, str, int]
+    stream: str
+    dim: int
+    ndim: int | None = None
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """``inputs``: forward argument -> Split (a list argument has its dim on each item).
+    ``submodule_inputs``: submodule path -> {argument -> Split}. ``submodule_outputs``: submodule path ->
+    {output index -> Split}. ``output``: (path of the submodule whose output is the model's output, Split)."""
+
+    output: tuple[str, Split]
+    inputs: Mapping[str, Split] = field(default_factory=dict)
+    submodule_inputs: Mapping[str, Mapping[str, Split]] = field(default_factory=dict)
+    submodule_outputs: Mapping[str, Mapping[int, Split]] = field(default_factory=dict)
 
 
 class SequenceState:
-    """The sequence layout of the forward in flight, read by the blocks' attention."""
+    """The sequence layout of the forward in flight: one plan per stream, and ``joint``, every stream
+    joined as attention joins them (read by the blocks' attention)."""
 
     def __init__(self, ulysses_group, ring_group) -> None:
         self.groups = dict(ulysses_group=ulysses_group, ring_group=ring_group)
-        self.joint: SequenceParallel | None = None  # every stream, joined as attention joins them
+        self.reset()
+
+    def reset(self) -> None:
         self.streams: dict[str, SequenceParallel] = {}
+        self.joint: SequenceParallel | None = None
+
+    def stream(self, name: str, length: int) -> SequenceParallel:
+        plan = self.streams.get(name)
+        if plan is None:
+            plan = self.streams[name] = SequenceParallel.plan(length, **self.groups)
+            sizes = zip(*(p.sizes for p in self.streams.values()), strict=True)
+            self.joint = SequenceParallel(tuple(map(sum, sizes)), **self.groups)
+        elif sum(plan.sizes) != length:
+            raise ValueError(
+                f"sequence parallelism: stream {name!r} has {length} tokens here but {sum(plan.sizes)} where "
+                "it was first split; the model's sequence plan is inconsistent"
+            )
+        return plan
+
+    def split(self, value: Any, split: Split) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            if split.ndim is not None and value.ndim != split.ndim:
+                return value
+            return self.stream(split.stream, value.shape[split.dim]).shard(value, split.dim)
+        return type(value)(self.split(item, split) for item in value)
 
 
 class SplitSequence(ModelHook):
+    """On the model: starts a forward's layout and splits the forward arguments the plan names."""
+
     def __init__(self, plan: SequencePlan, state: SequenceState) -> None:
         super().__init__()
         self.plan, self.state = plan, state
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+        self.state.reset()
         arguments = bound_arguments(module, args, kwargs)
-        lengths: dict[str, int] = {}
-        for name, (stream, dim) in self.plan.inputs.items():
-            value = arguments.get(name)
-            if isinstance(value, torch.Tensor):
-                lengths.setdefault(stream, value.shape[dim])
-        missing = sorted({s for s, _ in self.plan.inputs.values()} - set(lengths))
-        if missing:
-            raise ValueError(f"sequence parallelism: the call passes no tensor for the {missing} stream(s)")
-        streams = {s: SequenceParallel.plan(n, **self.state.groups) for s, n in lengths.items()}
-        joint = tuple(map(sum, zip(*(p.sizes for p in streams.values()), strict=True)))
-        self.state.streams = streams
-        self.state.joint = SequenceParallel(joint, **self.state.groups)
-        for name, (stream, dim) in self.plan.inputs.items():
-            if arguments.get(name) is not None:
-                arguments[name] = _shard(arguments[name], streams[stream], dim)
+        for name, split in self.plan.inputs.items():
+            arguments[name] = self.state.split(arguments.get(name), split)
         return (), arguments
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
@@ -70,17 +101,42 @@ class SplitSequence(ModelHook):
         return output
 
 
-class GatherSequence(ModelHook):
-    def __init__(self, plan: SequencePlan, state: SequenceState) -> None:
+class SplitInputs(ModelHook):
+    """On a submodule: splits the arguments the plan names."""
+
+    def __init__(self, splits: Mapping[str, Split], state: SequenceState) -> None:
         super().__init__()
-        _, self.stream, self.dim = plan.output
-        self.state = state
+        self.splits, self.state = splits, state
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+        arguments = bound_arguments(module, args, kwargs)
+        for name, split in self.splits.items():
+            arguments[name] = self.state.split(arguments.get(name), split)
+        return (), arguments
+
+
+class SplitOutputs(ModelHook):
+    """On a submodule: splits the outputs the plan names (by index; a lone tensor is output 0)."""
+
+    def __init__(self, splits: Mapping[int, Split], state: SequenceState) -> None:
+        super().__init__()
+        self.splits, self.state = splits, state
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return self.state.split(output, self.splits[0]) if 0 in self.splits else output
+        items = list(output)
+        for index, split in self.splits.items():
+            items[index] = self.state.split(items[index], split)
+        return type(output)(items)
+
+
+class GatherSequence(ModelHook):
+    """On the submodule whose output is the model's output: every rank gets the whole sequence back."""
+
+    def __init__(self, split: Split, state: SequenceState) -> None:
+        super().__init__()
+        self.split, self.state = split, state
 
     def post_forward(self, module: nn.Module, output: torch.Tensor) -> torch.Tensor:
-        return self.state.streams[self.stream].gather(output, self.dim)
-
-
-def _shard(value: Any, plan: SequenceParallel, dim: int) -> Any:
-    if isinstance(value, torch.Tensor):
-        return plan.shard(value, dim)
-    return type(value)(_shard(item, plan, dim) for item in value)
+        return self.state.streams[self.split.stream].gather(output, self.split.dim)
