@@ -56,9 +56,7 @@ def _attend_in_layout(
                 f"Attention role {role!r}: masked attention under sequence parallelism is not supported; "
                 "run this model with ulysses=1 and ring=1."
             )
-        # Sequence parallelism splits the tokens that attend (self-attention's Q, K and V); the K/V of
-        # cross-attention are conditioning (a prompt's text) that every rank holds whole.
-        return sp.attention(query, key, value, attend, kv_replicated=category == "cross")
+        return sp.attention(query, key, value, attend)
     return attend(query, key, value)
 
 

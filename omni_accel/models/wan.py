@@ -86,7 +86,8 @@ def wan_block(
     out = attention(q, k, _heads(v, c.head_dim), SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
     x = (x.float() + apply_one(out, w["out"]) * gate).type_as(x)
 
-    # Cross-attention over the text (and, for I2V, the image tokens before it).
+    # Cross-attention over the text (and, for I2V, the image tokens before it). Under sequence parallelism
+    # each rank's queries attend to the whole text, which every rank holds: no layout, no communication.
     h = x if norms["cross_norm"] is None else _affine_norm(x, norms, c.eps)
     q = _heads(_qk_norm(apply_one(h, w["q2"]), norms["q2"], c), c.head_dim)
     image = None
@@ -116,9 +117,9 @@ def _affine_norm(x: torch.Tensor, norms: dict[str, torch.Tensor | None], eps: fl
     ).type_as(x)
 
 
-def _attention_reason(block_: Any) -> str | None:
+def _attention_reason(module: Any) -> str | None:
     for name in ("attn1", "attn2"):
-        attn = getattr(block_, name)
+        attn = getattr(module, name)
         if type(attn.processor) is not WanAttnProcessor:
             return f"{name} processor {type(attn.processor).__name__} (custom) runs in Diffusers"
         if attn.processor._attention_backend is not None or attn.processor._parallel_config is not None:

@@ -7,8 +7,9 @@ block's tokens, made inside the model by its patch embedding) or outputs of a su
 tables, the per-token timestep embeddings). Each stream is split evenly over the Ulysses x ring ranks on
 its own the first time it is met in a forward, so every rank holds a slice of each stream; attention joins
 the streams rank by rank, which is exact because attention does not depend on the order of its keys and
-every query returns to the rank it came from. Cross-attention K/V (the text of a video model) are not
-split. Between the splits and the gather only attention communicates.
+every query returns to the rank it came from. Conditioning that is not a stream (the text a video model
+cross-attends to) stays whole on every rank. Between the splits and the gather only self-attention
+communicates.
 """
 
 from __future__ import annotations
