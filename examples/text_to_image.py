@@ -2,6 +2,8 @@
 
     python examples/text_to_image.py                       # tiny offline FLUX pipeline, random weights
     python examples/text_to_image.py --model <hub id or local dir> --dtype bfloat16 --output out.png
+    python examples/text_to_image.py --model tiny-wan --frames 5 --height 32 --width 32 --output out.gif
+    python examples/text_to_image.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --frames 33 --output out.gif
     torchrun --nproc-per-node 2 examples/text_to_image.py --ulysses 2      # the transformer over 2 ranks
 
 The plain Diffusers run goes first, so its numbers are untouched by acceleration; then the very same
@@ -37,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", help="hub id or local dir; default: the tiny offline FLUX pipeline")
+    parser.add_argument(
+        "--model",
+        help="hub id or local dir, or tiny-flux / tiny-wan (offline, random weights); default: tiny-flux",
+    )
+    parser.add_argument("--frames", type=int, help="video pipelines (Wan): frames to generate (4k+1)")
     parser.add_argument("--prompt", default="a photo of an astronaut riding a horse on the moon")
     parser.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's own)")
     parser.add_argument("--height", type=int, help="default: the pipeline's own")
@@ -48,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--true-cfg-scale", type=float, help="passed to pipelines that take it")
     parser.add_argument("--device", default=_default_device())
     parser.add_argument("--runs", type=int, default=3, help="timed calls per pipeline, after one warm-up")
-    parser.add_argument("--output", help="save the accelerated image here (PNG)")
+    parser.add_argument(
+        "--output", help="save the accelerated image (PNG) or video (GIF, or MP4 with imageio)"
+    )
     accel = parser.add_argument_group("omni_accel")
     accel.add_argument("--attention", default="auto", choices=["auto", *omni_accel.provider_names()])
     parallel = parser.add_argument_group(
@@ -78,8 +86,10 @@ def accelerate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def load_pipeline(args: argparse.Namespace) -> DiffusionPipeline:
     """A real checkpoint, or the tiny random-weight pipeline so the example runs offline and in seconds."""
     dtype = DTYPES[args.dtype]
-    if args.model is None:
-        return omni_accel.tiny_flux_pipeline(seed=0, dtype=dtype, device=args.device)
+    tiny = {None: omni_accel.tiny_flux_pipeline, "tiny-flux": omni_accel.tiny_flux_pipeline}
+    tiny["tiny-wan"] = omni_accel.tiny_wan_pipeline
+    if args.model in tiny:
+        return tiny[args.model](seed=0, dtype=dtype, device=args.device)
     pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype).to(args.device)
     pipe.set_progress_bar_config(disable=True)  # the bars would interleave with the measurements
     return pipe
@@ -97,13 +107,15 @@ def generate(pipe: DiffusionPipeline, args: argparse.Namespace, output_type: str
         "width": args.width,
         "negative_prompt": args.negative_prompt,
         "true_cfg_scale": args.true_cfg_scale,
+        "num_frames": args.frames,
     }
-    return pipe(
+    result = pipe(
         prompt=args.prompt,
         generator=torch.Generator("cpu").manual_seed(args.seed),
         output_type=output_type,
         **{name: value for name, value in options.items() if value is not None},
-    ).images
+    )
+    return result.frames if hasattr(result, "frames") else result.images
 
 
 def measure(pipe: DiffusionPipeline, args: argparse.Namespace) -> tuple[Outputs, float]:
@@ -159,7 +171,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     if not omni_accel.is_main_process():  # every rank holds the same result: rank 0 reports and saves
         return result
-    source = args.model or "tiny offline FLUX, random weights"
+    source = (
+        args.model if args.model not in (None, "tiny-flux", "tiny-wan") else "tiny, offline, random weights"
+    )
     print(f"pipeline: {type(pipe).__name__} ({source}), {args.dtype} on {args.device}")
     verdict = "OK" if result["within_tolerance"] else "OUT OF TOLERANCE"
     print(f"parity, {args.dtype} tolerance: image {image_tol:g}, latents rel {latent_tol:g} -> {verdict}")
@@ -173,9 +187,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     print(omni_accel.describe(pipe))
     if args.output:
-        DiffusionPipeline.numpy_to_pil(accelerated[0])[0].save(args.output)
+        save(accelerated[0], args.output)
         print(f"saved {args.output}")
     return result
+
+
+def save(outputs: np.ndarray, path: str) -> None:
+    """The first image (``[B, H, W, C]``) as a picture, or the first video (``[B, F, H, W, C]``) as a GIF
+    (or an MP4 through Diffusers' exporter, which needs imageio or OpenCV)."""
+    if outputs.ndim == 4:
+        DiffusionPipeline.numpy_to_pil(outputs)[0].save(path)
+    elif path.endswith(".mp4"):
+        from diffusers.utils import export_to_video
+
+        export_to_video(list(outputs[0]), path, fps=16)
+    else:
+        frames = DiffusionPipeline.numpy_to_pil(outputs[0])
+        frames[0].save(path, save_all=True, append_images=frames[1:], duration=1000 // 16, loop=0)
 
 
 if __name__ == "__main__":

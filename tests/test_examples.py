@@ -37,6 +37,15 @@ def test_text_to_image_example_matches_plain_diffusers(tmp_path: Path) -> None:
     assert output.read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_example_makes_a_wan_video(tmp_path: Path) -> None:
+    example = _load_example("text_to_image")
+    output = tmp_path / "video.gif"
+    args = ["--model", "tiny-wan", "--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
+    result = example.main([*args, "--device", "cpu", "--runs", "1", "--output", str(output)])
+    assert result["within_tolerance"] and result["latent_rel_err"] < 1e-5
+    assert output.read_bytes().startswith(b"GIF8")
+
+
 def test_quickstart_notebook_runs_without_errors() -> None:
     path = ROOT / "notebooks" / "quickstart.ipynb"
     notebook = nbformat.read(path, as_version=4)
