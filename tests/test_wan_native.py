@@ -122,3 +122,23 @@ def test_wan_lora_runs_inside_the_native_blocks():
     got = fast(**kwargs, generator=torch.Generator().manual_seed(0)).frames
     assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5
     assert not omni_accel.describe(fast).components[0].runtime.fallbacks  # adapters ran natively
+
+
+def test_wan_image_to_video_pipeline_runs_native():
+    import numpy as np
+    from PIL import Image
+
+    plain = omni_accel.tiny_wan_pipeline(seed=0, image_to_video=True)
+    fast = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, image_to_video=True))
+    g = torch.Generator().manual_seed(5)
+    width = plain.text_encoder.config.d_model
+    embeds = dict(
+        prompt_embeds=torch.randn(1, 512, width, generator=g),
+        negative_prompt_embeds=torch.randn(1, 512, width, generator=g),
+    )
+    image = Image.fromarray((np.random.default_rng(0).random((32, 32, 3)) * 255).astype("uint8"))
+    kwargs = dict(image=image, guidance_scale=4.0, height=32, width=32, num_frames=5, num_inference_steps=2)
+    kwargs.update(embeds, output_type="latent")
+    expected = plain(**kwargs, generator=torch.Generator().manual_seed(0)).frames
+    assert torch.equal(fast(**kwargs, generator=torch.Generator().manual_seed(0)).frames, expected)
+    assert not omni_accel.describe(fast).components[0].runtime.fallbacks  # image K/V ran natively

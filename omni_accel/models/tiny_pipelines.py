@@ -29,15 +29,19 @@ from diffusers import (
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
 )
 from tokenizers import pre_tokenizers
 from transformers import (
+    CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    CLIPVisionConfig,
+    CLIPVisionModel,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
@@ -370,13 +374,17 @@ def tiny_wan_pipeline(
     num_attention_heads: int = 2,
     attention_head_dim: int = 16,
     two_experts: bool = False,
+    image_to_video: bool = False,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> WanPipeline:
+) -> WanPipeline | WanImageToVideoPipeline:
     """Wan 2.1 text-to-video pipeline (3D DiT with cross-attention, UMT5, causal video VAE) at toy size.
 
     ``two_experts=True`` gives Wan 2.2 A14B's layout: a second transformer (``transformer_2``, its own
     random weights) takes the low-noise steps below ``boundary_ratio`` 0.8 (with 4 steps: the last two).
+    ``image_to_video=True`` gives Wan 2.1 I2V: a CLIP vision encoder, image K/V in every cross-attention and
+    the conditioning latents as extra input channels (a ``WanImageToVideoPipeline``; pass ``prompt_embeds``,
+    since Diffusers' I2V prompt cleaning needs the ``ftfy`` package).
 
     The VAE keeps Wan's 4x temporal compression (so ``num_frames`` must be 4k+1, e.g. 5) but compresses space
     only 4x, so small clips still give several tokens per frame; height and width must be multiples of 8.
@@ -399,25 +407,47 @@ def tiny_wan_pipeline(
         )
     inner_dim = num_attention_heads * attention_head_dim
 
+    image = {}  # I2V: the image encoder, and what the transformer needs for its image tokens
+    if image_to_video:
+        with _seeded(seed, "image_encoder"):
+            vision = CLIPVisionConfig(
+                hidden_size=24,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+            )
+            image = {"image_encoder": CLIPVisionModel(vision).eval()}
+            _randomize_(image["image_encoder"])
+        image["image_processor"] = CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+    # I2V inputs: noise, the image's latents and a 4-channel frame mask (Wan's temporal compression)
+    in_channels = 2 * _LATENT_CHANNELS + 4 if image_to_video else _LATENT_CHANNELS
+    image_kv = dict(image_dim=24, added_kv_proj_dim=inner_dim) if image_to_video else {}
+
     def expert(name: str) -> WanTransformer3DModel:
         with _seeded(seed, name):
             model = WanTransformer3DModel(
                 patch_size=(1, 2, 2),
                 num_attention_heads=num_attention_heads,
                 attention_head_dim=attention_head_dim,
-                in_channels=_LATENT_CHANNELS,
+                in_channels=in_channels,
                 out_channels=_LATENT_CHANNELS,
                 text_dim=text_encoder.config.d_model,
                 freq_dim=inner_dim,
                 ffn_dim=2 * inner_dim,
                 num_layers=num_layers,
+                **image_kv,
             )
             _randomize_(model)
         return model
 
     transformer = expert("transformer")
     extra = {"transformer_2": expert("transformer_2"), "boundary_ratio": 0.8} if two_experts else {}
-    pipe = WanPipeline(
+    pipeline_class = WanImageToVideoPipeline if image_to_video else WanPipeline
+    pipe = pipeline_class(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,
@@ -426,6 +456,7 @@ def tiny_wan_pipeline(
         ),
         transformer=transformer,
         **extra,
+        **image,
     )
     return _finish(pipe, dtype, device)
 

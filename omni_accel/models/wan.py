@@ -258,7 +258,7 @@ WAN = NativeModel(
         "custom attention processors, Diffusers attention backends set on a processor, "
         "fuse_qkv_projections(), DoRA adapters, hooks on a submodule and training mode run Diffusers' "
         "forward of the block (counted in the report)",
-        "exact projection cache: off for Wan: its repeated projections (text K/V, timestep MLP) are ~0.1% of "
+        "exact projection cache: not used for Wan: its repeated projections (text K/V, timestep MLP) are ~0.1% of "
         "a 14B forward at 480p, and caching them measured no gain (docs/PERFORMANCE.md)",
     ),
     projection_cache=False,
