@@ -142,3 +142,33 @@ def test_wan_image_to_video_pipeline_runs_native():
     expected = plain(**kwargs, generator=torch.Generator().manual_seed(0)).frames
     assert torch.equal(fast(**kwargs, generator=torch.Generator().manual_seed(0)).frames, expected)
     assert not omni_accel.describe(fast).components[0].runtime.fallbacks  # image K/V ran natively
+
+
+def test_wan_video_to_video_from_pipe_and_save_pretrained(tmp_path):
+    import numpy as np
+    from diffusers import WanPipeline, WanVideoToVideoPipeline
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    video = [Image.fromarray((rng.random((32, 32, 3)) * 255).astype("uint8")) for _ in range(5)]
+    base = omni_accel.tiny_wan_pipeline(seed=0)
+    g = torch.Generator().manual_seed(5)
+    embeds = torch.randn(
+        1, 512, base.text_encoder.config.d_model, generator=g
+    )  # (prompt cleaning needs ftfy)
+    kwargs = dict(prompt_embeds=embeds, guidance_scale=1.0, video=video, height=32, width=32)
+    kwargs.update(num_inference_steps=4, output_type="latent")
+
+    def run(pipe):
+        return WanVideoToVideoPipeline.from_pipe(pipe)(
+            **kwargs, generator=torch.Generator().manual_seed(0)
+        ).frames
+
+    expected = run(base)
+    fast = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0))
+    assert torch.equal(run(fast), expected)  # the sibling shares the native transformer
+
+    fast.save_pretrained(tmp_path)  # Diffusers' layout: loads without omni_accel
+    reloaded = WanPipeline.from_pretrained(tmp_path).transformer.state_dict()
+    original = base.transformer.state_dict()
+    assert reloaded.keys() == original.keys() and all(torch.equal(reloaded[k], original[k]) for k in original)
