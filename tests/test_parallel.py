@@ -104,6 +104,17 @@ def _four_ranks(rank: int, world: int) -> None:
         _check(layout, oracle)
     true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
     _check(ParallelConfig(cfg=2, ring=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
+    # hybrids compiled: still one graph per block class, no graph break
+    for layout in (ParallelConfig(tp=2, ulysses=2), ParallelConfig(ulysses=2, ring=2)):
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=2, attention_head_dim=16)
+        omni_accel.accelerate(pipe, parallel=layout, compile={"backend": "aot_eager"})
+        got = _latents(pipe)
+        assert ((got - oracle).abs().max() / oracle.abs().max()).item() <= 1e-5, f"{layout} compiled"
+        graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+        assert graphs == 2 and not breaks, f"{layout}: {graphs} graphs, {breaks}"
 
 
 def _dead_peer(rank: int, world: int) -> None:
