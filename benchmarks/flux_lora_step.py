@@ -16,13 +16,11 @@ distance between the two Diffusers variants is the bar).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 
 import torch
 from flux_step import bare_pipeline, build_transformer, inputs, rel_err
 from peft import LoraConfig
-from timing import timed
+from timing import interleaved, timed, write_json
 
 import omni_accel
 
@@ -88,18 +86,11 @@ def main(argv: list[str] | None = None) -> dict:
         out, first_call[name] = timed(fn, device)
         errors[name] = rel_err(out, reference.float())
         fn()
-    samples = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            samples[name].append([timed(fn, device)[1] for _ in range(args.calls)])
-
-    medians = {name: statistics.median(t for r in rounds for t in r) for name, rounds in samples.items()}
-    for name, rounds in samples.items():
-        per_round = [statistics.median(r) for r in rounds]
+    stats = interleaved(variants, device, args.rounds, args.calls)
+    medians = {name: stat["median_ms"] for name, stat in stats.items()}
+    for name, stat in stats.items():
         results[name] = {
-            "median_ms": medians[name],
-            "round_medians_ms": per_round,
-            "spread_ms": max(per_round) - min(per_round),
+            **stat,
             "first_call_s": first_call[name] / 1000,
             "vs_default": medians["diffusers_default"] / medians[name],
             "vs_best": medians["diffusers_best"] / medians[name],
@@ -113,9 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     results["report"] = str(omni_accel.describe(eager))
     print(results["report"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(results, args.out)
     return results
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from flux_lora_step import with_lora
 from flux_step import bare_pipeline, build_transformer, rel_err
-from timing import timed
+from timing import timed, write_json
 
 import omni_accel
 from omni_accel import ParallelConfig
@@ -168,9 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["speedup_vs_1gpu"] = single / result["back_to_back_ms_per_step"]
             if omni_accel.is_main_process():
                 print(f"{name:20s} {json.dumps(result)}")
-    if args.out and omni_accel.is_main_process():
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    if omni_accel.is_main_process():
+        write_json(results, args.out)
     dist.destroy_process_group()
     return results
 

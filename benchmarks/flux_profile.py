@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 from collections import defaultdict
 
 import torch
 from flux_step import bare_pipeline, build_transformer, inputs
+from timing import write_json
 from torch.profiler import ProfilerActivity, profile
 
 import omni_accel
@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:18s} kernels {table['total_ms']:.1f} ms/step: {families}")
         for kernel, ms in table["top_kernels_ms"].items():
             print(f"    {ms:7.2f} ms  {kernel[:110]}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(results, args.out)
     return results
 
 

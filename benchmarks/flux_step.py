@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from timing import timed
+from timing import interleaved, timed, write_json
 
 import omni_accel
 
@@ -166,20 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
         out, first_call[name] = timed(fn, device)
         results["rel_err_vs_fp32"][name] = rel_err(out, reference)
         fn()
-    samples = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            samples[name].append([timed(fn, device)[1] for _ in range(args.calls)])
-
-    base = statistics.median(t for r in samples["diffusers_default"] for t in r)
-    best_ms = statistics.median(t for r in samples["diffusers_best"] for t in r)
-    for name, rounds in samples.items():
-        per_round = [statistics.median(r) for r in rounds]
-        median = statistics.median(t for r in rounds for t in r)
+    stats = interleaved(variants, device, args.rounds, args.calls)
+    base = stats["diffusers_default"]["median_ms"]
+    best_ms = stats["diffusers_best"]["median_ms"]
+    for name, stat in stats.items():
+        median = stat["median_ms"]
         results[name] = {
-            "median_ms": median,
-            "round_medians_ms": per_round,
-            "spread_ms": max(per_round) - min(per_round),
+            **stat,
             "first_call_ms": first_call[name],
             "speedup_vs_diffusers": base / median,
             "speedup_vs_diffusers_best": best_ms / median,
@@ -204,9 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:28s} {args.pipeline_steps}-step 1024x1024 image: {seconds:.2f} s")
     results["report"] = str(omni_accel.describe(pipe))
     print(results["report"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(results, args.out)
     return results
 
 

@@ -7,12 +7,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 
 import torch
 from flux_step import bare_pipeline, build_transformer, inputs
-from timing import timed
+from timing import interleaved, write_json
 
 import omni_accel
 
@@ -51,13 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
             )
             for module in modules.values():  # warm-up: compilation for this shape
                 module(**x)
-            samples = {name: [] for name in modules}
-            for _ in range(args.rounds):
-                for name, module in modules.items():
-                    samples[name] += [
-                        timed(lambda m=module, x=x: m(**x), device)[1] for _ in range(args.calls)
-                    ]
-            medians = {name: statistics.median(times) for name, times in samples.items()}
+            calls = {name: (lambda m=module, x=x: m(**x)) for name, module in modules.items()}
+            stats = interleaved(calls, device, args.rounds, args.calls)
+            medians = {name: stat["median_ms"] for name, stat in stats.items()}
             row = {
                 name: {
                     "ms": ms,
@@ -75,9 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
                     for n, r in row.items()
                 ),
             )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(results, args.out)
     return results
 
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 from diffusers import QwenImageTransformer2DModel
 from flux_step import rel_err
-from timing import timed
+from timing import interleaved, write_json
 
 import omni_accel
 
@@ -67,11 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
             "omni_routed": lambda x=x: routed.transformer(**x)[0],
         }
         outputs = {name: fn() for name, fn in variants.items()}
-        samples = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                samples[name] += [timed(fn, device)[1] for _ in range(args.calls)]
-        medians = {name: statistics.median(times) for name, times in samples.items()}
+        stats = interleaved(variants, device, args.rounds, args.calls)
+        medians = {name: stat["median_ms"] for name, stat in stats.items()}
         results[case] = {
             "diffusers_ms": medians["diffusers"],
             "omni_routed_ms": medians["omni_routed"],
@@ -82,9 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(case, json.dumps(results[case]))
     results["report"] = str(omni_accel.describe(routed))
     print(results["report"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(results, args.out)
     return results
 
 

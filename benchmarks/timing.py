@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -30,3 +31,28 @@ def median_ms(fn: Callable[[], object], device: str, warmup: int, runs: int) -> 
         fn()
     times = [timed(fn, device)[1] for _ in range(runs)]
     return {"median_ms": statistics.median(times), "min_ms": min(times), "first_call_ms": first}
+
+
+def interleaved(variants: dict[str, Callable[[], object]], device: str, rounds: int, calls: int) -> dict:
+    """``calls`` timed calls of each variant in turn, ``rounds`` times, so clock drift over the run hits
+    every variant alike. Per variant: the median of all calls, each round's median and their spread (ms)."""
+    samples: dict[str, list[list[float]]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            samples[name].append([timed(fn, device)[1] for _ in range(calls)])
+    stats = {}
+    for name, per_round in samples.items():
+        round_medians = [statistics.median(r) for r in per_round]
+        stats[name] = {
+            "median_ms": statistics.median(t for r in per_round for t in r),
+            "round_medians_ms": round_medians,
+            "spread_ms": max(round_medians) - min(round_medians),
+        }
+    return stats
+
+
+def write_json(results: dict, path: str | None) -> None:
+    """The results as JSON at ``path`` (nothing when no path was given)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
