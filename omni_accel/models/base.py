@@ -17,6 +17,7 @@ the CFG pairing rule, limitations) and its block classes, each with its table of
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -59,9 +60,9 @@ class NativeModel:
     projection_cache: bool = True
 
     def __post_init__(self) -> None:
+        # The TP plan lives with each block class; parallel/ (which never imports models/) gets it as data.
         tensor = {name: cls.tp_plan for name, cls in self.blocks.items()}
-        if dict(self.parallel.tensor) != tensor:
-            raise ValueError("ParallelPlan.tensor must hold the tp_plan of each native block class")
+        object.__setattr__(self, "parallel", dataclasses.replace(self.parallel, tensor=tensor))
 
 
 @dataclass

@@ -284,17 +284,14 @@ def _output_like(transformer: Any, arguments: dict[str, Any]) -> torch.Tensor:
     return hidden.new_empty(*hidden.shape[:2], transformer.proj_out.out_features)
 
 
-_BLOCKS = {
-    "transformer_blocks": NativeFluxTransformerBlock,
-    "single_transformer_blocks": NativeFluxSingleTransformerBlock,
-}
-
 FLUX = NativeModel(
-    blocks=_BLOCKS,
+    blocks={
+        "transformer_blocks": NativeFluxTransformerBlock,
+        "single_transformer_blocks": NativeFluxSingleTransformerBlock,
+    },
     parallel=ParallelPlan(
         name="FLUX",
         attention_heads="num_attention_heads",
-        tensor={name: cls.tp_plan for name, cls in _BLOCKS.items()},
         sequence=SequencePlan(
             inputs={
                 "hidden_states": Split("image", 1),

@@ -232,14 +232,11 @@ def cfg_pairs(arguments: dict[str, Any]) -> bool:
     return arguments.get("guidance_scale", 5.0) > 1.0
 
 
-_BLOCKS = {"blocks": NativeWanTransformerBlock}
-
 WAN = NativeModel(
-    blocks=_BLOCKS,
+    blocks={"blocks": NativeWanTransformerBlock},
     parallel=ParallelPlan(
         name="Wan",
         attention_heads="num_attention_heads",
-        tensor={name: cls.tp_plan for name, cls in _BLOCKS.items()},
         sequence=SequencePlan(
             # The video tokens are made inside the model: split the RoPE tables, the per-token timestep
             # embeddings (Wan 2.2 TI2V; per-sample ones stay whole) and the first block's tokens.

@@ -40,17 +40,18 @@ class ParallelPlan:
     """What a native model declares so that ``parallelize`` can spread it.
 
     ``name``: the model family, for messages. ``attention_heads``: the config key of the head count (TP
-    splits whole heads). ``tensor``: block list -> its TP plan. ``sequence``: the SP plan.
+    splits whole heads). ``tensor``: block list -> its TP plan (a native model fills it in from its block
+    classes' ``tp_plan``). ``sequence``: the SP plan.
     ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these).
     ``output_like(module, arguments)``: an empty tensor shaped like the output of that call.
     """
 
     name: str
     attention_heads: str
-    tensor: Mapping[str, TensorPlan]
     sequence: SequencePlan | None
     batched_inputs: tuple[str, ...]
     output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor]
+    tensor: Mapping[str, TensorPlan] = field(default_factory=dict)
 
 
 _LAYOUTS: list[weakref.ref] = []
