@@ -29,7 +29,32 @@ def random_flux_transformer(seed: int = 0, **overrides):
     )
     config.update(overrides)
     torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**config).eval()
+    return _randomized(FluxTransformer2DModel(**config).eval())
+
+
+def random_wan_transformer(seed: int = 0, **overrides):
+    """A small Diffusers Wan transformer whose every weight is random (none left at a zero init)."""
+    from diffusers import WanTransformer3DModel
+
+    config = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=24,
+        freq_dim=32,
+        ffn_dim=48,
+        num_layers=2,
+        cross_attn_norm=False,
+        rope_max_seq_len=64,
+    )
+    config.update(overrides)
+    torch.manual_seed(seed)
+    return _randomized(WanTransformer3DModel(**config).eval())
+
+
+def _randomized(model):
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.1)
@@ -54,3 +79,18 @@ def flux_inputs(model, batch: int = 2, image_tokens: int = 12, text_tokens: int 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def random_lora(transformer, targets: list[str], seed: int) -> dict:
+    """A random rank-2 LoRA for ``targets`` of ``transformer`` (which it leaves untouched: the adapter is
+    added to a copy), in the format a pipeline's ``load_lora_weights`` takes. Every B is nonzero, so every
+    adapter changes the output."""
+    import copy
+
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    torch.manual_seed(seed)
+    source = copy.deepcopy(transformer)
+    source.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False), "x")
+    return {f"transformer.{k}": v for k, v in get_peft_model_state_dict(source, adapter_name="x").items()}

@@ -7,9 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import rel_err
-from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
+from conftest import random_lora, rel_err
 
 import omni_accel
 
@@ -47,12 +45,7 @@ def _native_calls_only(pipe):
 
 
 def _lora(seed: int) -> dict:
-    """A random LoRA in the format Diffusers loads (every B nonzero, so every adapter changes the output)."""
-    torch.manual_seed(seed)
-    source = omni_accel.tiny_flux_pipeline(seed=0).transformer
-    config = LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS, init_lora_weights=False)
-    source.add_adapter(config, adapter_name="x")
-    return {f"transformer.{k}": v for k, v in get_peft_model_state_dict(source, adapter_name="x").items()}
+    return random_lora(omni_accel.tiny_flux_pipeline(seed=0).transformer, LORA_TARGETS, seed)
 
 
 def test_lora_lifecycle_matches_plain_diffusers():

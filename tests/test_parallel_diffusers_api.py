@@ -5,12 +5,10 @@ shapes, save_pretrained, compile, against plain Diffusers doing the same steps i
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import rel_err
+from conftest import random_lora, rel_err
 from diffusers import FluxTransformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from multirank import run_multirank
-from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
 
 import omni_accel
 from omni_accel import ParallelConfig
@@ -45,11 +43,7 @@ def _same(plain, fast, **kwargs):
 
 
 def _lora(seed: int) -> dict:
-    torch.manual_seed(seed)
-    source = omni_accel.tiny_flux_pipeline(seed=0).transformer
-    config = LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS, init_lora_weights=False)
-    source.add_adapter(config, adapter_name="x")
-    return {f"transformer.{k}": v for k, v in get_peft_model_state_dict(source, adapter_name="x").items()}
+    return random_lora(omni_accel.tiny_flux_pipeline(seed=0).transformer, TARGETS, seed)
 
 
 class _CustomProcessor(FluxAttnProcessor):

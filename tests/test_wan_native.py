@@ -2,35 +2,11 @@
 norm, and Wan 2.2 TI2V's per-token timesteps."""
 
 import torch
-from diffusers import WanTransformer3DModel
+from conftest import random_lora, random_wan_transformer
 from native_contract import NativeContract
 
 import omni_accel
 from omni_accel import ParallelConfig
-
-
-def random_wan_transformer(seed: int = 0, **overrides) -> WanTransformer3DModel:
-    """A small Diffusers Wan transformer whose every weight is random (none left at a zero init)."""
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=24,
-        freq_dim=32,
-        ffn_dim=48,
-        num_layers=2,
-        cross_attn_norm=False,
-        rope_max_seq_len=64,
-    )
-    config.update(overrides)
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.1)
-    return model
 
 
 def wan_inputs(module, batch=2, frames=3, side=8, text=7, per_token_timesteps=False, image_tokens=0):
@@ -102,14 +78,8 @@ def test_wan_2_2_two_experts_are_both_native():
 
 
 def test_wan_lora_runs_inside_the_native_blocks():
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    torch.manual_seed(3)
-    source = omni_accel.tiny_wan_pipeline(seed=0).transformer
     targets = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
-    source.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False), "x")
-    lora = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(source, adapter_name="x").items()}
+    lora = random_lora(omni_accel.tiny_wan_pipeline(seed=0).transformer, targets, seed=3)
     kwargs = dict(
         prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="latent"
     )
