@@ -28,18 +28,23 @@ _LOCK = threading.Lock()
 _LOCAL = threading.local()  # the depth of nested pipeline __init__ calls on this thread
 _options: dict[str, Any] | None = None
 _wrapped: dict[type, Any] = {}  # class -> its original __init__
-_original_init_subclass = None
+_hooked_subclasses = False  # DiffusionPipeline.__init_subclass__ is ours (it defines none of its own)
 
 
 def enable(**options: Any) -> None:
     """Accelerates every pipeline built from now on with ``accelerate(pipe, **options)``."""
     AccelConfig().with_overrides(**options)  # a bad option fails here, not at the first pipeline
-    global _options, _original_init_subclass
+    global _options, _hooked_subclasses
     with _LOCK:
         _options = dict(options)
-        if _original_init_subclass is None:
-            _original_init_subclass = DiffusionPipeline.__dict__.get("__init_subclass__")
+        if not _hooked_subclasses:
+            if "__init_subclass__" in vars(DiffusionPipeline):
+                raise RuntimeError(
+                    "DiffusionPipeline defines __init_subclass__ in this Diffusers version; zero-code "
+                    "acceleration was checked against versions that do not"
+                )
             DiffusionPipeline.__init_subclass__ = classmethod(_init_subclass)
+            _hooked_subclasses = True
         for cls in _subclasses(DiffusionPipeline):
             _wrap(cls)
     logger.info(
@@ -49,18 +54,15 @@ def enable(**options: Any) -> None:
 
 def disable() -> None:
     """Stops accelerating new pipelines (the ones already accelerated stay so)."""
-    global _options, _original_init_subclass
+    global _options, _hooked_subclasses
     with _LOCK:
         _options = None
         for cls, original in _wrapped.items():
             cls.__init__ = original
         _wrapped.clear()
-        if _original_init_subclass is not None:
-            if isinstance(_original_init_subclass, classmethod):
-                DiffusionPipeline.__init_subclass__ = _original_init_subclass
-            else:
-                del DiffusionPipeline.__init_subclass__
-            _original_init_subclass = None
+        if _hooked_subclasses:
+            del DiffusionPipeline.__init_subclass__
+            _hooked_subclasses = False
 
 
 def enabled() -> bool:

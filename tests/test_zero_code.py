@@ -57,6 +57,7 @@ def test_enable_accelerates_pipelines_however_they_are_built(saved_pipeline):
         omni_accel.disable()
     after = omni_accel.tiny_flux_pipeline(seed=0)
     assert getattr(after, "_omni_accel_state", None) is None
+    assert "__init_subclass__" not in vars(DiffusionPipeline)  # disable() left no patch behind
     kwargs = dict(prompt="a cat", height=32, width=32, num_inference_steps=2, output_type="latent")
     expected = after(**kwargs, generator=torch.Generator().manual_seed(0)).images
     got = loaded(**kwargs, generator=torch.Generator().manual_seed(0)).images
