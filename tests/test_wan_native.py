@@ -142,3 +142,18 @@ def test_wan_video_to_video_from_pipe_and_save_pretrained(tmp_path):
     reloaded = WanPipeline.from_pretrained(tmp_path).transformer.state_dict()
     original = base.transformer.state_dict()
     assert reloaded.keys() == original.keys() and all(torch.equal(reloaded[k], original[k]) for k in original)
+
+
+def test_diffusers_step_cache_on_native_wan():
+    from diffusers import FirstBlockCacheConfig
+
+    kwargs = dict(
+        prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=4, output_type="latent"
+    )
+    plain = omni_accel.tiny_wan_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0))
+    for pipe in (plain, fast):
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    expected = plain(**kwargs, generator=torch.Generator().manual_seed(0)).frames
+    assert torch.equal(fast(**kwargs, generator=torch.Generator().manual_seed(0)).frames, expected)
+    assert not omni_accel.describe(fast).components[0].runtime.fallbacks

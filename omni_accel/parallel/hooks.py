@@ -3,6 +3,7 @@ hooks (step caches, offload, layerwise casting) and removable."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +19,14 @@ def register(module: nn.Module, hook: ModelHook, name: str) -> Callable[[], None
     return lambda: registry.remove_hook(name, recurse=False)
 
 
+@functools.cache
+def _forward_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
 def bound_arguments(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The forward call's arguments by name (pipelines pass most by keyword, some positionally)."""
-    signature = inspect.signature(type(module).forward)
+    signature = _forward_signature(type(module))
     arguments = signature.bind(module, *args, **kwargs).arguments
     arguments.pop(next(iter(signature.parameters)))  # self
     return dict(arguments)
