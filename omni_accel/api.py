@@ -22,6 +22,7 @@ from torch import nn
 import omni_accel.patches as patches
 from omni_accel.patches import pair_cfg_calls
 
+from . import cuda_graphs
 from .attention import routing
 from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionSelector, resolve
@@ -58,6 +59,7 @@ class _Component:
     cache: ExactProjectionCache | None = None
     runtime: NativeRuntime | None = None
     parallel: ParallelState | None = None  # a distributed layout to apply at commit
+    graphs: cuda_graphs.StepGraphs | None = None
     undo: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -182,6 +184,16 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             f"compile=True compiles the blocks of a native transformer, and pipe.{name} ({cls_name}) has none; "
             "use Diffusers' own `pipe.transformer.compile_repeated_blocks()` for it instead."
         )
+    if config.cuda_graphs and not native_ok:
+        raise ValueError(
+            f"cuda_graphs=True captures the steps of a native transformer, and pipe.{name} ({cls_name}) has "
+            "none; leave cuda_graphs off for this pipeline."
+        )
+    if config.cuda_graphs and distributed:
+        raise ValueError(
+            f"cuda_graphs=True runs on one GPU for now, and {config.parallel} spreads pipe.{name} over "
+            f"{dist.get_world_size()} ranks; leave cuda_graphs off under a parallel layout."
+        )
     if distributed and not native_ok:
         raise ValueError(
             f"{config.parallel} needs a native transformer, and pipe.{name} ({cls_name}) has none"
@@ -233,6 +245,8 @@ def _plan_swap(
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
         detail += "; repeated blocks compiled"
+    if config.cuda_graphs:
+        detail += "; each step captured as a CUDA graph"
     if parallel is not None:
         detail += f"; {parallel.config} on {dist.get_world_size()} ranks"
     report = ComponentReport(
@@ -245,16 +259,23 @@ def _plan_swap(
         runtime=runtime,
         not_accelerated=limitations,
     )
-    return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel)
+    graphs = cuda_graphs.StepGraphs(module) if config.cuda_graphs else None
+    report.graphs = graphs
+    return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 
 
 def _unless_compiled(
     cache: ExactProjectionCache | None, config: AccelConfig, limitations: list[str]
 ) -> ExactProjectionCache | None:
-    """The cache, or None under compile=True: compiled blocks cannot consult it, so its per-step comparison
-    would be pure overhead (and the report says so)."""
-    if config.compile and cache is not None:
+    """The cache, or None under compile=True or cuda_graphs=True: compiled blocks and replayed graphs
+    cannot consult it, so its per-step comparison would be pure overhead (and the report says so)."""
+    if cache is None:
+        return None
+    if config.compile:
         limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
+        return None
+    if config.cuda_graphs:
+        limitations.append("exact projection cache: off, because replayed CUDA graphs cannot consult it")
         return None
     return cache
 
@@ -348,6 +369,9 @@ def _commit(component: _Component) -> None:
         model = component.spec.native_model()
         swapped = swap_blocks(component.original, model, component.runtime)
         component.undo.append(swapped.undo)
+        if component.graphs is not None:
+            component.graphs.install()
+            component.undo.append(component.graphs.uninstall)
         if component.parallel is not None:
             layout = parallelize(
                 component.original, model.parallel, component.parallel, output_class(component.spec)

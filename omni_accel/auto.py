@@ -70,14 +70,15 @@ def enabled() -> bool:
 
 
 def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """``accelerate`` options from ``OMNI_ACCEL_ATTENTION``, ``OMNI_ACCEL_COMPILE`` (1/0),
-    ``OMNI_ACCEL_PARALLEL`` ("tp=2,ulysses=1,..."), ``OMNI_ACCEL_PROJECTION_CACHE_BYTES``."""
+    """``accelerate`` options from ``OMNI_ACCEL_ATTENTION``, ``OMNI_ACCEL_COMPILE`` and
+    ``OMNI_ACCEL_CUDA_GRAPHS`` (1/0), ``OMNI_ACCEL_PARALLEL`` ("tp=2,ulysses=1,..."), ``OMNI_ACCEL_PROJECTION_CACHE_BYTES``."""
     env = os.environ if environ is None else environ
     options: dict[str, Any] = {}
     if env.get("OMNI_ACCEL_ATTENTION"):
         options["attention"] = env["OMNI_ACCEL_ATTENTION"]
-    if env.get("OMNI_ACCEL_COMPILE", "").lower() in ("1", "true", "yes"):
-        options["compile"] = True
+    for name in ("compile", "cuda_graphs"):
+        if env.get(f"OMNI_ACCEL_{name.upper()}", "").lower() in ("1", "true", "yes"):
+            options[name] = True
     if env.get("OMNI_ACCEL_PARALLEL"):
         options["parallel"] = parse_parallel(env["OMNI_ACCEL_PARALLEL"])
     if env.get("OMNI_ACCEL_PROJECTION_CACHE_BYTES"):

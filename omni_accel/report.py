@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
+from .cuda_graphs import StepGraphs
 from .models.base import NativeRuntime
 from .parallel.cfg import CfgParallel
 
@@ -22,6 +23,7 @@ class ComponentReport:
     cache: ExactProjectionCache | None = None
     cfg: CfgParallel | None = None
     runtime: NativeRuntime | None = None
+    graphs: StepGraphs | None = None
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
 
@@ -48,6 +50,13 @@ class ComponentReport:
                 f"  cfg parallel: {self.cfg.split_calls} batch-split calls, {self.cfg.paired_calls} paired "
                 f"cond/uncond calls, {self.cfg.replicated_calls} calls computed on both ranks (batch of one)"
             )
+        if self.graphs is not None:
+            stats = self.graphs.stats()
+            out.append(
+                f"  cuda graphs: {stats['captures']} captured, {stats['replays']} replays, {stats['graphs']} kept"
+            )
+            for reason, count in sorted(stats["eager"].items()):
+                out.append(f"  cuda graphs: {count} calls ran eagerly ({reason})")
         if self.runtime is not None:
             for reason, count in sorted(self.runtime.fallbacks.items()):
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")

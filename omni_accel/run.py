@@ -5,8 +5,8 @@
     torchrun --nproc-per-node 2 -m omni_accel.run --ulysses 2 my_script.py [script args]
 
 Options come from the flags below, or from the environment (OMNI_ACCEL_ATTENTION, OMNI_ACCEL_COMPILE,
-OMNI_ACCEL_PARALLEL, OMNI_ACCEL_PROJECTION_CACHE_BYTES); flags win. Under torchrun every rank runs the
-whole script: a script that saves files should save on one rank (``omni_accel.is_main_process()``), or
+OMNI_ACCEL_CUDA_GRAPHS, OMNI_ACCEL_PARALLEL, OMNI_ACCEL_PROJECTION_CACHE_BYTES); flags win. Under torchrun
+every rank runs the whole script: a script that saves files should save on one rank (``omni_accel.is_main_process()``), or
 every rank writes the same file.
 """
 
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--attention", choices=["auto", *provider_names()])
     parser.add_argument("--compile", action="store_true", help="compile the native blocks")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay each step as a CUDA graph")
     parser.add_argument("--projection-cache-bytes", type=int)
     for degree in ("tp", "ulysses", "ring", "cfg"):
         parser.add_argument(f"--{degree}", type=int, help="parallel degree (launch with torchrun)")
@@ -42,6 +43,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         options["attention"] = args.attention
     if args.compile:
         options["compile"] = True
+    if args.cuda_graphs:
+        options["cuda_graphs"] = True
     if args.projection_cache_bytes is not None:
         options["projection_cache_bytes"] = args.projection_cache_bytes
     degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg") if getattr(args, d)}

@@ -58,6 +58,12 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
         magnitude = x.abs() + product.abs()
         _check(f"gated_residual {dtype}", kernels.gated_residual(x, gate, y), x + product, magnitude)
 
+        mlp = randn(batch, image, 5 * dim, dtype=dtype)[..., dim:] * 4  # strided rows, as in a packed GEMM
+        activated = F.gelu(mlp, approximate="tanh")
+        _check(f"gelu_tanh {dtype}", kernels.concat_gelu(x[..., :0], mlp), activated, activated.abs())
+        ref = torch.cat([x, activated], dim=-1)
+        _check(f"concat_gelu {dtype}", kernels.concat_gelu(x, mlp), ref, ref.abs())
+
         packed = randn(batch, image, 3 * dim, dtype=dtype)  # q is a strided view of the QKV GEMM's output
         txt = randn(batch, text, dim, dtype=dtype)
         w_img, w_txt = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
@@ -90,6 +96,20 @@ def test_kernels_on_the_gpu_at_flux_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gelu_is_bitwise_pytorchs_on_the_gpu(dtype):
+    """The GELU kernel follows PyTorch's float32 order of operations and CUDA's tanhf: bitwise equal."""
+    from omni_accel.layers import concat_gelu, gelu_tanh
+
+    g = torch.Generator("cuda").manual_seed(0)
+    wide = torch.randn(1, 4608, 3072 + 12288, generator=g, device="cuda").mul(4).to(dtype)
+    attn, mlp = wide[..., :3072], wide[..., 3072:]
+    expected = F.gelu(mlp, approximate="tanh")
+    assert torch.equal(gelu_tanh(mlp), expected)
+    assert torch.equal(concat_gelu(attn, mlp), torch.cat([attn, expected], dim=-1))
+
+
+@pytest.mark.gpu
 def test_custom_ops_pass_opcheck():
     from omni_accel.layers import fused_kernels  # noqa: F401
 
@@ -101,4 +121,5 @@ def test_custom_ops_pass_opcheck():
     w = torch.ones(16, device="cuda", dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.omni_accel.norm_modulate.default, (x, shift, scale, 1e-6))
     torch.library.opcheck(torch.ops.omni_accel.gated_residual.default, (x, shift, x))
+    torch.library.opcheck(torch.ops.omni_accel.concat_gelu.default, (x, x[..., 16:]))
     torch.library.opcheck(torch.ops.omni_accel.qk_norm_rope.default, ([x], [w], 16, 1e-6, cos, sin))

@@ -98,6 +98,11 @@ def attention_scope(
         _SCOPED_CONFIG.reset(token)
 
 
+def current_scope() -> AttentionConfig | None:
+    """The config of the innermost ``attention_scope`` around this call, if any."""
+    return _SCOPED_CONFIG.get()
+
+
 def resolve(config: AttentionConfig, role: str, category: str, request: AttentionRequest) -> Resolution:
     explicit = (
         (f"per_role[{role!r}]", config.per_role.get(role)),

@@ -2,8 +2,8 @@
 tensor-parallel), the MLP, norms, modulation, RoPE and the provider-routed attention call."""
 
 from .attention import AttentionSite, attention
-from .feed_forward import feed_forward, gelu_tanh
-from .fused import gated_residual, norm_modulate, qk_norm_rope
+from .feed_forward import feed_forward
+from .fused import concat_gelu, gated_residual, gelu_tanh, norm_modulate, qk_norm_rope
 from .modulation import modulate
 from .norms import layer_norm
 from .projection import LinearWeights, apply_linear, apply_one, read_linear, read_packed
@@ -16,6 +16,7 @@ __all__ = [
     "apply_one",
     "apply_rope",
     "attention",
+    "concat_gelu",
     "feed_forward",
     "gated_residual",
     "gelu_tanh",

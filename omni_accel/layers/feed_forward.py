@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 
+from .fused import gelu_tanh
 from .projection import LinearWeights, apply_one
-
-gelu_tanh = partial(F.gelu, approximate="tanh")
 
 
 def feed_forward(

@@ -3,6 +3,8 @@ make several (each a full read and write of a 4608 x 3072 tensor at FLUX's size)
 
 * ``norm_modulate``: LayerNorm (no affine) then AdaLN, ``norm(x) * (1 + scale) + shift``;
 * ``gated_residual``: ``x + gate * y``;
+* ``gelu_tanh`` and ``concat_gelu``: GELU (tanh) in one bandwidth-bound pass, the latter writing it next to
+  another tensor (a single-stream block's attention output) so the MLP half is never concatenated;
 * ``qk_norm_rope``: per-head RMSNorm then RoPE of one or more sequence segments (text, image), written
   straight into the joint ``[B, S, H, D]`` tensor attention reads (no concatenation).
 
@@ -49,6 +51,25 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
     if x.is_contiguous() and y.is_contiguous() and _use_kernel(x, gate, y) and x.dtype == y.dtype:
         return torch.ops.omni_accel.gated_residual(x, gate, y)
     return x + gate.unsqueeze(1) * y
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")`` for ``[B, S, D]`` activations (rows maybe strided)."""
+    return concat_gelu(x[..., :0], x)
+
+
+def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``cat([a, gelu_tanh(b)], dim=-1)`` for ``[B, S, D]`` tensors (rows maybe strided)."""
+    if (
+        a.ndim == b.ndim == 3
+        and a.stride(-1) == 1
+        and b.stride(-1) == 1
+        and a.dtype == b.dtype
+        and _use_kernel(a, b)
+    ):
+        return torch.ops.omni_accel.concat_gelu(a, b)
+    activated = F.gelu(b, approximate="tanh")
+    return activated if a.shape[-1] == 0 else torch.cat([a, activated], dim=-1)
 
 
 def qk_norm_rope(

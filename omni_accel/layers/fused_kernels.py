@@ -8,9 +8,25 @@ folded away on an H200), so the kernels do not pretend to round in between.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+# Diffusers' GELU(tanh) constants as PyTorch's CUDA kernel has them, rounded to float32.
+_GELU_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_GELU_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _tanh_by_exp(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+# Triton's CPU interpreter (the CPU tests) has no libdevice; on a GPU its tanh is CUDA's tanhf, bitwise.
+_tanh = _tanh_by_exp if os.environ.get("TRITON_INTERPRET") == "1" else libdevice.tanh
 
 
 @triton.jit
@@ -42,6 +58,27 @@ def _gated_residual_kernel(X, GATE, Y, OUT, seq, dim, stride_gb, numel, BLOCK: t
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(Y + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + offsets, (x + gate * y).to(dtype), mask=mask)
+
+
+@triton.jit
+def _concat_gelu_kernel(
+    A, B, OUT, seq, dim_a, dim_b, stride_ab, stride_as, stride_bb, stride_bs, BLOCK: tl.constexpr
+):
+    """One block of one row of ``cat([a, gelu_tanh(b)], -1)``; GELU in PyTorch's float32 order of
+    operations (the cube first, then the tanh of libdevice, which is CUDA's ``tanhf``)."""
+    row = tl.program_id(0)
+    b = row // seq
+    s = row % seq
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    dim = dim_a + dim_b
+    in_a = cols < dim_a
+    in_b = (cols >= dim_a) & (cols < dim)
+    dtype = OUT.dtype.element_ty
+    a = tl.load(A + b * stride_ab + s * stride_as + cols, mask=in_a, other=0.0)
+    x = tl.load(B + b * stride_bb + s * stride_bs + (cols - dim_a), mask=in_b, other=0.0).to(tl.float32)
+    cube = x * x * x
+    gelu = 0.5 * x * (1.0 + _tanh(_GELU_BETA * (x + _GELU_KAPPA * cube)))
+    tl.store(OUT + row * dim + cols, tl.where(in_a, a.to(dtype), gelu.to(dtype)), mask=cols < dim)
 
 
 @triton.jit
@@ -116,6 +153,24 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
 @gated_residual.register_fake
 def _(x, gate, y):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("omni_accel::concat_gelu", mutates_args=())
+def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    batch, seq, dim_a = a.shape
+    dim_b = b.shape[2]
+    out = torch.empty((batch, seq, dim_a + dim_b), dtype=b.dtype, device=b.device)
+    if out.numel():
+        block = 1024
+        _concat_gelu_kernel[(batch * seq, triton.cdiv(dim_a + dim_b, block))](
+            a, b, out, seq, dim_a, dim_b, a.stride(0), a.stride(1), b.stride(0), b.stride(1), BLOCK=block
+        )
+    return out
+
+
+@concat_gelu.register_fake
+def _(a, b):
+    return b.new_empty(*b.shape[:2], a.shape[2] + b.shape[2])
 
 
 @torch.library.custom_op("omni_accel::qk_norm_rope", mutates_args=())

@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from ..layers import feed_forward, gated_residual, gelu_tanh, norm_modulate, qk_norm_rope
+from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate, qk_norm_rope
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -115,13 +115,14 @@ def single_block(
     c: BlockConstants,
 ) -> torch.Tensor:
     """Diffusers' FluxSingleTransformerBlock.forward on ``x = [text, image]``, with QKV and the MLP input in
-    one GEMM and its elementwise steps fused."""
+    one GEMM, its elementwise steps fused and the MLP's GELU written next to the attention output (the
+    output projection's input) instead of concatenated to it."""
     shift, scale, gate = mod.chunk(3, dim=1)
     q, k, v, mlp = apply_linear(norm_modulate(x, shift, scale, c.eps), w["qkv_mlp"])
     q = qk_norm_rope([(q, norms["q"])], c.head_dim, c.qk_eps, rope)
     k = qk_norm_rope([(k, norms["k"])], c.head_dim, c.qk_eps, rope)
     out = attention(q, k, _heads(v, c.head_dim), c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
-    x = gated_residual(x, gate, apply_one(torch.cat([out, gelu_tanh(mlp)], dim=2), w["out"]))
+    x = gated_residual(x, gate, apply_one(concat_gelu(out, mlp), w["out"]))
     return _clip_fp16(x)
 
 

@@ -1,0 +1,227 @@
+"""Whole-step CUDA graphs for an accelerated transformer: one graph launch per denoising step instead of
+about two thousand kernel launches, eager or compiled.
+
+A graph replays the kernels it recorded, with the pointers and host-side values of that moment. So a graph
+is keyed by everything the host decides a step with: the arguments' structure, shapes, dtypes and
+non-tensor values; each parameter's storage (a reloaded or re-packed weight is a new graph; an in-place
+edit is seen by the graph, as it is by eager code); adapter state (active adapters, scales, merged or
+disabled); attention processors; training flags; and the global switches that pick kernels (autocast,
+reduced-precision matmuls, an ``attention_scope``). A new key runs eagerly once (lazy initialisation,
+compilation and weight packing happen there), is captured on its next call and replayed after that.
+Calls a graph cannot serve exactly run eagerly and are counted by reason: hooks that decide per call (step
+caches, offload), autograd, tensors off the GPU, capture errors. Outputs are copied out of the graph's
+memory, so a caller may keep them across calls (pipelines hold the conditional result while the
+unconditional one runs).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .attention.selection import current_scope
+from .forward_hooks import global_hooks_active, is_hooked
+from .utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[Any]  # the static argument leaves the graph reads (tensors) or was keyed on (the rest)
+    output: Any  # the forward's output, its tensors in the graph's memory
+
+
+class StepGraphs:
+    """Captures and replays the forward of ``module`` (see the module docstring). Installed as the
+    module's instance ``forward``, so it travels with the module through ``deepcopy`` and pickling, and a
+    Diffusers hook registered later wraps it like any forward."""
+
+    def __init__(self, module: nn.Module, max_graphs: int = 4) -> None:
+        self.module = module
+        self.inner = module.__dict__.get("forward")  # a hook's forward installed before us, if any
+        self.max_graphs = max_graphs
+        self.enabled = True
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.warmed: set[tuple] = set()
+        self.uncapturable: set[tuple] = set()
+        self.pool: Any = None
+        self.captures = self.replays = 0
+        self.eager: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        self.module.forward = self
+
+    def uninstall(self) -> None:
+        """Puts the module's forward back; when a hook registered later wraps us, we only step aside."""
+        if self.module.__dict__.get("forward") is not self:
+            self.enabled = False
+        elif self.inner is None:
+            del self.module.forward
+        else:
+            self.module.forward = self.inner
+
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(module.forward) finds the real signature
+        return self._forward()
+
+    def __deepcopy__(self, memo: dict) -> StepGraphs:
+        # Graphs hold this module's pointers: a copy starts empty and captures its own.
+        twin = StepGraphs(copy.deepcopy(self.module, memo), self.max_graphs)
+        twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
+        return twin
+
+    def __reduce__(self):
+        return _unpickle, (self.module, self.inner, self.max_graphs, self.enabled)
+
+    def _forward(self) -> Any:
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, forward = self.module, self._forward()
+        if not self.enabled:
+            return forward(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        reason = _eager_reason(module, leaves)
+        if reason is not None:
+            return self._eager(reason, forward, args, kwargs)
+        try:
+            key = step_key(module, leaves, spec)
+        except TypeError:  # an unhashable argument: its value cannot key a graph
+            return self._eager("an argument that cannot be compared between calls", forward, args, kwargs)
+        with self._lock:
+            graph = self.graphs.get(key)
+            if graph is None:
+                if key in self.uncapturable:
+                    return self._eager("the step failed to capture (logged once)", forward, args, kwargs)
+                if key not in self.warmed:
+                    out = forward(*args, **kwargs)
+                    if len(self.warmed) >= 64:
+                        self.warmed.clear()
+                    self.warmed.add(step_key(module, leaves, spec))  # after the first call's weight packing
+                    return out
+                graph = self._capture(key, forward, leaves, spec)
+                if graph is None:
+                    return forward(*args, **kwargs)
+            else:
+                self.graphs.move_to_end(key)
+            return self._replay(graph, leaves)
+
+    def _eager(self, reason: str, forward, args, kwargs) -> Any:
+        self.eager[reason] += 1
+        if self.eager[reason] == 1:
+            logger.info("CUDA graphs: a call runs eagerly: %s (counted in describe)", reason)
+        return forward(*args, **kwargs)
+
+    def _capture(self, key: tuple, forward, leaves: list[Any], spec) -> _Graph | None:
+        inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        args, kwargs = pytree.tree_unflatten(inputs, spec)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                output = forward(*args, **kwargs)
+        except Exception as exc:  # e.g. a host synchronisation inside the forward
+            self.uncapturable.add(key)
+            logger.warning("CUDA graphs: this step cannot be captured, it runs eagerly: %s", exc)
+            return None
+        if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(output)):
+            self.uncapturable.add(key)
+            logger.warning("CUDA graphs: the forward returned no tensor we can copy out; it runs eagerly")
+            return None
+        self.pool = graph.pool()
+        self.captures += 1
+        captured = self.graphs[key] = _Graph(graph, inputs, output)
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return captured
+
+    def _replay(self, graph: _Graph, leaves: list[Any]) -> Any:
+        for static, leaf in zip(graph.inputs, leaves, strict=True):
+            if isinstance(leaf, torch.Tensor) and static is not leaf:
+                static.copy_(leaf)
+        graph.graph.replay()
+        self.replays += 1
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, graph.output)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "graphs": len(self.graphs),
+            "eager": dict(self.eager),
+        }
+
+
+def _unpickle(module: nn.Module, inner: Any, max_graphs: int, enabled: bool) -> StepGraphs:
+    graphs = StepGraphs(module, max_graphs)
+    graphs.inner, graphs.enabled = inner, enabled
+    return graphs
+
+
+def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
+    """Why this call cannot be served by a graph, or None."""
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not tensors or any(not t.is_cuda or t.device != tensors[0].device for t in tensors):
+        return "arguments not all on one CUDA device"
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return "called inside torch.compile or someone else's CUDA graph capture"
+    if torch.is_grad_enabled():
+        return "autograd is enabled (pipelines call under torch.no_grad())"
+    if global_hooks_active() or any(is_hooked(child) for child in module.modules()):
+        return "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
+    return None
+
+
+def step_key(module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> tuple:
+    """Everything the host decides a forward with (see the module docstring); raises TypeError for an
+    argument that cannot be hashed."""
+    arguments = tuple(
+        (leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+    )
+    hash(arguments)
+    return (spec, arguments, _module_state(module), _global_state())
+
+
+def _module_state(module: nn.Module) -> tuple:
+    state = []
+    for child in module.modules():
+        attrs = child.__dict__
+        state.append(id(child))
+        state.append(attrs["training"])
+        for tensor in (*attrs["_parameters"].values(), *attrs["_buffers"].values()):
+            if tensor is not None:
+                state.append((tensor.data_ptr(), tensor.dtype, tensor.shape))
+        processor = attrs.get("processor")
+        if processor is not None:
+            state.append((id(processor), getattr(processor, "_attention_backend", None)))
+        if "scaling" in attrs and "lora_A" in attrs["_modules"]:  # a peft LoRA layer
+            state.append(
+                (
+                    tuple(child.active_adapters),
+                    child.disable_adapters,
+                    tuple(child.merged_adapters),
+                    tuple(sorted(child.scaling.items())),
+                )
+            )
+    return tuple(state)  # compared whole, not by a hash that could collide
+
+
+def _global_state() -> tuple:
+    matmul = torch.backends.cuda.matmul
+    return (
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+        matmul.allow_tf32,
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+        torch.backends.cudnn.allow_tf32,
+        current_scope(),
+    )

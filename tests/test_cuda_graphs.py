@@ -1,0 +1,179 @@
+"""Whole-step CUDA graphs (``accelerate(pipe, cuda_graphs=True)``).
+
+On CPU: what keys a graph (a replay must never serve a call whose host-side decisions differ from the
+captured one), that calls a graph cannot serve run eagerly and are counted, and the Diffusers API around
+it. On a GPU (``-m gpu``): replayed pipelines bitwise equal to the same accelerated pipeline run eagerly,
+across new resolutions, batch sizes, LoRA scales, weight edits and compile.
+"""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import flux_inputs, random_flux_transformer, random_lora
+from diffusers import FirstBlockCacheConfig, FluxPipeline
+
+import omni_accel
+from omni_accel.cuda_graphs import step_key
+from omni_accel.models.tiny_pipelines import tiny_flux_pipeline, tiny_sd3_pipeline
+
+
+def _bare(transformer) -> FluxPipeline:
+    return FluxPipeline(None, None, None, None, None, None, transformer)
+
+
+def _key(transformer, **inputs):
+    leaves, spec = pytree.tree_flatten(((), inputs))
+    return step_key(transformer, leaves, spec)
+
+
+@torch.no_grad()
+def test_what_keys_a_graph():
+    pipe = omni_accel.accelerate(_bare(random_flux_transformer()), cuda_graphs=True)
+    transformer = pipe.transformer
+    x = flux_inputs(transformer)
+    transformer(**x)  # packs the projections (the key after the first call is the one graphs use)
+    key = _key(transformer, **x)
+    other_values = {k: torch.randn_like(v) for k, v in x.items()}
+    assert _key(transformer, **other_values) == key, "new input values replay the same graph"
+    with torch.no_grad():
+        transformer.transformer_blocks[0].attn.to_q.weight.mul_(1.5)
+    assert _key(transformer, **x) == key, "an in-place weight edit is seen by the graph itself"
+
+    changed = {
+        "a new shape": lambda: _key(transformer, **flux_inputs(transformer, image_tokens=16)),
+        "a new batch": lambda: _key(transformer, **flux_inputs(transformer, batch=1)),
+        "a new dtype": lambda: _key(transformer, **{**x, "timestep": x["timestep"].double()}),
+        "a new argument value": lambda: _key(transformer, **x, joint_attention_kwargs={"scale": 0.5}),
+        "an argument left out": lambda: _key(transformer, **{k: v for k, v in x.items() if k != "txt_ids"}),
+    }
+    for what, new_key in changed.items():
+        assert new_key() != key, what
+
+    def differs_after(what, edit):
+        edit()
+        new = _key(transformer, **x)
+        assert new != key, what
+        return new
+
+    proj = transformer.transformer_blocks[0].attn.to_out[0]
+    key = differs_after("a reassigned weight", lambda: setattr(proj.weight, "data", proj.weight.data.clone()))
+    key = differs_after("training mode", transformer.train)
+    key = differs_after("eval mode again", transformer.eval)
+    processor = transformer.transformer_blocks[0].attn.processor
+    key = differs_after(
+        "a new attention processor",
+        lambda: transformer.transformer_blocks[0].attn.set_processor(type(processor)()),
+    )
+    with omni_accel.attention_scope(default="sdpa"):
+        assert _key(transformer, **x) != key, "an attention scope"
+
+    lora = random_lora(transformer, ["to_q", "to_k"], seed=3)
+    key = differs_after("a loaded LoRA", lambda: pipe.load_lora_weights(lora, adapter_name="a"))
+    key = differs_after("a new adapter scale", lambda: pipe.set_adapters("a", 0.5))
+    key = differs_after("disabled adapters", pipe.disable_lora)
+    key = differs_after("enabled adapters", pipe.enable_lora)
+    key = differs_after("a fused LoRA", pipe.fuse_lora)
+
+
+@torch.no_grad()
+def test_calls_a_graph_cannot_serve_run_eagerly_and_are_counted():
+    plain = random_flux_transformer()
+    pipe = omni_accel.accelerate(_bare(random_flux_transformer()), cuda_graphs=True)
+    x = flux_inputs(plain)
+    for _ in range(3):
+        torch.testing.assert_close(pipe.transformer(**x)[0], plain(**x)[0], rtol=0, atol=0)
+    report = str(omni_accel.describe(pipe))
+    assert "each step captured as a CUDA graph" in report
+    assert "cuda graphs: 0 captured, 0 replays, 0 kept" in report
+    assert "cuda graphs: 3 calls ran eagerly (arguments not all on one CUDA device)" in report
+    assert "exact projection cache: off, because replayed CUDA graphs cannot consult it" in report
+
+
+@torch.no_grad()
+def test_diffusers_api_around_the_graph_hook():
+    pipe = tiny_flux_pipeline()
+
+    def image(pipe):
+        generator = torch.Generator().manual_seed(0)
+        return pipe("a cat", num_inference_steps=2, output_type="latent", generator=generator).images
+
+    reference = image(pipe)
+    omni_accel.accelerate(pipe, cuda_graphs=True)
+    torch.testing.assert_close(image(pipe), reference, rtol=1e-5, atol=1e-6)
+    twin = copy.deepcopy(pipe)
+    torch.testing.assert_close(image(twin), reference, rtol=1e-5, atol=1e-6)
+    hooks = [omni_accel.describe(p).components[0].graphs for p in (pipe, twin)]
+    assert hooks[0] is not hooks[1]
+    assert [sum(hook.stats()["eager"].values()) for hook in hooks] == [2, 2]  # each copy's own steps
+    assert pickle.loads(pickle.dumps(twin.transformer)).forward.module is not twin.transformer
+
+    plain = tiny_flux_pipeline()
+    for p in (plain, pipe):  # a step cache registered after: its hooks decide per call, so eager
+        p.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+    torch.testing.assert_close(image(pipe), image(plain), rtol=1e-5, atol=1e-6)
+    for p in (plain, pipe):
+        p.transformer.disable_cache()
+    omni_accel.restore(pipe)
+    assert "forward" not in pipe.transformer.__dict__
+    assert "forward" in twin.transformer.__dict__  # restoring the original leaves the copy accelerated
+
+
+def test_cuda_graphs_need_a_native_transformer():
+    with pytest.raises(ValueError, match="cuda_graphs=True captures the steps of a native transformer"):
+        omni_accel.accelerate(tiny_sd3_pipeline(), cuda_graphs=True)
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs="yes")
+
+
+def _gpu_pair(**options):
+    """Two accelerated copies of one small bf16 FLUX pipeline: eager, and replayed from CUDA graphs."""
+    eager = tiny_flux_pipeline(
+        num_attention_heads=4, attention_head_dim=64, dtype=torch.bfloat16, device="cuda", guidance_embeds=True
+    )
+    graphed = copy.deepcopy(eager)
+    omni_accel.accelerate(eager, **options)
+    omni_accel.accelerate(graphed, cuda_graphs=True, **options)
+    return eager, graphed
+
+
+def _same_images(eager, graphed, **call):
+    call = {"prompt": "a cat", "num_inference_steps": 4, "output_type": "latent", **call}
+    want = eager(**call, generator=torch.Generator("cuda").manual_seed(0)).images
+    got = graphed(**call, generator=torch.Generator("cuda").manual_seed(0)).images
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_replayed_steps_are_bitwise_the_eager_steps(compiled):
+    eager, graphed = _gpu_pair(compile=compiled)
+    _same_images(eager, graphed)
+    stats = omni_accel.describe(graphed).components[0].graphs.stats()
+    assert stats["captures"] == 1 and stats["replays"] == 2, stats  # warm-up, capture, two replays
+    _same_images(eager, graphed, height=48, width=32)  # a new resolution captures anew
+    _same_images(eager, graphed, num_images_per_prompt=2)
+    _same_images(eager, graphed)  # back to the first shape: its graph is still kept
+    assert omni_accel.describe(graphed).components[0].graphs.stats()["captures"] == 3
+
+
+@pytest.mark.gpu
+def test_replays_follow_lora_scales_weight_edits_and_true_cfg():
+    eager, graphed = _gpu_pair()
+    lora = random_lora(eager.transformer, ["to_q", "to_v", "proj_out"], seed=5)
+    for pipe in (eager, graphed):
+        pipe.load_lora_weights({k: v.to("cuda", torch.bfloat16) for k, v in lora.items()}, adapter_name="a")
+    _same_images(eager, graphed)
+    for pipe in (eager, graphed):
+        pipe.set_adapters("a", 0.3)
+    _same_images(eager, graphed)
+    _same_images(eager, graphed, joint_attention_kwargs={"scale": 0.7})
+    for pipe in (eager, graphed):
+        with torch.no_grad():
+            pipe.transformer.single_transformer_blocks[1].proj_mlp.weight.mul_(0.5)
+    _same_images(eager, graphed)
+    _same_images(eager, graphed, negative_prompt="a dog", true_cfg_scale=4.0)  # cond result held over uncond
+    report = str(omni_accel.describe(graphed))
+    assert "ran eagerly" not in report, report
