@@ -40,17 +40,26 @@ def _use_kernel(*tensors: torch.Tensor) -> bool:
 
 
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """``modulate(layer_norm(x, eps), shift, scale)`` for ``x`` ``[B, S, D]`` and ``[B, D]`` modulation."""
+    """``modulate(layer_norm(x, eps), shift, scale)`` for ``x`` ``[B, S, D]`` and ``[B, D]`` (per sample) or
+    ``[B, S, D]`` (per token) modulation. The modulation's dtype is the precision of the math (Wan keeps
+    it in float32, FLUX in the activations' dtype); the result has ``x``'s dtype."""
     if shift.ndim == 2 and x.stride(-1) == 1 and _use_kernel(x, shift, scale):
         return torch.ops.omni_accel.norm_modulate(x, shift, scale, eps)
-    return modulate(layer_norm(x, eps), shift, scale)
+    return modulate(layer_norm(x.to(shift.dtype), eps), shift, scale).to(x.dtype)
 
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + gate[:, None] * y`` for ``[B, S, D]`` activations and a ``[B, D]`` gate."""
-    if x.is_contiguous() and y.is_contiguous() and _use_kernel(x, gate, y) and x.dtype == y.dtype:
+    """``x + gate * y`` for ``[B, S, D]`` activations and a ``[B, D]`` (per sample) or ``[B, S, D]`` (per
+    token) gate, in the gate's precision if it is wider; the result has ``x``'s dtype."""
+    if (
+        gate.ndim == 2
+        and x.is_contiguous()
+        and y.is_contiguous()
+        and _use_kernel(x, gate, y)
+        and x.dtype == y.dtype
+    ):
         return torch.ops.omni_accel.gated_residual(x, gate, y)
-    return x + gate.unsqueeze(1) * y
+    return (x + (gate.unsqueeze(1) if gate.ndim == 2 else gate) * y).to(x.dtype)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

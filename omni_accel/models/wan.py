@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
 
-from ..layers import apply_rope, feed_forward
+from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -57,11 +57,11 @@ def _qk_norm(x: torch.Tensor, weight: torch.Tensor | None, c: BlockConstants) ->
 
 
 def _modulations(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """shift, scale, gate (attention), then shift, scale, gate (MLP), in float32: ``[B, 1, D]`` per sample
+    """shift, scale, gate (attention), then shift, scale, gate (MLP), in float32: ``[B, D]`` per sample
     (Wan 2.1, 2.2 A14B) or ``[B, S, D]`` per token (Wan 2.2 TI2V)."""
     if temb.ndim == 4:
         return tuple(m.squeeze(2) for m in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2))
-    return (table + temb.float()).chunk(6, dim=1)
+    return tuple(m.squeeze(1) for m in (table + temb.float()).chunk(6, dim=1))
 
 
 def wan_block(
@@ -74,17 +74,17 @@ def wan_block(
     norms: dict[str, torch.Tensor | None],
     c: BlockConstants,
 ) -> torch.Tensor:
-    """Diffusers' WanTransformerBlock.forward, op for op, over packed projections."""
+    """Diffusers' WanTransformerBlock.forward over packed projections, its float32 norm-modulate and gated
+    residual steps fused (the modulation is float32, so the fused ops compute in float32, as Diffusers)."""
     shift, scale, gate, c_shift, c_scale, c_gate = _modulations(table, temb)
-    width = x.shape[-1]
 
-    # Self-attention (float32 norm and gate, as Diffusers).
-    h = (F.layer_norm(x.float(), (width,), eps=c.eps) * (1 + scale) + shift).type_as(x)
+    # Self-attention.
+    h = norm_modulate(x, shift, scale, c.eps)
     q, k, v = apply_linear(h, w["qkv"])
     q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
     k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
     out = attention(q, k, _heads(v, c.head_dim), SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
-    x = (x.float() + apply_one(out, w["out"]) * gate).type_as(x)
+    x = gated_residual(x, gate, apply_one(out, w["out"]))
 
     # Cross-attention over the text (and, for I2V, the image tokens before it). Under sequence parallelism
     # each rank's queries attend to the whole text, which every rank holds: no layout, no communication.
@@ -104,9 +104,8 @@ def wan_block(
     x = x + apply_one(out, w["out2"])
 
     # Feed-forward.
-    h = (F.layer_norm(x.float(), (width,), eps=c.eps) * (1 + c_scale) + c_shift).type_as(x)
-    ff = feed_forward(h, w["up"], w["down"])
-    return (x.float() + ff.float() * c_gate).type_as(x)
+    ff = feed_forward(norm_modulate(x, c_shift, c_scale, c.eps), w["up"], w["down"])
+    return gated_residual(x, c_gate, ff)
 
 
 def _affine_norm(x: torch.Tensor, norms: dict[str, torch.Tensor | None], eps: float) -> torch.Tensor:
