@@ -83,8 +83,11 @@ def rel_err(got: torch.Tensor, reference: torch.Tensor) -> float:
     return ((got.float() - reference).abs().max() / reference.abs().max()).item()
 
 
-def image_times(pipelines: dict, steps: int, device: str, dtype: torch.dtype, repeats: int = 2) -> dict:
-    """Seconds per image of a whole FluxPipeline call (prompt embeddings in, latents out), interleaved."""
+def image_times(
+    side: int, pick, names: list[str], steps: int, device: str, dtype: torch.dtype, repeats: int = 2
+) -> dict:
+    """Seconds per image of a whole FluxPipeline call (prompt embeddings in, latents out), interleaved;
+    ``pick(name)`` readies and returns the pipeline of a variant; images are ``side`` pixels square."""
     g = torch.Generator(device).manual_seed(2)
     embeds = dict(
         prompt_embeds=torch.randn(1, 512, 4096, generator=g, device=device, dtype=dtype),
@@ -92,14 +95,16 @@ def image_times(pipelines: dict, steps: int, device: str, dtype: torch.dtype, re
     )
 
     def call(pipe):
-        return pipe(**embeds, height=1024, width=1024, num_inference_steps=steps, output_type="latent")
+        return pipe(**embeds, height=side, width=side, num_inference_steps=steps, output_type="latent")
 
-    for pipe in pipelines.values():
+    for name in names:
+        pipe = pick(name)
         pipe.set_progress_bar_config(disable=True)
         call(pipe)  # warm-up
-    times = {name: [] for name in pipelines}
+    times = {name: [] for name in names}
     for _ in range(repeats):
-        for name, pipe in pipelines.items():
+        for name in names:
+            pipe = pick(name)
             times[name].append(timed(lambda pipe=pipe: call(pipe), device)[1] / 1000)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -115,11 +120,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=5, help="timed calls per variant per round")
     parser.add_argument("--compile", action="store_true", help="add compiled variants of both")
     parser.add_argument(
+        "--cuda-graphs", action="store_true", help="add omni_accel variants replayed from CUDA graphs"
+    )
+    parser.add_argument(
         "--pipeline-steps", type=int, default=0, help="also time whole FluxPipeline calls of this many steps"
     )
+    parser.add_argument("--tiny", action="store_true", help="a one-block model on CPU: a smoke test")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    device, dtype = "cuda", torch.bfloat16
+    device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+    side = int(args.image_tokens**0.5) * 16  # pixels: 2x2 latent patches of an 8x VAE
+    if args.tiny:
+        FLUX_DEV.update(num_layers=1, num_single_layers=1, num_attention_heads=2)
 
     diffusers_model = build_transformer(device, dtype)
     x = inputs(args.batch, args.image_tokens, args.text_tokens, device, dtype)
@@ -131,40 +143,66 @@ def main(argv: list[str] | None = None) -> dict:
     torch.cuda.empty_cache()
 
     results = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
         "shapes": vars(args),
         "rel_err_vs_fp32": {},
     }
-    pipe = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)))
+    # One accelerated model serves the eager and the graph-replayed variants (they differ in a switch):
+    # six full-size FLUX models would not fit next to each other.
+    pipe = omni_accel.accelerate(
+        bare_pipeline(build_transformer(device, dtype)), cuda_graphs=args.cuda_graphs
+    )
     cache = omni_accel.describe(pipe).components[0].cache
+
+    def graphs_of(accelerated):
+        return omni_accel.describe(accelerated).components[0].graphs
+
+    def switched(accelerated, fn, graphs_on: bool):
+        def call():
+            if args.cuda_graphs:
+                graphs_of(accelerated).enabled = graphs_on
+            return fn()
+
+        return call
 
     def omni(provider: str, cached: bool = True):
         def call():
-            cache.max_bytes = 256 * 1024**2 if cached else 0
+            if cache is not None:
+                cache.max_bytes = 256 * 1024**2 if cached else 0
             with omni_accel.attention_scope(default=provider):
                 return pipe.transformer(**x)[0]
 
-        return call
+        return switched(pipe, call, graphs_on=False)
 
     # Diffusers' best switches: fused QKV, the cuDNN attention backend, compiled repeated blocks.
     best = build_transformer(device, dtype)
     best.fuse_qkv_projections()
-    best.set_attention_backend("_native_cudnn")
-    best.compile_repeated_blocks(fullgraph=True)
+    if not args.tiny:
+        best.set_attention_backend("_native_cudnn")
+        best.compile_repeated_blocks(fullgraph=True)
     variants = {"diffusers_default": lambda: diffusers_model(**x)[0], "diffusers_best": lambda: best(**x)[0]}
     for provider in args.providers:
         variants[f"omni_accel_{provider}"] = omni(provider)
-    variants["omni_accel_auto_no_cache"] = omni("auto", cached=False)
+    if cache is not None:
+        variants["omni_accel_auto_no_cache"] = omni("auto", cached=False)
+    if args.cuda_graphs:
+        variants["omni_accel_cuda_graphs"] = switched(pipe, lambda: pipe.transformer(**x)[0], graphs_on=True)
     if args.compile:
-        compiled = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), compile=True)
-        variants["omni_accel_compiled"] = lambda: compiled.transformer(**x)[0]
+        compiled = omni_accel.accelerate(
+            bare_pipeline(build_transformer(device, dtype)), compile=True, cuda_graphs=args.cuda_graphs
+        )
+        run_compiled = lambda: compiled.transformer(**x)[0]  # noqa: E731
+        variants["omni_accel_compiled"] = switched(compiled, run_compiled, graphs_on=False)
+        if args.cuda_graphs:
+            variants["omni_accel_compiled_cuda_graphs"] = switched(compiled, run_compiled, graphs_on=True)
 
     first_call = {}
     for name, fn in variants.items():  # warm-up: JIT compilation (FlashInfer, Triton), autotuning, caches
         out, first_call[name] = timed(fn, device)
         results["rel_err_vs_fp32"][name] = rel_err(out, reference)
         fn()
+        fn()  # a graph-replayed variant captures on its second call
     stats = interleaved(variants, device, args.rounds, args.calls)
     base = stats["diffusers_default"]["median_ms"]
     best_ms = stats["diffusers_best"]["median_ms"]
@@ -182,18 +220,33 @@ def main(argv: list[str] | None = None) -> dict:
             f"  spread {results[name]['spread_ms']:.1f} ms"
             f"  first call {first_call[name] / 1000:.1f} s  rel err vs fp32 {err:.2e}"
         )
-    cache.max_bytes = 256 * 1024**2  # the no-cache variant turned it off last
+    if cache is not None:
+        cache.max_bytes = 256 * 1024**2  # the no-cache variant turned it off last
     if args.pipeline_steps:
         pipelines = {
-            "diffusers_default": bare_pipeline(diffusers_model),
-            "diffusers_best": bare_pipeline(best),
+            "diffusers_default": lambda: bare_pipeline(diffusers_model),
+            "diffusers_best": lambda: bare_pipeline(best),
+            "omni_accel_auto": lambda: pipe,
         }
-        pipelines["omni_accel_auto"] = pipe
+        if args.cuda_graphs:
+            pipelines["omni_accel_cuda_graphs"] = lambda: pipe
         if args.compile:
-            pipelines["omni_accel_compiled"] = compiled
-        results["pipeline_s_per_image"] = image_times(pipelines, args.pipeline_steps, device, dtype)
+            pipelines["omni_accel_compiled"] = lambda: compiled
+            if args.cuda_graphs:
+                pipelines["omni_accel_compiled_cuda_graphs"] = lambda: compiled
+        graphs_on = {name: name.endswith("cuda_graphs") for name in pipelines}
+
+        def pick(name):
+            chosen = pipelines[name]()
+            if args.cuda_graphs and name.startswith("omni"):
+                graphs_of(chosen).enabled = graphs_on[name]
+            return chosen
+
+        results["pipeline_s_per_image"] = image_times(
+            side, pick, list(pipelines), args.pipeline_steps, device, dtype
+        )
         for name, seconds in results["pipeline_s_per_image"].items():
-            print(f"{name:28s} {args.pipeline_steps}-step 1024x1024 image: {seconds:.2f} s")
+            print(f"{name:28s} {args.pipeline_steps}-step {side}x{side} image: {seconds:.2f} s")
     results["report"] = str(omni_accel.describe(pipe))
     print(results["report"])
     write_json(results, args.out)

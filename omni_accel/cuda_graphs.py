@@ -32,6 +32,7 @@ from .utils.logging import get_logger
 
 logger = get_logger(__name__)
 
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
