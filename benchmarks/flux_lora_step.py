@@ -6,6 +6,7 @@ Variants, timed in interleaved rounds (see flux_step.py for why):
   diffusers_best       + cuDNN attention backend + compile_repeated_blocks(fullgraph=True) (Diffusers'
                        fuse_qkv_projections() would drop unfused adapters, so it is not a switch here);
   omni_eager           accelerate(pipe): the adapters run as low-rank terms inside the packed GEMMs;
+  omni_cuda_graphs     the same model with cuda_graphs=True: each step one graph launch;
   omni_compiled        accelerate(pipe, compile=True).
 Accuracy: max |diff| / max |default| of each variant's output against diffusers_default (bf16; the
 distance between the two Diffusers variants is the bar).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from flux_step import bare_pipeline, build_transformer, inputs, rel_err
+from flux_step import bare_pipeline, build_transformer, graphs_switched, inputs, rel_err
 from peft import LoraConfig
 from timing import interleaved, timed, write_json
 
@@ -71,12 +72,13 @@ def main(argv: list[str] | None = None) -> dict:
     best = model()
     best.set_attention_backend("_native_cudnn")
     best.compile_repeated_blocks(fullgraph=True)
-    eager = omni_accel.accelerate(bare_pipeline(model()))
+    eager = omni_accel.accelerate(bare_pipeline(model()), cuda_graphs=True)
     compiled = omni_accel.accelerate(bare_pipeline(model()), compile=True)
     variants = {
         "diffusers_default": lambda: default(**x)[0],
         "diffusers_best": lambda: best(**x)[0],
-        "omni_eager": lambda: eager.transformer(**x)[0],
+        "omni_eager": graphs_switched(eager, lambda: eager.transformer(**x)[0], on=False),
+        "omni_cuda_graphs": graphs_switched(eager, lambda: eager.transformer(**x)[0], on=True),
         "omni_compiled": lambda: compiled.transformer(**x)[0],
     }
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": vars(args)}
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         out, first_call[name] = timed(fn, device)
         errors[name] = rel_err(out, reference.float())
         fn()
+        fn()  # a graph-replayed variant captures on its second call
     stats = interleaved(variants, device, args.rounds, args.calls)
     medians = {name: stat["median_ms"] for name, stat in stats.items()}
     for name, stat in stats.items():

@@ -47,6 +47,19 @@ def build_transformer(device: str, dtype: torch.dtype, seed: int = 0, **override
     return model
 
 
+def graphs_switched(pipe: FluxPipeline, fn, on: bool):
+    """``fn`` with ``pipe``'s CUDA graphs (if it has them) switched on or off first: one accelerated model
+    serves an eager and a graph-replayed variant, since a 12B model per variant would not fit."""
+    graphs = omni_accel.describe(pipe).components[0].graphs
+
+    def call():
+        if graphs is not None:
+            graphs.enabled = on
+        return fn()
+
+    return call
+
+
 def bare_pipeline(model: FluxTransformer2DModel) -> FluxPipeline:
     """A FluxPipeline around ``model`` without text encoders or VAE: callers pass embeddings, take latents."""
     return FluxPipeline(FlowMatchEulerDiscreteScheduler(), None, None, None, None, None, model)
@@ -155,17 +168,6 @@ def main(argv: list[str] | None = None) -> dict:
     )
     cache = omni_accel.describe(pipe).components[0].cache
 
-    def graphs_of(accelerated):
-        return omni_accel.describe(accelerated).components[0].graphs
-
-    def switched(accelerated, fn, graphs_on: bool):
-        def call():
-            if args.cuda_graphs:
-                graphs_of(accelerated).enabled = graphs_on
-            return fn()
-
-        return call
-
     def omni(provider: str, cached: bool = True):
         def call():
             if cache is not None:
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
             with omni_accel.attention_scope(default=provider):
                 return pipe.transformer(**x)[0]
 
-        return switched(pipe, call, graphs_on=False)
+        return graphs_switched(pipe, call, on=False)
 
     # Diffusers' best switches: fused QKV, the cuDNN attention backend, compiled repeated blocks.
     best = build_transformer(device, dtype)
@@ -187,15 +189,15 @@ def main(argv: list[str] | None = None) -> dict:
     if cache is not None:
         variants["omni_accel_auto_no_cache"] = omni("auto", cached=False)
     if args.cuda_graphs:
-        variants["omni_accel_cuda_graphs"] = switched(pipe, lambda: pipe.transformer(**x)[0], graphs_on=True)
+        variants["omni_accel_cuda_graphs"] = graphs_switched(pipe, lambda: pipe.transformer(**x)[0], on=True)
     if args.compile:
         compiled = omni_accel.accelerate(
             bare_pipeline(build_transformer(device, dtype)), compile=True, cuda_graphs=args.cuda_graphs
         )
         run_compiled = lambda: compiled.transformer(**x)[0]  # noqa: E731
-        variants["omni_accel_compiled"] = switched(compiled, run_compiled, graphs_on=False)
+        variants["omni_accel_compiled"] = graphs_switched(compiled, run_compiled, on=False)
         if args.cuda_graphs:
-            variants["omni_accel_compiled_cuda_graphs"] = switched(compiled, run_compiled, graphs_on=True)
+            variants["omni_accel_compiled_cuda_graphs"] = graphs_switched(compiled, run_compiled, on=True)
 
     first_call = {}
     for name, fn in variants.items():  # warm-up: JIT compilation (FlashInfer, Triton), autotuning, caches
@@ -234,12 +236,11 @@ def main(argv: list[str] | None = None) -> dict:
             pipelines["omni_accel_compiled"] = lambda: compiled
             if args.cuda_graphs:
                 pipelines["omni_accel_compiled_cuda_graphs"] = lambda: compiled
-        graphs_on = {name: name.endswith("cuda_graphs") for name in pipelines}
 
         def pick(name):
             chosen = pipelines[name]()
-            if args.cuda_graphs and name.startswith("omni"):
-                graphs_of(chosen).enabled = graphs_on[name]
+            if name.startswith("omni"):
+                graphs_switched(chosen, lambda: None, on=name.endswith("cuda_graphs"))()
             return chosen
 
         results["pipeline_s_per_image"] = image_times(

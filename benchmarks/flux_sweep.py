@@ -1,5 +1,5 @@
 """FLUX.1-dev step time over resolutions and batch sizes: Diffusers untouched (a), Diffusers' best switches
-(b), omni_accel eager and compiled, all in one process with identical weights, interleaved per shape.
+(b), omni_accel eager, replayed from CUDA graphs and compiled, all in one process with identical weights, interleaved per shape.
 
     python benchmarks/flux_sweep.py --out sweep.json
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from flux_step import bare_pipeline, build_transformer, inputs
+from flux_step import bare_pipeline, build_transformer, graphs_switched, inputs
 from timing import interleaved, write_json
 
 import omni_accel
@@ -31,25 +31,28 @@ def main(argv: list[str] | None = None) -> dict:
     best.fuse_qkv_projections()
     best.set_attention_backend("_native_cudnn")
     best.compile_repeated_blocks(fullgraph=True)
-    eager = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype))).transformer
-    compiled = omni_accel.accelerate(
-        bare_pipeline(build_transformer(device, dtype)), compile=True
-    ).transformer
-    modules = {
-        "diffusers_default": default,
-        "diffusers_best": best,
-        "omni_eager": eager,
-        "omni_compiled": compiled,
-    }
+    eager = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), cuda_graphs=True)
+    compiled = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), compile=True)
+
+    def variants(x: dict) -> dict:
+        return {
+            "diffusers_default": lambda: default(**x),
+            "diffusers_best": lambda: best(**x),
+            "omni_eager": graphs_switched(eager, lambda: eager.transformer(**x), on=False),
+            "omni_cuda_graphs": graphs_switched(eager, lambda: eager.transformer(**x), on=True),
+            "omni_compiled": lambda: compiled.transformer(**x),
+        }
+
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     for height, width in SHAPES:
         for batch in args.batches:
             x = inputs(
                 batch, (height // 16) * (width // 16), 512, device, dtype, grid=(height // 16, width // 16)
             )
-            for module in modules.values():  # warm-up: compilation for this shape
-                module(**x)
-            calls = {name: (lambda m=module, x=x: m(**x)) for name, module in modules.items()}
+            calls = variants(x)
+            for call in calls.values():  # warm-up: compilation for this shape; a graph captures on call two
+                call()
+                call()
             stats = interleaved(calls, device, args.rounds, args.calls)
             medians = {name: stat["median_ms"] for name, stat in stats.items()}
             row = {

@@ -60,12 +60,19 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
 
         # Wan: float32 modulation and gates over half-precision activations, float32 math (Diffusers').
         shift32, scale32, gate32 = shift.float(), scale.float(), gate.float()
-        normed = F.layer_norm(x.float(), (dim,), eps=1e-6) * (1 + scale32[:, None]) + shift32[:, None]
+        scaled = F.layer_norm(x.float(), (dim,), eps=1e-6) * (1 + scale32[:, None])
         got = kernels.norm_modulate(x, shift32, scale32, 1e-6)
-        _check(f"norm_modulate fp32 modulation {dtype}", got, normed.to(dtype), normed.abs())
-        ref = x.float() + gate32[:, None] * y.float()
+        ref = scaled + shift32[:, None]
+        _check(
+            f"norm_modulate fp32 modulation {dtype}",
+            got,
+            ref.to(dtype),
+            scaled.abs() + shift32[:, None].abs(),
+        )
+        product = gate32[:, None] * y.float()
         got = kernels.gated_residual(x, gate32, y)
-        _check(f"gated_residual fp32 gate {dtype}", got, ref.to(dtype), ref.abs())
+        ref = x.float() + product
+        _check(f"gated_residual fp32 gate {dtype}", got, ref.to(dtype), x.abs() + product.abs())
 
         mlp = randn(batch, image, 5 * dim, dtype=dtype)[..., dim:] * 4  # strided rows, as in a packed GEMM
         activated = F.gelu(mlp, approximate="tanh")
