@@ -128,56 +128,56 @@ def test_cuda_graphs_need_a_native_transformer():
         omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs="yes")
 
 
-def _gpu_pair(**options):
-    """Two accelerated copies of one small bf16 FLUX pipeline: eager, and replayed from CUDA graphs."""
-    eager = tiny_flux_pipeline(
+def _gpu_pipeline(**options):
+    """A small bf16 FLUX pipeline accelerated with CUDA graphs, on the GPU."""
+    pipe = tiny_flux_pipeline(
         num_attention_heads=4,
         attention_head_dim=64,
         dtype=torch.bfloat16,
         device="cuda",
         guidance_embeds=True,
     )
-    graphed = copy.deepcopy(eager)
-    omni_accel.accelerate(eager, **options)
-    omni_accel.accelerate(graphed, cuda_graphs=True, **options)
-    return eager, graphed
+    return omni_accel.accelerate(pipe, cuda_graphs=True, **options)
 
 
-def _same_images(eager, graphed, **call):
+def _replays_match_eager(pipe, **call):
+    """The pipeline's image with its graphs switched off (the same kernels, compiled ones included,
+    launched one by one) and on: bitwise equal."""
     call = {"prompt": "a cat", "num_inference_steps": 4, "output_type": "latent", **call}
-    want = eager(**call, generator=torch.Generator("cuda").manual_seed(0)).images
-    got = graphed(**call, generator=torch.Generator("cuda").manual_seed(0)).images
+    graphs = omni_accel.describe(pipe).components[0].graphs
+    images = []
+    for enabled in (False, True):
+        graphs.enabled = enabled
+        images.append(pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images)
+    want, got = images
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
 def test_replayed_steps_are_bitwise_the_eager_steps(compiled):
-    eager, graphed = _gpu_pair(compile=compiled)
-    _same_images(eager, graphed)
-    stats = omni_accel.describe(graphed).components[0].graphs.stats()
+    pipe = _gpu_pipeline(compile=compiled)
+    _replays_match_eager(pipe)
+    stats = omni_accel.describe(pipe).components[0].graphs.stats()
     assert stats["captures"] == 1 and stats["replays"] == 3, stats  # warm-up, capture + replay, two replays
-    _same_images(eager, graphed, height=48, width=32)  # a new resolution captures anew
-    _same_images(eager, graphed, num_images_per_prompt=2)
-    _same_images(eager, graphed)  # back to the first shape: its graph is still kept
-    assert omni_accel.describe(graphed).components[0].graphs.stats()["captures"] == 3
+    _replays_match_eager(pipe, height=48, width=32)  # a new resolution captures anew
+    _replays_match_eager(pipe, num_images_per_prompt=2)
+    _replays_match_eager(pipe)  # back to the first shape: its graph is still kept
+    assert omni_accel.describe(pipe).components[0].graphs.stats()["captures"] == 3
 
 
 @pytest.mark.gpu
 def test_replays_follow_lora_scales_weight_edits_and_true_cfg():
-    eager, graphed = _gpu_pair()
-    lora = random_lora(eager.transformer, ["to_q", "to_v", "proj_out"], seed=5)
-    for pipe in (eager, graphed):
-        pipe.load_lora_weights({k: v.to("cuda", torch.bfloat16) for k, v in lora.items()}, adapter_name="a")
-    _same_images(eager, graphed)
-    for pipe in (eager, graphed):
-        pipe.set_adapters("a", 0.3)
-    _same_images(eager, graphed)
-    _same_images(eager, graphed, joint_attention_kwargs={"scale": 0.7})
-    for pipe in (eager, graphed):
-        with torch.no_grad():
-            pipe.transformer.single_transformer_blocks[1].proj_mlp.weight.mul_(0.5)
-    _same_images(eager, graphed)
-    _same_images(eager, graphed, negative_prompt="a dog", true_cfg_scale=4.0)  # cond result held over uncond
-    report = str(omni_accel.describe(graphed))
-    assert "ran eagerly" not in report, report
+    pipe = _gpu_pipeline()
+    lora = random_lora(pipe.transformer, ["to_q", "to_v", "proj_out"], seed=5)
+    pipe.load_lora_weights(lora, adapter_name="a")
+    _replays_match_eager(pipe)
+    pipe.set_adapters("a", 0.3)
+    _replays_match_eager(pipe)
+    _replays_match_eager(pipe, joint_attention_kwargs={"scale": 0.7})
+    with torch.no_grad():
+        pipe.transformer.single_transformer_blocks[1].proj_mlp.weight.mul_(0.5)  # in place: same graph
+    _replays_match_eager(pipe)
+    _replays_match_eager(pipe, negative_prompt="a dog", true_cfg_scale=4.0)  # cond result held over uncond
+    stats = omni_accel.describe(pipe).components[0].graphs.stats()
+    assert stats["eager"] == {} and stats["captures"] == 3, stats  # LoRA, its new scale, the call scale

@@ -29,7 +29,8 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor)
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
         return
-    steps = (got.float() - ref.float()).abs() / (scale.float() * torch.finfo(ref.dtype).eps)
+    diff = (got.float() - ref.float()).abs()
+    steps = torch.where(diff == 0, 0.0, diff / (scale.float() * torch.finfo(ref.dtype).eps))
     assert steps.max() <= 2.01, f"{name}: {steps.max():.1f} rounding steps"
 
 
