@@ -251,8 +251,28 @@ def _add_adapters(
         if term.cast_input and x.dtype != term.down.dtype:
             x = x.to(term.down.dtype)
         up_bias = term.up_bias if with_bias else None
-        result = result + F.linear(F.linear(x, term.down), term.up, up_bias) * term.scale
+        rows = _rows_to_accumulate_into(result, term, up_bias)
+        if rows is not None:
+            # ``result += scale * (x A^T) B^T`` in the GEMM's epilogue: one pass instead of a product, a
+            # scaling and a sum over the full output, rounded once (peft rounds after each of the three).
+            rows.addmm_(F.linear(x, term.down).flatten(0, -2), term.up.t(), alpha=term.scale.item())
+        else:
+            result = result + F.linear(F.linear(x, term.down), term.up, up_bias) * term.scale
     return result.to(dtype)
+
+
+def _rows_to_accumulate_into(
+    result: torch.Tensor, term: LowRank, up_bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``result`` as a 2-D view a GEMM can accumulate into, on CUDA outside compilation and autograd (the
+    compiler fuses the reference itself; the CPU keeps peft's exact order), or None. ``result`` is always
+    an output the caller just made, never a user's tensor."""
+    if not result.is_cuda or up_bias is not None or result.dtype != term.up.dtype:
+        return None
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or result.stride(-1) != 1:
+        return None
+    rows = result.flatten(0, -2)
+    return rows if rows.data_ptr() == result.data_ptr() else None  # a view, not a copy
 
 
 def apply_one(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
