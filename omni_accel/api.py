@@ -118,7 +118,7 @@ def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:
                 "pipe.%s (%s) is %s: %s", report.name, report.diffusers_class, report.mode, report.detail
             )
         for item in report.not_accelerated:
-            if report.mode == "native" and item.startswith("exact projection cache: off"):
+            if report.mode == "native" and item.startswith("exact projection cache: off, because compiled"):
                 logger.warning("pipe.%s: %s", report.name, item)
 
 
@@ -184,12 +184,12 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             f"compile=True compiles the blocks of a native transformer, and pipe.{name} ({cls_name}) has none; "
             "use Diffusers' own `pipe.transformer.compile_repeated_blocks()` for it instead."
         )
-    if config.cuda_graphs and not native_ok:
+    if config.cuda_graphs is True and not native_ok:
         raise ValueError(
             f"cuda_graphs=True captures the steps of a native transformer, and pipe.{name} ({cls_name}) has "
             "none; leave cuda_graphs off for this pipeline."
         )
-    if config.cuda_graphs and distributed:
+    if config.cuda_graphs is True and distributed:
         raise ValueError(
             f"cuda_graphs=True runs on one GPU for now, and {config.parallel} spreads pipe.{name} over "
             f"{dist.get_world_size()} ranks; leave cuda_graphs off under a parallel layout."
@@ -240,12 +240,17 @@ def _plan_swap(
     limitations = list(model.limitations)
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
-    cache = _unless_compiled(cache, config, limitations)
+    graphs_on = config.cuda_graphs
+    if graphs_on is None:  # auto: on for one CUDA device
+        graphs_on = parallel is None and torch.cuda.is_available()
+        if parallel is not None:
+            limitations.append("CUDA graphs: off under a parallel layout (one GPU only, for now)")
+    cache = _unless_compiled(cache, config, graphs_on, limitations)
     runtime = NativeRuntime(selector, options, cache)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
         detail += "; repeated blocks compiled"
-    if config.cuda_graphs:
+    if graphs_on:
         detail += "; each step captured as a CUDA graph"
     if parallel is not None:
         detail += f"; {parallel.config} on {dist.get_world_size()} ranks"
@@ -259,22 +264,22 @@ def _plan_swap(
         runtime=runtime,
         not_accelerated=limitations,
     )
-    graphs = cuda_graphs.StepGraphs(module) if config.cuda_graphs else None
+    graphs = cuda_graphs.StepGraphs(module) if graphs_on else None
     report.graphs = graphs
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 
 
 def _unless_compiled(
-    cache: ExactProjectionCache | None, config: AccelConfig, limitations: list[str]
+    cache: ExactProjectionCache | None, config: AccelConfig, graphs_on: bool, limitations: list[str]
 ) -> ExactProjectionCache | None:
-    """The cache, or None under compile=True or cuda_graphs=True: compiled blocks and replayed graphs
-    cannot consult it, so its per-step comparison would be pure overhead (and the report says so)."""
+    """The cache, or None under compile=True or CUDA graphs: compiled blocks and replayed graphs cannot
+    consult it, so its per-step comparison would be pure overhead (and the report says so)."""
     if cache is None:
         return None
     if config.compile:
         limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
         return None
-    if config.cuda_graphs:
+    if graphs_on:
         limitations.append("exact projection cache: off, because replayed CUDA graphs cannot consult it")
         return None
     return cache

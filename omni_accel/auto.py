@@ -69,16 +69,22 @@ def enabled() -> bool:
     return _options is not None
 
 
+_YES, _NO = ("1", "true", "yes"), ("0", "false", "no")
+
+
 def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """``accelerate`` options from ``OMNI_ACCEL_ATTENTION``, ``OMNI_ACCEL_COMPILE`` and
-    ``OMNI_ACCEL_CUDA_GRAPHS`` (1/0), ``OMNI_ACCEL_PARALLEL`` ("tp=2,ulysses=1,..."), ``OMNI_ACCEL_PROJECTION_CACHE_BYTES``."""
+    ``OMNI_ACCEL_CUDA_GRAPHS`` (1/0; unset: auto), ``OMNI_ACCEL_PARALLEL`` ("tp=2,ulysses=1,..."),
+    ``OMNI_ACCEL_PROJECTION_CACHE_BYTES``."""
     env = os.environ if environ is None else environ
     options: dict[str, Any] = {}
     if env.get("OMNI_ACCEL_ATTENTION"):
         options["attention"] = env["OMNI_ACCEL_ATTENTION"]
-    for name in ("compile", "cuda_graphs"):
-        if env.get(f"OMNI_ACCEL_{name.upper()}", "").lower() in ("1", "true", "yes"):
-            options[name] = True
+    if env.get("OMNI_ACCEL_COMPILE", "").lower() in _YES:
+        options["compile"] = True
+    graphs = env.get("OMNI_ACCEL_CUDA_GRAPHS", "").lower()
+    if graphs in _YES or graphs in _NO:
+        options["cuda_graphs"] = graphs in _YES
     if env.get("OMNI_ACCEL_PARALLEL"):
         options["parallel"] = parse_parallel(env["OMNI_ACCEL_PARALLEL"])
     if env.get("OMNI_ACCEL_PROJECTION_CACHE_BYTES"):

@@ -19,14 +19,14 @@ class AccelConfig:
     transformer spreads over the ranks of a torchrun launch. ``compile``: ``torch.compile`` each repeated
     block of a native transformer (True, or a dict of ``torch.compile`` keyword arguments). ``cuda_graphs``:
     capture each distinct transformer step as a CUDA graph and replay it (one launch per step; see
-    ``omni_accel.cuda_graphs``). ``components``: the pipeline attributes treated as denoisers."""
+    ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer on one CUDA device. ``components``: the pipeline attributes treated as denoisers."""
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
     projection_cache_bytes: int = 256 * 1024**2
     parallel: ParallelConfig | None = None
     compile: bool | Mapping[str, Any] = False
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     components: tuple[str, ...] = ("transformer", "transformer_2")
 
     def __post_init__(self) -> None:
@@ -44,8 +44,8 @@ class AccelConfig:
             raise TypeError(
                 f"compile must be True/False or a dict of torch.compile arguments, got {self.compile!r}."
             )
-        if not isinstance(self.cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}.")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}.")
         if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
             raise TypeError(
                 f"parallel must be an omni_accel.ParallelConfig, got {type(self.parallel).__name__}."

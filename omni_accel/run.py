@@ -28,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--attention", choices=["auto", *provider_names()])
     parser.add_argument("--compile", action="store_true", help="compile the native blocks")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay each step as a CUDA graph")
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="replay each step as a CUDA graph (default: on for one CUDA device)",
+    )
     parser.add_argument("--projection-cache-bytes", type=int)
     for degree in ("tp", "ulysses", "ring", "cfg"):
         parser.add_argument(f"--{degree}", type=int, help="parallel degree (launch with torchrun)")
@@ -43,8 +47,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         options["attention"] = args.attention
     if args.compile:
         options["compile"] = True
-    if args.cuda_graphs:
-        options["cuda_graphs"] = True
+    if args.cuda_graphs is not None:
+        options["cuda_graphs"] = args.cuda_graphs
     if args.projection_cache_bytes is not None:
         options["projection_cache_bytes"] = args.projection_cache_bytes
     degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg") if getattr(args, d)}

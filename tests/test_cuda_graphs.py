@@ -121,10 +121,29 @@ def test_diffusers_api_around_the_graph_hook():
     assert "forward" in twin.transformer.__dict__  # restoring the original leaves the copy accelerated
 
 
+def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):
+    from omni_accel.auto import options_from_env
+    from omni_accel.run import build_parser, options_from_args
+
+    def graphs(**options):
+        pipe = omni_accel.accelerate(_bare(random_flux_transformer()), **options)
+        return omni_accel.describe(pipe).components[0].graphs
+
+    assert graphs() is None or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert graphs() is not None
+    assert graphs(cuda_graphs=False) is None
+    assert options_from_env({"OMNI_ACCEL_CUDA_GRAPHS": "0"}) == {"cuda_graphs": False}
+    assert options_from_env({}) == {}
+    parser = build_parser()
+    assert options_from_args(parser.parse_args(["--no-cuda-graphs", "x.py"]))["cuda_graphs"] is False
+    assert "cuda_graphs" not in options_from_args(parser.parse_args(["x.py"]))
+
+
 def test_cuda_graphs_need_a_native_transformer():
     with pytest.raises(ValueError, match="cuda_graphs=True captures the steps of a native transformer"):
         omni_accel.accelerate(tiny_sd3_pipeline(), cuda_graphs=True)
-    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+    with pytest.raises(TypeError, match="cuda_graphs must be True, False or None"):
         omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs="yes")
 
 
@@ -140,9 +159,9 @@ def _gpu_pipeline(**options):
     return omni_accel.accelerate(pipe, cuda_graphs=True, **options)
 
 
-def _replays_match_eager(pipe, **call):
+def _replays_match_eager(pipe, exact: bool = True, **call):
     """The pipeline's image with its graphs switched off (the same kernels, compiled ones included,
-    launched one by one) and on: bitwise equal."""
+    launched one by one) and on: bitwise equal (``exact``), else equal to bf16 rounding."""
     call = {"prompt": "a cat", "num_inference_steps": 4, "output_type": "latent", **call}
     graphs = omni_accel.describe(pipe).components[0].graphs
     images = []
@@ -150,7 +169,10 @@ def _replays_match_eager(pipe, **call):
         graphs.enabled = enabled
         images.append(pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images)
     want, got = images
-    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    if exact:
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.gpu
@@ -162,7 +184,10 @@ def test_replayed_steps_are_bitwise_the_eager_steps(compiled):
     assert stats["captures"] == 1 and stats["replays"] == 3, stats  # warm-up, capture + replay, two replays
     _replays_match_eager(pipe, height=48, width=32)  # a new resolution captures anew
     _replays_match_eager(pipe, num_images_per_prompt=2)
-    _replays_match_eager(pipe)  # back to the first shape: its graph is still kept
+    # Back to the first shape: its graph is still kept. Compiled, that graph holds the kernels compiled
+    # for that one shape, while eager launches now run the dynamic-shape kernels the later shapes made
+    # dynamo compile: a different (equally valid) reduction order, so equal to rounding, not bitwise.
+    _replays_match_eager(pipe, exact=not compiled)
     assert omni_accel.describe(pipe).components[0].graphs.stats()["captures"] == 3
 
 
