@@ -20,9 +20,9 @@ import tempfile
 import time
 
 OPTION_SETS = {
-    "eager": {},
+    "default": {},  # eager blocks, each step replayed from a CUDA graph
+    "eager_no_graphs": {"cuda_graphs": False},
     "compile": {"compile": True},
-    "compile_cuda_graphs": {"compile": True, "cuda_graphs": True},
 }
 
 

@@ -21,6 +21,7 @@ SHAPES = [(512, 512), (768, 1344), (1024, 1024)]
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--shapes", nargs="+", default=[f"{h}x{w}" for h, w in SHAPES], help="HxW ...")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--out")
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> dict:
     best.set_attention_backend("_native_cudnn")
     best.compile_repeated_blocks(fullgraph=True)
     eager = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), cuda_graphs=True)
-    compiled = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), compile=True)
+    compiled = omni_accel.accelerate(
+        bare_pipeline(build_transformer(device, dtype)), compile=True, cuda_graphs=False
+    )
 
     def variants(x: dict) -> dict:
         return {
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
 
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
-    for height, width in SHAPES:
+    for height, width in (map(int, shape.split("x")) for shape in args.shapes):
         for batch in args.batches:
             x = inputs(
                 batch, (height // 16) * (width // 16), 512, device, dtype, grid=(height // 16, width // 16)
