@@ -8,6 +8,8 @@ each recording its own undo). ``restore`` runs the undos in reverse order.
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import os
 import re
 import threading
 from collections.abc import Callable
@@ -31,6 +33,8 @@ from .config import AccelConfig
 from .models.base import NativeBlock, NativeRuntime, swap_blocks
 from .models.registry import ModelSpec, output_class, registered_natives, spec_for
 from .parallel import check_parallel, parallelize
+from .parallel.auto import choose_layout
+from .parallel.config import ParallelConfig
 from .parallel.mesh import ParallelState, init_parallel
 from .report import AccelerationReport, ComponentReport
 from .utils.logging import get_logger
@@ -95,8 +99,13 @@ def accelerate(
         setattr(pipe, _STATE_ATTR, _State(config, [], [], absent=[note]))
         logger.warning("%s: %s", type(pipe).__name__, note.detail)
         return pipe
-    parallel = init_parallel(config.parallel) if config.parallel is not None else None
+    layout, auto_reason = _parallel_config(pipe, names, config)
+    parallel = init_parallel(layout) if layout is not None else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
+    if auto_reason is not None:
+        for component in components:
+            if component.runtime is not None:
+                component.report.detail += f"; parallel='auto': {auto_reason}"
     for component in components:
         _commit(component)
     undo = _pair_cfg_calls(pipe, components)
@@ -105,6 +114,41 @@ def accelerate(
     setattr(pipe, _STATE_ATTR, _State(config, components, undo))
     _log_summary(pipe, components)
     return pipe
+
+
+def _parallel_config(
+    pipe: DiffusionPipeline, names: list[str], config: AccelConfig
+) -> tuple[ParallelConfig | None, str | None]:
+    """The layout to apply, and why when ``parallel="auto"`` chose it."""
+    if config.parallel != "auto":
+        return config.parallel, None
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    natives = [
+        (module, spec.native_model())
+        for module in (getattr(pipe, name) for name in names)
+        if (spec := spec_for(module)) is not None and spec.native is not None and config.native
+    ]
+    if not natives:
+        if world > 1:
+            raise ValueError(
+                f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
+                f"none; natives exist for {', '.join(registered_natives())}. Run it on one rank."
+            )
+        return None, "one rank: nothing to spread"
+    module, model = natives[0]
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(type(pipe).__call__).parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+    chosen = choose_layout(
+        world,
+        module.config[model.parallel.attention_heads],
+        cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(defaults),
+        sequence_plan=model.parallel.sequence is not None,
+    )
+    logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
+    return chosen.config, chosen.reason
 
 
 def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:

@@ -92,13 +92,17 @@ def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
     return options
 
 
-def parse_parallel(text: str) -> ParallelConfig:
-    """ "tp=2,ulysses=2" -> ParallelConfig(tp=2, ulysses=2)."""
+def parse_parallel(text: str) -> ParallelConfig | str:
+    """ "tp=2,ulysses=2" -> ParallelConfig(tp=2, ulysses=2); "auto" stays "auto"."""
+    if text.strip() == "auto":
+        return "auto"
     degrees = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
         if name not in ("tp", "ulysses", "ring", "cfg") or not value.isdigit():
-            raise ValueError(f"parallel layout {text!r}: expected items like tp=2, ulysses=2, ring=1, cfg=2")
+            raise ValueError(
+                f"parallel layout {text!r}: expected 'auto' or items like tp=2, ulysses=2, cfg=2"
+            )
         degrees[name] = int(value)
     return ParallelConfig(**degrees)
 

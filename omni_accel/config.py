@@ -16,7 +16,9 @@ class AccelConfig:
     """``attention``: which provider serves which role. ``native``: swap in native transformers where one
     exists (False keeps Diffusers' modules and only routes their attention). ``projection_cache_bytes``:
     budget of the exact projection cache per transformer (0 turns it off). ``parallel``: how the
-    transformer spreads over the ranks of a torchrun launch. ``compile``: ``torch.compile`` each repeated
+    transformer spreads over the ranks of a torchrun launch (``"auto"``: chosen for the model, the number
+    of ranks and the pipeline's default call; see ``omni_accel.parallel.auto``). ``compile``:
+    ``torch.compile`` each repeated
     block of a native transformer (True, or a dict of ``torch.compile`` keyword arguments). ``cuda_graphs``:
     capture each distinct transformer step as a CUDA graph and replay it (one launch per step; see
     ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer on one CUDA device. ``components``: the pipeline attributes treated as denoisers."""
@@ -24,7 +26,7 @@ class AccelConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
     projection_cache_bytes: int = 256 * 1024**2
-    parallel: ParallelConfig | None = None
+    parallel: ParallelConfig | str | None = None
     compile: bool | Mapping[str, Any] = False
     cuda_graphs: bool | None = None
     components: tuple[str, ...] = ("transformer", "transformer_2")
@@ -46,9 +48,9 @@ class AccelConfig:
             )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}.")
-        if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
+        if self.parallel not in (None, "auto") and not isinstance(self.parallel, ParallelConfig):
             raise TypeError(
-                f"parallel must be an omni_accel.ParallelConfig, got {type(self.parallel).__name__}."
+                f"parallel must be an omni_accel.ParallelConfig or 'auto', got {self.parallel!r}."
             )
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"components must be a tuple of attribute names, got {self.components!r}.")

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--projection-cache-bytes", type=int)
     for degree in ("tp", "ulysses", "ring", "cfg"):
         parser.add_argument(f"--{degree}", type=int, help="parallel degree (launch with torchrun)")
+    parser.add_argument(
+        "--auto-parallel", action="store_true", help="a layout chosen for the model and the ranks started"
+    )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -52,8 +55,12 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.projection_cache_bytes is not None:
         options["projection_cache_bytes"] = args.projection_cache_bytes
     degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg") if getattr(args, d)}
+    if degrees and args.auto_parallel:
+        raise SystemExit("omni-accel run: give --auto-parallel or parallel degrees, not both")
     if degrees:
         options["parallel"] = ParallelConfig(**degrees)
+    elif args.auto_parallel:
+        options["parallel"] = "auto"
     return options
 
 

@@ -1,0 +1,52 @@
+"""``parallel="auto"``: a layout chosen for the model, the number of ranks and how the pipeline calls it.
+
+The rules are the measured ones (docs/PARALLELISM.md, docs/PERFORMANCE.md), applied in this order:
+
+1. CFG first. When the pipeline's default call runs both guidance branches (Wan's ``guidance_scale=5``),
+   ``cfg=2`` splits them over two ranks: one tensor exchanged per step, 1.93x measured on FLUX true CFG.
+2. Two remaining ranks take tensor parallelism (FLUX 1024x1024 on two H200s: tp 1.56x, ring 1.53x,
+   ulysses 1.45x eager; compiled tp 1.30x, ulysses 0.94x).
+3. More remaining ranks take Ulysses up to the largest degree that divides the heads, and ring for the
+   rest (not yet measured beyond two ranks: issue 12).
+
+The decision is made from the pipeline's *default* call; a call that differs (FLUX with ``true_cfg_scale``)
+runs correctly on the chosen layout, and an explicit ``ParallelConfig`` fits it better.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class AutoLayout:
+    config: ParallelConfig | None  # None: one rank, nothing to spread
+    reason: str
+
+
+def choose_layout(world_size: int, heads: int, cfg_by_default: bool, sequence_plan: bool) -> AutoLayout:
+    """The layout for ``world_size`` ranks of a model with ``heads`` attention heads (see module doc)."""
+    if world_size == 1:
+        return AutoLayout(None, "one rank: nothing to spread")
+    cfg = 2 if cfg_by_default and world_size % 2 == 0 else 1
+    rest = world_size // cfg
+    why = [f"cfg={cfg}: the pipeline's default call runs both guidance branches"] if cfg == 2 else []
+    if rest == 1:
+        return AutoLayout(ParallelConfig(cfg=cfg), "; ".join(why))
+    if (rest == 2 or not sequence_plan) and heads % rest == 0:
+        why.append(f"tp={rest}: the fastest layout measured on two ranks" if rest == 2 else f"tp={rest}")
+        return AutoLayout(ParallelConfig(tp=rest, cfg=cfg), "; ".join(why))
+    if not sequence_plan:
+        raise ValueError(
+            f"parallel='auto' cannot spread this model over {world_size} ranks: it has no sequence plan and "
+            f"its {heads} heads do not split {rest} ways. Launch a number of ranks that divides {heads}."
+        )
+    ulysses = max(d for d in range(1, rest + 1) if rest % d == 0 and heads % d == 0)
+    ring = rest // ulysses
+    why.append(
+        f"ulysses={ulysses}, ring={ring}: Ulysses up to the largest degree dividing the {heads} heads, "
+        "ring for the rest (not yet measured beyond two ranks)"
+    )
+    return AutoLayout(ParallelConfig(ulysses=ulysses, ring=ring, cfg=cfg), "; ".join(why))

@@ -1,0 +1,55 @@
+"""``parallel="auto"``: the layout rules, and the one-rank case (the multi-rank runs are in test_parallel.py)."""
+
+import pytest
+
+import omni_accel
+from omni_accel import ParallelConfig
+from omni_accel.parallel.auto import choose_layout
+
+
+@pytest.mark.parametrize(
+    "world, heads, cfg, sequence, expected",
+    [
+        (2, 24, False, True, ParallelConfig(tp=2)),  # FLUX: tp is the fastest measured two-rank layout
+        (2, 40, True, True, ParallelConfig(cfg=2)),  # Wan with guidance: one branch per rank
+        (4, 40, True, True, ParallelConfig(tp=2, cfg=2)),
+        (4, 24, False, True, ParallelConfig(ulysses=4)),
+        (8, 24, False, True, ParallelConfig(ulysses=8)),
+        (8, 40, True, True, ParallelConfig(ulysses=4, cfg=2)),
+        (8, 6, False, True, ParallelConfig(ulysses=2, ring=4)),  # Ulysses as far as the heads allow
+        (3, 24, True, True, ParallelConfig(ulysses=3)),  # odd: no CFG split
+        (4, 24, False, False, ParallelConfig(tp=4)),  # no sequence plan: tensor parallel only
+    ],
+)
+def test_layout_rules(world, heads, cfg, sequence, expected):
+    chosen = choose_layout(world, heads, cfg_by_default=cfg, sequence_plan=sequence)
+    assert chosen.config == expected, chosen
+    assert chosen.reason
+
+
+def test_layout_errors_and_one_rank():
+    assert choose_layout(1, 24, cfg_by_default=True, sequence_plan=True).config is None
+    with pytest.raises(ValueError, match="parallel='auto' cannot spread this model over 4 ranks"):
+        choose_layout(4, 6, cfg_by_default=False, sequence_plan=False)
+
+
+def test_auto_on_one_rank_runs_unsplit(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel="auto")
+    report = str(omni_accel.describe(pipe))
+    assert "parallel='auto': one rank: nothing to spread" in report, report
+    sd3 = omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel="auto")
+    assert omni_accel.describe(sd3).components[0].mode == "routed"
+    with pytest.raises(TypeError, match="parallel must be an omni_accel.ParallelConfig or 'auto'"):
+        omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel="tp=2")
+
+
+def test_auto_from_the_environment_and_the_command_line():
+    from omni_accel.auto import options_from_env
+    from omni_accel.run import build_parser, options_from_args
+
+    assert options_from_env({"OMNI_ACCEL_PARALLEL": "auto"}) == {"parallel": "auto"}
+    parser = build_parser()
+    assert options_from_args(parser.parse_args(["--auto-parallel", "x.py"]))["parallel"] == "auto"
+    with pytest.raises(SystemExit, match="give --auto-parallel or parallel degrees"):
+        options_from_args(parser.parse_args(["--auto-parallel", "--tp", "2", "x.py"]))
