@@ -33,6 +33,7 @@ from .config import AccelConfig
 from .models.base import NativeBlock, NativeRuntime, swap_blocks
 from .models.registry import ModelSpec, output_class, registered_natives, spec_for
 from .parallel import check_parallel, parallelize
+from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
 from .parallel.config import ParallelConfig
 from .parallel.mesh import ParallelState, init_parallel
@@ -73,6 +74,7 @@ class _State:
     components: list[_Component]
     undo: list[Callable[[], None]]
     absent: list[ComponentReport] = field(default_factory=list)
+    others: list[ComponentReport] = field(default_factory=list)  # components other than denoisers (the VAE)
 
 
 def accelerate(
@@ -109,9 +111,11 @@ def accelerate(
     for component in components:
         _commit(component)
     undo = _pair_cfg_calls(pipe, components)
+    others = []
     if parallel is not None and parallel.mesh is not None:
+        others += _split_vae_decode(pipe, config, undo)
         pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
-    setattr(pipe, _STATE_ATTR, _State(config, components, undo))
+    setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
     _log_summary(pipe, components)
     return pipe
 
@@ -149,6 +153,36 @@ def _parallel_config(
     )
     logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
     return chosen.config, chosen.reason
+
+
+def _split_vae_decode(
+    pipe: DiffusionPipeline, config: AccelConfig, undo: list[Callable[[], None]]
+) -> list[ComponentReport]:
+    """Under a parallel layout, the VAE decode split over the ranks by latent rows, when it can be."""
+    vae = getattr(pipe, "vae", None)
+    decoder = getattr(vae, "decoder", None)
+    if config.vae_parallel is False or not isinstance(decoder, nn.Module):
+        return []
+    reason = vae_split.supports(decoder)
+    if reason is not None:
+        if config.vae_parallel:
+            raise ValueError(
+                f"vae_parallel=True cannot split pipe.vae ({type(vae).__name__})'s decode: {reason}. "
+                "Leave vae_parallel unset (the decode then runs whole on every rank)."
+            )
+        return [
+            ComponentReport(
+                "vae", type(vae).__name__, "untouched", f"decode runs whole on every rank: {reason}"
+            )
+        ]
+    split = vae_split.PatchParallelDecoder(decoder, dist.group.WORLD)
+    split.install()
+    undo.append(split.uninstall)
+    detail = (
+        f"decode split over {dist.get_world_size()} ranks by latent rows (halo rows exchanged, GroupNorm "
+        "statistics reduced, the attention gathered); equal to one rank's up to float32 summation order"
+    )
+    return [ComponentReport("vae", type(vae).__name__, "patch-parallel", detail)]
 
 
 def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:
@@ -189,7 +223,8 @@ def describe(pipe: DiffusionPipeline) -> AccelerationReport:
             component.report.planned_attention = _resolve_rows(
                 sites, next(component.original.parameters()), component.report.selector, strict=False
             )
-    return AccelerationReport(type(pipe).__name__, [c.report for c in state.components] + state.absent)
+    reports = [c.report for c in state.components] + state.others + state.absent
+    return AccelerationReport(type(pipe).__name__, reports)
 
 
 def _state(pipe: DiffusionPipeline) -> _State:

@@ -13,15 +13,19 @@ from .parallel.config import ParallelConfig
 
 @dataclass(frozen=True)
 class AccelConfig:
-    """``attention``: which provider serves which role. ``native``: swap in native transformers where one
+    """Every option of ``accelerate``.
+
+    ``attention``: which provider serves which role. ``native``: swap in native transformers where one
     exists (False keeps Diffusers' modules and only routes their attention). ``projection_cache_bytes``:
     budget of the exact projection cache per transformer (0 turns it off). ``parallel``: how the
     transformer spreads over the ranks of a torchrun launch (``"auto"``: chosen for the model, the number
     of ranks and the pipeline's default call; see ``omni_accel.parallel.auto``). ``compile``:
-    ``torch.compile`` each repeated
-    block of a native transformer (True, or a dict of ``torch.compile`` keyword arguments). ``cuda_graphs``:
-    capture each distinct transformer step as a CUDA graph and replay it (one launch per step; see
-    ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer on one CUDA device. ``components``: the pipeline attributes treated as denoisers."""
+    ``torch.compile`` each repeated block of a native transformer (True, or a dict of ``torch.compile``
+    keyword arguments). ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and replay
+    it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer on one
+    CUDA device. ``vae_parallel``: under a parallel layout, split the VAE decode over the ranks by latent
+    rows (None, the default: when the VAE's layers allow it). ``components``: the pipeline attributes
+    treated as denoisers."""
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
@@ -29,6 +33,7 @@ class AccelConfig:
     parallel: ParallelConfig | str | None = None
     compile: bool | Mapping[str, Any] = False
     cuda_graphs: bool | None = None
+    vae_parallel: bool | None = None
     components: tuple[str, ...] = ("transformer", "transformer_2")
 
     def __post_init__(self) -> None:
@@ -48,6 +53,8 @@ class AccelConfig:
             )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}.")
+        if self.vae_parallel is not None and not isinstance(self.vae_parallel, bool):
+            raise TypeError(f"vae_parallel must be True, False or None (auto), got {self.vae_parallel!r}.")
         if self.parallel not in (None, "auto") and not isinstance(self.parallel, ParallelConfig):
             raise TypeError(
                 f"parallel must be an omni_accel.ParallelConfig or 'auto', got {self.parallel!r}."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -23,3 +24,15 @@ def all_gather_dim(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> 
     parts = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+def all_gather_sizes(
+    tensor: torch.Tensor, dim: int, sizes: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Concatenates every rank's ``tensor`` along ``dim`` when rank ``r``'s has ``sizes[r]`` there (padded
+    to the largest for the collective: gloo refuses unequal all-gathers)."""
+    largest = max(sizes)
+    padding = [0, 0] * (tensor.ndim - 1 - dim % tensor.ndim) + [0, largest - tensor.shape[dim]]
+    parts = [tensor.new_empty(*tensor.shape[:dim], largest, *tensor.shape[dim + 1 :]) for _ in sizes]
+    dist.all_gather(parts, F.pad(tensor, padding).contiguous(), group=group)
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes, strict=True)], dim=dim)
