@@ -104,6 +104,8 @@ def accelerate(
     layout, auto_reason = _parallel_config(pipe, names, config)
     parallel = init_parallel(layout) if layout is not None else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
+    distributed = parallel is not None and parallel.mesh is not None
+    vae_coders, others = _plan_vae(pipe, config) if distributed else ([], [])
     if auto_reason is not None:
         for component in components:
             if component.runtime is not None:
@@ -111,9 +113,11 @@ def accelerate(
     for component in components:
         _commit(component)
     undo = _pair_cfg_calls(pipe, components)
-    others = []
-    if parallel is not None and parallel.mesh is not None:
-        others += _split_vae_decode(pipe, config, undo)
+    for coder in vae_coders:
+        row_split = vae_split.RowSplit(coder, dist.group.WORLD)
+        row_split.install()
+        undo.append(row_split.uninstall)
+    if distributed:
         pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
     setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
     _log_summary(pipe, components)
@@ -155,34 +159,31 @@ def _parallel_config(
     return chosen.config, chosen.reason
 
 
-def _split_vae_decode(
-    pipe: DiffusionPipeline, config: AccelConfig, undo: list[Callable[[], None]]
-) -> list[ComponentReport]:
-    """Under a parallel layout, the VAE decode split over the ranks by latent rows, when it can be."""
+def _plan_vae(pipe: DiffusionPipeline, config: AccelConfig) -> tuple[list[nn.Module], list[ComponentReport]]:
+    """Under a parallel layout: which of the VAE's encoder and decoder split over the ranks by rows (checked
+    before anything is swapped), and the report line."""
     vae = getattr(pipe, "vae", None)
-    decoder = getattr(vae, "decoder", None)
-    if config.vae_parallel is False or not isinstance(decoder, nn.Module):
-        return []
-    reason = vae_split.supports(decoder)
-    if reason is not None:
+    coders = {name: getattr(vae, name, None) for name in ("decoder", "encoder")}
+    coders = {name: coder for name, coder in coders.items() if isinstance(coder, nn.Module)}
+    if config.vae_parallel is False or not coders:
+        return [], []
+    reasons = {name: vae_split.supports(coder) for name, coder in coders.items()}
+    if reasons.get("decoder") is not None:
         if config.vae_parallel:
             raise ValueError(
-                f"vae_parallel=True cannot split pipe.vae ({type(vae).__name__})'s decode: {reason}. "
-                "Leave vae_parallel unset (the decode then runs whole on every rank)."
+                f"vae_parallel=True cannot split pipe.vae ({type(vae).__name__})'s decoder: {reasons['decoder']}. "
+                "Leave vae_parallel unset (the VAE then runs whole on every rank)."
             )
-        return [
-            ComponentReport(
-                "vae", type(vae).__name__, "untouched", f"decode runs whole on every rank: {reason}"
-            )
-        ]
-    split = vae_split.PatchParallelDecoder(decoder, dist.group.WORLD)
-    split.install()
-    undo.append(split.uninstall)
+        why = f"runs whole on every rank: {reasons['decoder']}"
+        return [], [ComponentReport("vae", type(vae).__name__, "untouched", why)]
+    split = [name for name, reason in reasons.items() if reason is None]
     detail = (
-        f"decode split over {dist.get_world_size()} ranks by latent rows (halo rows exchanged, GroupNorm "
+        f"{' and '.join(split)} split over {dist.get_world_size()} ranks by rows (halo rows exchanged, GroupNorm "
         "statistics reduced, the attention gathered); equal to one rank's up to float32 summation order"
     )
-    return [ComponentReport("vae", type(vae).__name__, "patch-parallel", detail)]
+    return [coders[name] for name in split], [
+        ComponentReport("vae", type(vae).__name__, "patch-parallel", detail)
+    ]
 
 
 def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:

@@ -56,37 +56,50 @@ def _oracle(heads: int = 2, **call) -> torch.Tensor:
 
 
 def _vae_checks() -> None:
-    """The row-split VAE decode against the whole decode on each rank: uneven bands, tiling, a pipeline."""
-    from omni_accel.parallel.vae import PatchParallelDecoder
+    """The row-split VAE against the whole VAE on each rank: decode and encode, uneven bands, tiling."""
+    from omni_accel.parallel.vae import RowSplit
 
     vae = omni_accel.tiny_flux_pipeline(seed=0).vae
     with torch.no_grad():
-        for param in vae.decoder.parameters():  # GroupNorm affines away from their 1/0 init
+        for param in vae.parameters():  # GroupNorm affines away from their 1/0 init
             param.add_(
                 torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.05
             )
+    exact_vae = copy.deepcopy(vae).double()
     g = torch.Generator().manual_seed(3)
-    for rows, tiled in ((9, False), (16, False), (21, True)):
-        z = torch.randn(2, vae.config.latent_channels, rows, 10, generator=g)
-        if tiled:
-            vae.enable_tiling()
-            vae.tile_sample_min_size, vae.tile_latent_min_size = 16, 8
+
+    def decode(v, z):
+        return v.decode(z).sample
+
+    def encode(v, x):
+        return v.encode(x).latent_dist.parameters
+
+    cases = [("decoder", decode, (16, 9, 10), False), ("decoder", decode, (16, 16, 10), False)]
+    cases += [("decoder", decode, (16, 21, 10), True), ("encoder", encode, (3, 18, 20), False)]
+    cases += [("encoder", encode, (3, 34, 12), True)]
+    for coder, run, shape, tiled in cases:
+        x = torch.randn(2, *shape, generator=g)
+        for v in (vae, exact_vae):
+            v.disable_tiling()
+            if tiled:
+                v.enable_tiling()
+                v.tile_sample_min_size, v.tile_latent_min_size = 16, 8
         with torch.no_grad():
-            exact = copy.deepcopy(vae).double().decode(z.double()).sample
-            want = vae.decode(z).sample
-            split = PatchParallelDecoder(vae.decoder, dist.group.WORLD)
+            exact = run(exact_vae, x.double())
+            want = run(vae, x)
+            split = RowSplit(getattr(vae, coder), dist.group.WORLD)
             split.install()
             try:
-                got = vae.decode(z).sample
+                got = run(vae, x)
             finally:
                 split.uninstall()
-        assert split.calls > 0 and "forward" not in vae.decoder.__dict__
+        assert split.calls > 0 and "forward" not in getattr(vae, coder).__dict__
         # Only the order of float32 sums differs (GroupNorm statistics): ~1e-7 of the output per norm.
-        # So the split decode is as close to a float64 decode as the whole one, and within 1e-6 of it.
+        # So the split run is as close to a float64 run as the whole one, and within 1.5e-6 of it.
         rel = ((got - want).abs().max() / want.abs().max()).item()
         error, own = ((got - exact).abs().max().item(), (want - exact).abs().max().item())
         assert rel <= 1.5e-6 and error <= 2 * own, (
-            f"{rows} rows (tiled: {tiled}): {rel:.2e}, {error} vs {own}"
+            f"{coder} {shape} (tiled: {tiled}): {rel:.2e}, {error} vs {own}"
         )
         gathered = [torch.empty_like(got) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, got)
@@ -96,19 +109,18 @@ def _vae_checks() -> None:
     pipe = omni_accel.accelerate(
         omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(ulysses=dist.get_world_size())
     )
-    assert "vae (AutoencoderKL): patch-parallel" in str(omni_accel.describe(pipe))
+    assert "vae (AutoencoderKL): patch-parallel - decoder and encoder split" in str(omni_accel.describe(pipe))
     got = pipe(**call, generator=torch.Generator().manual_seed(0)).images
     assert abs(got - want).max() <= 1e-5
     omni_accel.restore(pipe)
     assert "forward" not in pipe.vae.decoder.__dict__
-    off = omni_accel.accelerate(
-        omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(cfg=2), vae_parallel=False
-    )
+    layout = ParallelConfig(ulysses=dist.get_world_size())
+    off = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=layout, vae_parallel=False)
     assert "forward" not in off.vae.decoder.__dict__ and "patch-parallel" not in str(omni_accel.describe(off))
+    wan = omni_accel.tiny_wan_pipeline(seed=0)
     with pytest.raises(ValueError, match="vae_parallel=True cannot split pipe.vae"):
-        omni_accel.accelerate(
-            omni_accel.tiny_wan_pipeline(seed=0), parallel=ParallelConfig(cfg=2), vae_parallel=True
-        )
+        omni_accel.accelerate(wan, parallel=layout, vae_parallel=True)
+    assert type(wan.transformer.blocks[0]).__name__ == "WanTransformerBlock"  # nothing was swapped
 
 
 def _two_ranks(rank: int, world: int) -> None:
@@ -153,7 +165,7 @@ def _two_ranks(rank: int, world: int) -> None:
     wan = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel="auto")
     report = str(omni_accel.describe(wan))
     assert "ParallelConfig(tp=1, ulysses=1, ring=1, cfg=2)" in report
-    assert "vae (AutoencoderKLWan): untouched - decode runs whole on every rank" in report  # a video VAE
+    assert "vae (AutoencoderKLWan): untouched - runs whole on every rank" in report  # a video VAE
     auto = wan(**video, generator=torch.Generator().manual_seed(0))
     assert ((auto.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
     with pytest.raises(ValueError, match="needs a native transformer"):

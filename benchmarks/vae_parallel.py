@@ -1,0 +1,90 @@
+"""FLUX's VAE (AutoencoderKL, random weights) decoding and encoding on every rank vs split over the ranks by
+rows (omni_accel's patch-parallel VAE), in one torchrun launch: seconds per call and the split result's
+distance from the whole one.
+
+    torchrun --nproc-per-node 2 benchmarks/vae_parallel.py --size 2048 --out vae.json
+    torchrun --nproc-per-node 2 benchmarks/vae_parallel.py --tiny          # CPU, gloo: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+from diffusers import AutoencoderKL
+from timing import timed, write_json
+
+from omni_accel.parallel.vae import RowSplit
+
+FLUX_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+TINY_VAE = dict(FLUX_VAE, block_out_channels=(8, 16, 32, 32), norm_num_groups=4, layers_per_block=1)
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=2048, help="image side in pixels")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        dist.init_process_group("gloo")
+        device, dtype, config, args.size = "cpu", torch.float32, TINY_VAE, 64
+    else:
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device, dtype, config = f"cuda:{os.environ['LOCAL_RANK']}", torch.bfloat16, FLUX_VAE
+    torch.manual_seed(0)
+    with torch.device(device):
+        vae = AutoencoderKL(**config).to(dtype).eval()
+    g = torch.Generator(device).manual_seed(1)
+    latents = torch.randn(1, 16, args.size // 8, args.size // 8, generator=g, device=device, dtype=dtype)
+    image = torch.randn(1, 3, args.size, args.size, generator=g, device=device, dtype=dtype)
+    calls = {
+        "decode": (vae.decoder, lambda: vae.decode(latents).sample),
+        "encode": (vae.encoder, lambda: vae.encode(image).latent_dist.parameters),
+    }
+    results = {"world_size": dist.get_world_size(), "size": args.size, "dtype": str(dtype)}
+    for name, (coder, call) in calls.items():
+        row_split = RowSplit(coder, dist.group.WORLD)
+        outputs, times = {}, {}
+        for mode in ("whole", "split"):
+            if mode == "split":
+                row_split.install()
+            outputs[mode] = call()  # warm-up
+            dist.barrier()
+            times[mode] = statistics.median(timed(call, device)[1] for _ in range(args.repeats)) / 1000
+            row_split.uninstall()
+        whole, split = outputs["whole"].float(), outputs["split"].float()
+        results[name] = {
+            "whole_s": times["whole"],
+            "split_s": times["split"],
+            "speedup": times["whole"] / times["split"],
+            "rel_err_split_vs_whole": ((split - whole).abs().max() / whole.abs().max()).item(),
+        }
+        if dist.get_rank() == 0:
+            print(f"{name}: {json.dumps(results[name])}", flush=True)
+    if dist.get_rank() == 0:
+        write_json(results, args.out)
+    dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()
