@@ -1,25 +1,27 @@
 """Patch-parallel VAE: each rank decodes (or encodes) a band of rows, and the result is one rank's.
 
 Under a parallel layout every rank ends the denoising loop with the same latents (and starts an img2img
-call with the same image), so the VAE's work can be split instead of repeated. Diffusers' 2-D VAE
-``Decoder`` and ``Encoder`` (``AutoencoderKL``: FLUX, SD3...) are convolutions, GroupNorms, one attention
-and nearest-neighbour upsampling or strided downsampling. Split by rows, each needs only:
+call with the same image), so the VAE's work can be split instead of repeated. The layers of the VAEs
+we know, split by rows, each need only:
 
-* a 3x3 convolution: one row from each neighbouring band (a halo exchanged with the neighbours), or the
-  zero padding at the image's edge;
+* a 3x3 convolution (2-D, or Wan's causal 3-D one after its cached frames are joined): one row from each
+  neighbouring band (a halo exchanged with the neighbours), or the zero padding at the image's edge;
 * a stride-2 downsampling convolution (padded at the bottom and right only): one row from the band below,
   given bands of an even number of rows at every level (the encoder's bands are multiples of its whole
   downsampling factor);
 * a GroupNorm: its statistics over the whole image, from the bands' sums (two all-reduces: mean, then the
-  squared deviations around it, the same two-pass arithmetic a single rank does, in float32);
-* the mid-block attention: every position attends to every other, so its input is gathered and the
-  attention runs whole (it is a small part of the decoder);
-* upsampling and elementwise steps: nothing (each row's output depends on its own rows).
+  squared deviations around it, in float32), applied as PyTorch applies them;
+* an attention over the positions (the 2-D mid-block one, Wan's per-frame one): its input is gathered
+  and it runs whole (a small part of the work);
+* upsampling (nearest, Wan's channel-to-space), per-position norms and elementwise steps: nothing.
 
-The bands are gathered at the end. The result differs from one rank's only by the order of float32
-sums in the GroupNorm statistics (< 1.5e-6 relative in fp32, and no farther from a float64 run than one
-rank is). Installed as the encoder's and decoder's instance ``forward`` for the duration of the
-accelerated pipeline; ``enable_tiling()`` keeps working (each tile is split the same way).
+Known: Diffusers' ``Encoder``/``Decoder`` (``AutoencoderKL``: FLUX, SD3...) and Wan's ``WanDecoder3d``
+(decoded frame chunk by frame chunk, each chunk split the same way, so each rank's cached frames are its
+band's). The bands are gathered at the end of each call. Wan's decoder has no reduction, so the split is
+bitwise one rank's (gloo test); with GroupNorms only the order of float32 sums differs (< 1.5e-6
+relative in fp32, and no farther from a float64 run than one rank is). Installed as the coder's instance
+``forward`` for the duration of the accelerated pipeline; ``enable_tiling()`` keeps working (each tile is
+split the same way).
 """
 
 from __future__ import annotations
@@ -37,37 +39,59 @@ from torch import nn
 
 from .comm import all_gather_sizes
 
-_ROWS = 2  # dim of the rows in NCHW
-_UNSPLITTABLE = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose2d)
+
+def _rows(x: torch.Tensor) -> int:
+    """The dim of the rows: 2 in images (N, C, H, W), 3 in videos (N, C, T, H, W)."""
+    return x.ndim - 2
+
+
+_SAME_SIZE_CONVS = (((1, 1), (0, 0)), ((3, 3), (1, 1)))  # (kernel, padding) with stride 1
 
 
 def supports(coder: nn.Module) -> str | None:
-    """None when ``coder`` is Diffusers' 2-D VAE ``Encoder`` or ``Decoder`` made only of layers the row
-    split handles; else what is not (video VAEs work on frame chunks with cached state, and stay whole)."""
-    from diffusers.models.autoencoders.vae import Decoder, Encoder
-    from diffusers.models.downsampling import Downsample2D
-
-    if type(coder) not in (Encoder, Decoder):
-        return f"it is a {type(coder).__name__}, not the 2-D Encoder/Decoder the row split knows"
-    downsampling = {id(m.conv) for m in coder.modules() if isinstance(m, Downsample2D)}
+    """None when ``coder`` is a VAE encoder or decoder made only of layers the row split handles; else what
+    is not. Known: Diffusers' 2-D ``Encoder`` and ``Decoder`` (``AutoencoderKL``) and Wan's video decoder
+    (``WanDecoder3d``: causal 3-D convolutions, per-position RMS norms, per-frame attention)."""
+    kind = type(coder).__name__
+    if kind not in ("Encoder", "Decoder", "WanDecoder3d") or not type(coder).__module__.startswith(
+        "diffusers."
+    ):
+        return f"it is a {kind}, which the row split does not know"
+    downsampling = {id(m.conv) for m in coder.modules() if type(m).__name__ == "Downsample2D"}
     for name, module in coder.named_modules():
-        if isinstance(module, Downsample2D):
-            conv = module.conv
-            if module.norm is not None or not module.use_conv or module.padding != 0:
-                return f"{name} is a Downsample2D the row split does not handle"
-            if (conv.kernel_size, conv.stride, conv.padding, conv.groups) != ((3, 3), (2, 2), (0, 0), 1):
-                return f"{name}.conv is a convolution the row split does not handle ({conv})"
-        elif isinstance(module, nn.Conv2d) and id(module) not in downsampling:
-            shape = (module.kernel_size, module.padding, module.stride, module.dilation, module.padding_mode)
-            if shape not in (
-                ((1, 1), (0, 0), (1, 1), (1, 1), "zeros"),
-                ((3, 3), (1, 1), (1, 1), (1, 1), "zeros"),
-            ):
-                return f"{name} is a convolution the row split does not handle ({module})"
-            if module.groups != 1:
-                return f"{name} is a grouped convolution"
-        elif isinstance(module, _UNSPLITTABLE) or type(module).__name__ == "SpatialNorm":
-            return f"{name} is a {type(module).__name__}"
+        reason = _layer_reason(module, downsampling)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
+def _layer_reason(module: nn.Module, downsampling: set[int]) -> str | None:
+    kind = type(module).__name__
+    if kind == "Downsample2D":
+        conv = module.conv
+        if module.norm is not None or not module.use_conv or module.padding != 0:
+            return "a Downsample2D the row split does not handle"
+        if (conv.kernel_size, conv.stride, conv.padding, conv.groups) != ((3, 3), (2, 2), (0, 0), 1):
+            return f"a downsampling convolution the row split does not handle ({conv})"
+    elif kind == "WanCausalConv3d":
+        kernel, (pad_w, _, pad_h, _, _, _) = module.kernel_size[1:], module._padding
+        if (
+            module.stride != (1, 1, 1)
+            or ((kernel, (pad_h, pad_w)) not in _SAME_SIZE_CONVS)
+            or module.groups != 1
+        ):
+            return f"a causal convolution the row split does not handle ({module})"
+    elif kind == "WanResample" and module.mode.startswith("downsample"):
+        return "a downsampling WanResample"
+    elif isinstance(module, nn.Conv2d) and id(module) not in downsampling:
+        shape = ((module.kernel_size, module.padding), module.stride, module.dilation, module.padding_mode)
+        if shape[0] not in _SAME_SIZE_CONVS or shape[1:] != ((1, 1), (1, 1), "zeros") or module.groups != 1:
+            return f"a convolution the row split does not handle ({module})"
+    elif isinstance(module, nn.Conv1d | nn.Conv3d | nn.ConvTranspose2d) or kind in (
+        "SpatialNorm",
+        "AvgDown3D",
+    ):
+        return f"a {kind}"
     return None
 
 
@@ -101,16 +125,17 @@ class RowSplit:
     def __call__(self, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         forward = self.__wrapped__
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        units, partial = divmod(sample.shape[_ROWS], self.unit)
-        if sample.ndim != 4 or partial or units < world or torch.is_grad_enabled():
+        rows = _rows(sample)
+        units, partial = divmod(sample.shape[rows], self.unit)
+        if sample.ndim not in (4, 5) or partial or units < world or torch.is_grad_enabled():
             return forward(sample, *args, **kwargs)
         sizes = [(units // world + (r < units % world)) * self.unit for r in range(world)]
-        band = sample.narrow(_ROWS, sum(sizes[:rank]), sizes[rank])
+        band = sample.narrow(rows, sum(sizes[:rank]), sizes[rank])
         with _split_layers(self.coder, _Bands(self.group, rank, world)):
             out = forward(band.contiguous(), *args, **kwargs)
         self.calls += 1
-        out_sizes = [size * out.shape[_ROWS] // sizes[rank] for size in sizes]  # up- or downsampled alike
-        return all_gather_sizes(out, _ROWS, out_sizes, self.group)
+        out_sizes = [size * out.shape[rows] // sizes[rank] for size in sizes]  # up- or downsampled alike
+        return all_gather_sizes(out, rows, out_sizes, self.group)
 
 
 def _plain_forward(coder: nn.Module) -> Any:
@@ -125,34 +150,36 @@ class _Bands:
 
     def with_halo(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with one row from each neighbouring band (zeros at the image's top and bottom)."""
-        row = (*x.shape[:_ROWS], 1, *x.shape[_ROWS + 1 :])
+        dim = _rows(x)
+        row = (*x.shape[:dim], 1, *x.shape[dim + 1 :])
         above, below = x.new_zeros(row), x.new_zeros(row)
         requests = []
         if self.rank > 0:
             peer = dist.get_global_rank(self.group, self.rank - 1)
-            requests.append(dist.isend(x[:, :, :1].contiguous(), peer, group=self.group))
+            requests.append(dist.isend(x.narrow(dim, 0, 1).contiguous(), peer, group=self.group))
             requests.append(dist.irecv(above, peer, group=self.group))
         if self.rank < self.world - 1:
             peer = dist.get_global_rank(self.group, self.rank + 1)
-            requests.append(dist.isend(x[:, :, -1:].contiguous(), peer, group=self.group))
+            requests.append(dist.isend(x.narrow(dim, -1, 1).contiguous(), peer, group=self.group))
             requests.append(dist.irecv(below, peer, group=self.group))
         for request in requests:
             request.wait()
-        return torch.cat([above, x, below], dim=_ROWS)
+        return torch.cat([above, x, below], dim=dim)
 
     def with_row_below(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with the first row of the band below (zeros under the image's last row)."""
-        below = x.new_zeros((*x.shape[:_ROWS], 1, *x.shape[_ROWS + 1 :]))
+        dim = _rows(x)
+        below = x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1 :]))
         requests = []
         if self.rank > 0:
             peer = dist.get_global_rank(self.group, self.rank - 1)
-            requests.append(dist.isend(x[:, :, :1].contiguous(), peer, group=self.group))
+            requests.append(dist.isend(x.narrow(dim, 0, 1).contiguous(), peer, group=self.group))
         if self.rank < self.world - 1:
             peer = dist.get_global_rank(self.group, self.rank + 1)
             requests.append(dist.irecv(below, peer, group=self.group))
         for request in requests:
             request.wait()
-        return torch.cat([x, below], dim=_ROWS)
+        return torch.cat([x, below], dim=dim)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -162,6 +189,19 @@ class _Bands:
 def _conv(module: nn.Conv2d, bands: _Bands, x: torch.Tensor) -> torch.Tensor:
     """A 3x3 convolution (padding 1) of the band with its halo rows: the rows need no padding then."""
     return F.conv2d(bands.with_halo(x), module.weight, module.bias, 1, (0, 1))
+
+
+def _causal_conv3d(module: nn.Conv3d, bands: _Bands, x: torch.Tensor, cache_x: Any = None) -> torch.Tensor:
+    """Wan's causal 3-D convolution (cached frames before, zero padding around) with the band's halo rows
+    in place of the zero rows, after the cached frames are joined (so the halo carries them too)."""
+    padding = list(module._padding)  # (w, w, h, h, t before, t after)
+    if cache_x is not None and padding[4] > 0:
+        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        padding[4] -= cache_x.shape[2]
+    if padding[2]:
+        x = bands.with_halo(x)
+        padding[2] = padding[3] = 0
+    return nn.Conv3d.forward(module, F.pad(x, padding))
 
 
 def _downsample(module: nn.Module, bands: _Bands, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -191,12 +231,13 @@ def _group_norm(module: nn.GroupNorm, bands: _Bands, x: torch.Tensor) -> torch.T
 def _whole_attention(module: nn.Module, bands: _Bands, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Runs the attention on the gathered image (with its own norm unsplit) and keeps this band."""
     counts = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(bands.world)]
-    dist.all_gather(counts, torch.tensor([x.shape[_ROWS]], device=x.device), group=bands.group)
+    rows = _rows(x)
+    dist.all_gather(counts, torch.tensor([x.shape[rows]], device=x.device), group=bands.group)
     sizes = [int(count) for count in counts]
-    whole = all_gather_sizes(x, _ROWS, sizes, bands.group)
+    whole = all_gather_sizes(x, rows, sizes, bands.group)
     with _unsplit(module):
         out = type(module).forward(module, whole, *args, **kwargs)
-    return out.narrow(_ROWS, sum(sizes[: bands.rank]), sizes[bands.rank])
+    return out.narrow(rows, sum(sizes[: bands.rank]), sizes[bands.rank])
 
 
 _UNSPLIT = "_omni_unsplit"
@@ -222,9 +263,11 @@ def _split_layers(coder: nn.Module, bands: _Bands) -> Iterator[None]:
             patched.append((module, functools.partial(_conv, module, bands)))
         elif type(module).__name__ == "Downsample2D":
             patched.append((module, functools.partial(_downsample, module, bands)))
+        elif type(module).__name__ == "WanCausalConv3d":
+            patched.append((module, functools.partial(_causal_conv3d, module, bands)))
         elif isinstance(module, nn.GroupNorm):
             patched.append((module, functools.partial(_group_norm, module, bands)))
-        elif type(module).__name__ == "Attention":
+        elif type(module).__name__ in ("Attention", "WanAttentionBlock"):
             patched.append((module, functools.partial(_whole_attention, module, bands)))
     try:
         for module, forward in patched:
