@@ -124,7 +124,8 @@ def _vae_checks() -> None:
     assert type(odd.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"  # nothing swapped
 
     # Wan's video decoder, frame chunk by frame chunk with its cached frames: causal 3-D convolutions take
-    # halo rows, the per-frame attention runs on the gathered frame; no sum changes order, so bitwise.
+    # halo rows, the per-frame attention runs on the gathered frame. No reduction is split, so only a
+    # convolution kernel's own choice of order for a smaller input can differ (bitwise equal here).
     wan_vae = omni_accel.tiny_wan_pipeline(seed=0).vae
     z = torch.randn(1, wan_vae.config.z_dim, 3, 9, 8, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -135,7 +136,8 @@ def _vae_checks() -> None:
             got = wan_vae.decode(z).sample
         finally:
             split.uninstall()
-    assert split.calls == 3 and torch.equal(got, want), (got - want).abs().max()
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert split.calls == 3 and rel <= 1e-6, rel
 
 
 def _two_ranks(rank: int, world: int) -> None:

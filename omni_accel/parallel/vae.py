@@ -17,8 +17,9 @@ we know, split by rows, each need only:
 
 Known: Diffusers' ``Encoder``/``Decoder`` (``AutoencoderKL``: FLUX, SD3...) and Wan's ``WanDecoder3d``
 (decoded frame chunk by frame chunk, each chunk split the same way, so each rank's cached frames are its
-band's). The bands are gathered at the end of each call. Wan's decoder has no reduction, so the split is
-bitwise one rank's (gloo test); with GroupNorms only the order of float32 sums differs (< 1.5e-6
+band's). The bands are gathered at the end of each call. Wan's decoder splits no reduction: only a
+convolution kernel's own order for a smaller input can differ (bitwise in the tiny gloo test, 8.6e-7
+relative with a larger one on CPU); with GroupNorms the order of their float32 sums differs too (< 1.5e-6
 relative in fp32, and no farther from a float64 run than one rank is). Installed as the coder's instance
 ``forward`` for the duration of the accelerated pipeline; ``enable_tiling()`` keeps working (each tile is
 split the same way).
