@@ -1,8 +1,9 @@
 """Routed models (no native blocks: Diffusers' module, attention through our providers) against plain
-Diffusers, one forward each, interleaved in one process: Qwen-Image (20B architecture) with a padded text
-mask and without, random bf16 weights, 1024x1024.
+Diffusers, one forward each, interleaved in one process, random bf16 weights, 1024x1024: Qwen-Image (20B
+architecture) with a padded text mask and without, and SD3.5-large (8B architecture, no mask).
 
     python benchmarks/routed_step.py --out routed.json
+    python benchmarks/routed_step.py --models sd3
 """
 
 from __future__ import annotations
@@ -11,17 +12,34 @@ import argparse
 import json
 
 import torch
-from diffusers import QwenImageTransformer2DModel
+from diffusers import QwenImageTransformer2DModel, SD3Transformer2DModel
 from flux_step import rel_err
 from timing import interleaved, write_json
 
 import omni_accel
 
+SD35_LARGE = dict(
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    num_layers=38,
+    attention_head_dim=64,
+    num_attention_heads=38,
+    joint_attention_dim=4096,
+    caption_projection_dim=2432,
+    pooled_projection_dim=2048,
+    out_channels=16,
+    pos_embed_max_size=192,
+    qk_norm="rms_norm",
+)
+MODELS = {"qwenimage": (QwenImageTransformer2DModel, {}), "sd3": (SD3Transformer2DModel, SD35_LARGE)}
 
-def _qwen(device: str, dtype: torch.dtype) -> QwenImageTransformer2DModel:
+
+def _random(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    cls, config = MODELS[name]
     torch.manual_seed(0)
     with torch.device(device):
-        model = QwenImageTransformer2DModel().to(dtype).eval()
+        model = cls(**config).to(dtype).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.02)
@@ -34,7 +52,18 @@ class _Holder(omni_accel.api.DiffusionPipeline):
         self.register_modules(transformer=transformer)
 
 
-def _inputs(device: str, dtype: torch.dtype, text: int, valid: int) -> dict:
+def _sd3_inputs(device: str, dtype: torch.dtype) -> dict:
+    g = torch.Generator(device).manual_seed(1)
+    return dict(
+        hidden_states=torch.randn(1, 16, 128, 128, generator=g, device=device, dtype=dtype),
+        encoder_hidden_states=torch.randn(1, 333, 4096, generator=g, device=device, dtype=dtype),
+        pooled_projections=torch.randn(1, 2048, generator=g, device=device, dtype=dtype),
+        timestep=torch.full((1,), 500.0, device=device, dtype=dtype),
+        return_dict=False,
+    )
+
+
+def _qwen_inputs(device: str, dtype: torch.dtype, text: int, valid: int) -> dict:
     g = torch.Generator(device).manual_seed(1)
     mask = torch.zeros(1, text, device=device, dtype=torch.long)
     mask[:, :valid] = 1
@@ -53,13 +82,32 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     device, dtype = "cuda", torch.bfloat16
-    plain = _qwen(device, dtype)
-    routed = omni_accel.accelerate(_Holder(_qwen(device, dtype)))
-    cases = {"padded_mask": _inputs(device, dtype, 512, 300), "full_mask": _inputs(device, dtype, 512, 512)}
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name in args.models:
+        plain = _random(name, device, dtype)
+        routed = omni_accel.accelerate(_Holder(_random(name, device, dtype)))
+        if name == "qwenimage":
+            cases = {
+                "qwenimage_padded_mask": _qwen_inputs(device, dtype, 512, 300),
+                "qwenimage_full_mask": _qwen_inputs(device, dtype, 512, 512),
+            }
+        else:
+            cases = {"sd3_no_mask": _sd3_inputs(device, dtype)}
+        results.update(_compare(plain, routed, cases, device, args))
+        results[f"{name}_report"] = str(omni_accel.describe(routed))
+        print(results[f"{name}_report"])
+        del plain, routed
+        torch.cuda.empty_cache()
+    write_json(results, args.out)
+    return results
+
+
+def _compare(plain, routed, cases: dict, device: str, args) -> dict:
+    results = {}
     for case, x in cases.items():
         variants = {
             "diffusers": lambda x=x: plain(**x)[0],
@@ -75,10 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
             "rel_err": rel_err(outputs["omni_routed"], outputs["diffusers"].float()),
             "bitwise": torch.equal(outputs["omni_routed"], outputs["diffusers"]),
         }
-        print(case, json.dumps(results[case]))
-    results["report"] = str(omni_accel.describe(routed))
-    print(results["report"])
-    write_json(results, args.out)
+        print(case, json.dumps(results[case]), flush=True)
     return results
 
 
