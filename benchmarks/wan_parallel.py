@@ -20,7 +20,7 @@ import torch.distributed as dist
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from projection_cache import _random
 from timing import timed, write_json
-from wan_step import CONFIGS, rel_err
+from wan_step import CONFIGS, add_video_arguments, rel_err
 
 import omni_accel
 from omni_accel import ParallelConfig
@@ -53,10 +53,7 @@ def _call(pipe, args, device: str, dtype: torch.dtype) -> torch.Tensor:
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["14b", "1.3b"], default="14b")
-    parser.add_argument("--frames", type=int, default=81)
-    parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--width", type=int, default=832)
+    add_video_arguments(parser)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))

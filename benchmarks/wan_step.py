@@ -29,6 +29,14 @@ CONFIGS = {
 }
 
 
+def add_video_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and video shape options every Wan benchmark takes."""
+    parser.add_argument("--model", choices=["14b", "1.3b"], default="14b")
+    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=832)
+
+
 def rel_err(got: torch.Tensor, reference: torch.Tensor) -> float:
     return ((got.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
 
@@ -36,10 +44,7 @@ def rel_err(got: torch.Tensor, reference: torch.Tensor) -> float:
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["14b", "1.3b"], default="14b")
-    parser.add_argument("--frames", type=int, default=81)
-    parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--width", type=int, default=832)
+    add_video_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="add (b) and omni_accel compile=True")

@@ -88,7 +88,7 @@ class StepGraphs:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, forward = self.module, self._forward()
-        if not self.enabled:
+        if not self.enabled or torch.compiler.is_compiling():  # a compiler tracing us sees the plain forward
             return forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         reason = _eager_reason(module, leaves)
@@ -172,8 +172,8 @@ def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if not tensors or any(not t.is_cuda or t.device != tensors[0].device for t in tensors):
         return "arguments not all on one CUDA device"
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-        return "called inside torch.compile or someone else's CUDA graph capture"
+    if torch.cuda.is_current_stream_capturing():
+        return "called inside someone else's CUDA graph capture"
     if torch.is_grad_enabled():
         return "autograd is enabled (pipelines call under torch.no_grad())"
     if global_hooks_active() or any(is_hooked(child) for child in module.modules()):
