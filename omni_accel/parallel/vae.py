@@ -152,35 +152,40 @@ class _Bands:
     def with_halo(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with one row from each neighbouring band (zeros at the image's top and bottom)."""
         dim = _rows(x)
-        row = (*x.shape[:dim], 1, *x.shape[dim + 1 :])
-        above, below = x.new_zeros(row), x.new_zeros(row)
-        requests = []
-        if self.rank > 0:
-            peer = dist.get_global_rank(self.group, self.rank - 1)
-            requests.append(dist.isend(x.narrow(dim, 0, 1).contiguous(), peer, group=self.group))
-            requests.append(dist.irecv(above, peer, group=self.group))
-        if self.rank < self.world - 1:
-            peer = dist.get_global_rank(self.group, self.rank + 1)
-            requests.append(dist.isend(x.narrow(dim, -1, 1).contiguous(), peer, group=self.group))
-            requests.append(dist.irecv(below, peer, group=self.group))
-        for request in requests:
-            request.wait()
+        above, below = self._exchange(x, send_up=True, send_down=True)
         return torch.cat([above, x, below], dim=dim)
 
     def with_row_below(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with the first row of the band below (zeros under the image's last row)."""
+        _, below = self._exchange(x, send_up=True, send_down=False)
+        return torch.cat([x, below], dim=_rows(x))
+
+    def _exchange(self, x: torch.Tensor, send_up: bool, send_down: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sends this band's first row up and/or its last row down; returns the rows received from above
+        and below (zeros at the image's edges). One batched call, so NCCL pairs every send with its
+        receive instead of deadlocking on two sends."""
         dim = _rows(x)
-        below = x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1 :]))
-        requests = []
+        row = (*x.shape[:dim], 1, *x.shape[dim + 1 :])
+        above, below = x.new_zeros(row), x.new_zeros(row)
+        up, down = self.rank - 1, self.rank + 1
+        ops = []
         if self.rank > 0:
-            peer = dist.get_global_rank(self.group, self.rank - 1)
-            requests.append(dist.isend(x.narrow(dim, 0, 1).contiguous(), peer, group=self.group))
+            if send_up:
+                ops.append(self._op(dist.isend, x.narrow(dim, 0, 1).contiguous(), up))
+            if send_down:
+                ops.append(self._op(dist.irecv, above, up))
         if self.rank < self.world - 1:
-            peer = dist.get_global_rank(self.group, self.rank + 1)
-            requests.append(dist.irecv(below, peer, group=self.group))
-        for request in requests:
-            request.wait()
-        return torch.cat([x, below], dim=dim)
+            if send_down:
+                ops.append(self._op(dist.isend, x.narrow(dim, -1, 1).contiguous(), down))
+            if send_up:
+                ops.append(self._op(dist.irecv, below, down))
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        return above, below
+
+    def _op(self, kind, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+        return dist.P2POp(kind, tensor, dist.get_global_rank(self.group, peer), group=self.group)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
