@@ -98,7 +98,8 @@ class StepGraphs:
             key = step_key(module, leaves, spec)
         except TypeError:  # an unhashable argument: its value cannot key a graph
             return self._eager("an argument that cannot be compared between calls", forward, args, kwargs)
-        with self._lock:
+        device = next(leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor))
+        with self._lock, torch.cuda.device(device):  # capture and replay on the arguments' GPU
             graph = self.graphs.get(key)
             if graph is None:
                 if key in self.uncapturable:
