@@ -7,8 +7,8 @@ each recording its own undo). ``restore`` runs the undos in reverse order.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import inspect
 import os
 import re
 import threading
@@ -24,7 +24,7 @@ from torch import nn
 import omni_accel.patches as patches
 from omni_accel.patches import pair_cfg_calls
 
-from . import cuda_graphs
+from . import cuda_graphs, pipeline_calls
 from .attention import routing
 from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionSelector, resolve
@@ -102,7 +102,10 @@ def accelerate(
         logger.warning("%s: %s", type(pipe).__name__, note.detail)
         return pipe
     layout, auto_reason = _parallel_config(pipe, names, config)
-    parallel = init_parallel(layout) if layout is not None else None
+    deferred = layout == _FIRST_CALL
+    if deferred and config.cuda_graphs is None:
+        config = dataclasses.replace(config, cuda_graphs=False)  # the layout to come is multi-rank
+    parallel = init_parallel(layout) if layout is not None and not deferred else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
     distributed = parallel is not None and parallel.mesh is not None
     vae_coders, others = _plan_vae(pipe, config) if distributed else ([], [])
@@ -112,51 +115,89 @@ def accelerate(
                 component.report.detail += f"; parallel='auto': {auto_reason}"
     for component in components:
         _commit(component)
-    undo = _pair_cfg_calls(pipe, components)
-    for coder in vae_coders:
-        row_split = vae_split.RowSplit(coder, dist.group.WORLD)
-        row_split.install()
-        undo.append(row_split.uninstall)
-    if distributed:
-        pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
+    undo = _spread_the_rest(pipe, components, vae_coders, parallel) if distributed else []
+    if deferred:
+        undo.append(pipeline_calls.on_first_call(pipe, lambda arguments: _apply_auto_layout(pipe, arguments)))
     setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
     _log_summary(pipe, components)
     return pipe
 
 
+_FIRST_CALL = "decided at the first pipeline call"
+
+
 def _parallel_config(
     pipe: DiffusionPipeline, names: list[str], config: AccelConfig
-) -> tuple[ParallelConfig | None, str | None]:
-    """The layout to apply, and why when ``parallel="auto"`` chose it."""
+) -> tuple[ParallelConfig | str | None, str | None]:
+    """The layout to apply now, or ``_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
+    call's arguments (whether it runs both guidance branches); and a note for the report."""
     if config.parallel != "auto":
         return config.parallel, None
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    natives = [
-        (module, spec.native_model())
-        for module in (getattr(pipe, name) for name in names)
-        if (spec := spec_for(module)) is not None and spec.native is not None and config.native
-    ]
-    if not natives:
-        if world > 1:
-            raise ValueError(
-                f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
-                f"none; natives exist for {', '.join(registered_natives())}. Run it on one rank."
-            )
+    world = _world_size()
+    natives = [n for n in names if (spec := spec_for(getattr(pipe, n))) is not None and spec.native]
+    if world == 1:
         return None, "one rank: nothing to spread"
-    module, model = natives[0]
-    defaults = {
-        name: parameter.default
-        for name, parameter in inspect.signature(type(pipe).__call__).parameters.items()
-        if parameter.default is not inspect.Parameter.empty
-    }
+    if not natives or not config.native:
+        raise ValueError(
+            f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
+            f"none; natives exist for {', '.join(registered_natives())}. Run it on one rank."
+        )
+    if config.cuda_graphs:
+        raise ValueError(
+            f"cuda_graphs=True runs on one GPU for now, and parallel='auto' spreads the transformer over "
+            f"{world} ranks; leave cuda_graphs off under a parallel layout."
+        )
+    return _FIRST_CALL, _FIRST_CALL
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> None:
+    """``parallel="auto"`` at the first pipeline call: the layout for these arguments, checked on every
+    native component before any is spread, then applied as ``accelerate`` would have."""
+    state = _state(pipe)
+    natives = [c for c in state.components if c.runtime is not None and c.report.mode == "native"]
+    if not natives:  # the transformers belong to another accelerated pipeline (from_pipe)
+        return
+    model, module = natives[0].spec.native_model(), natives[0].original
     chosen = choose_layout(
-        world,
+        _world_size(),
         module.config[model.parallel.attention_heads],
-        cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(defaults),
+        cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(arguments),
         sequence_plan=model.parallel.sequence is not None,
     )
+    parallel = init_parallel(chosen.config)
+    for component in natives:
+        _check_layout(component.original, component.spec.native_model(), parallel)
+    vae_coders, state.others = _plan_vae(pipe, state.config)
+    for component in natives:
+        component.parallel = parallel
+        _parallelize(component)
+        component.report.detail = component.report.detail.replace(
+            _FIRST_CALL,
+            f"{chosen.config} on {dist.get_world_size()} ranks, chosen at the first call: {chosen.reason}",
+        )
+    state.undo += _spread_the_rest(pipe, state.components, vae_coders, parallel)
     logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
-    return chosen.config, chosen.reason
+
+
+def _spread_the_rest(
+    pipe: DiffusionPipeline,
+    components: list[_Component],
+    vae_coders: list[nn.Module],
+    parallel: ParallelState,
+) -> list[Callable[[], None]]:
+    """After the transformers are spread: CFG call pairing, the VAE's row split, each rank's shards moved
+    to its device. Returns the undos."""
+    undo = _pair_cfg_calls(pipe, components)
+    for coder in vae_coders:
+        row_split = vae_split.RowSplit(coder, dist.group.WORLD)
+        row_split.install()
+        undo.append(row_split.uninstall)
+    pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
+    return undo
 
 
 def _plan_vae(pipe: DiffusionPipeline, config: AccelConfig) -> tuple[list[nn.Module], list[ComponentReport]]:
@@ -310,12 +351,7 @@ def _plan_swap(
     patches.check_applicable("hook_chains")
     _check_attention(name, module, _native_sites(module, model), selector)
     if parallel is not None:
-        check_parallel(module, model.parallel, parallel)
-        if parallel.config.cfg > 1 and model.cfg_pairing is not None:
-            patches.check_applicable("pair_cfg_calls")
-        if parallel.config.tp > 1:
-            for patch, _ in _tp_lora_patches():
-                patches.check_applicable(patch)
+        _check_layout(module, model, parallel)
     options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
     limitations = list(model.limitations)
     wanted = config.projection_cache_bytes and model.projection_cache
@@ -347,6 +383,16 @@ def _plan_swap(
     graphs = cuda_graphs.StepGraphs(module) if graphs_on else None
     report.graphs = graphs
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
+
+
+def _check_layout(module: nn.Module, model, parallel: ParallelState) -> None:
+    """Raises, before anything changes, when ``parallel``'s layout cannot apply to ``module``."""
+    check_parallel(module, model.parallel, parallel)
+    if parallel.config.cfg > 1 and model.cfg_pairing is not None:
+        patches.check_applicable("pair_cfg_calls")
+    if parallel.config.tp > 1:
+        for patch, _ in _tp_lora_patches():
+            patches.check_applicable(patch)
 
 
 def _unless_compiled(
@@ -458,20 +504,24 @@ def _commit(component: _Component) -> None:
             component.graphs.install()
             component.undo.append(component.graphs.uninstall)
         if component.parallel is not None:
-            layout = parallelize(
-                component.original, model.parallel, component.parallel, output_class(component.spec)
-            )
-            component.runtime.layout = layout
-            component.report.cfg = layout.cfg
-            component.undo.append(layout.revert)
-            if component.parallel.config.tp > 1:
-                for patch in _tp_lora_patches():
-                    patches.apply(*patch)
-                    component.undo.append(lambda patch=patch: patches.revert(*patch))
+            _parallelize(component)
     else:
         _route_attention(component)
         if component.cache is not None:
             component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
+
+
+def _parallelize(component: _Component) -> None:
+    """Spreads a native component (its blocks already swapped) over ``component.parallel``'s ranks."""
+    model = component.spec.native_model()
+    layout = parallelize(component.original, model.parallel, component.parallel, output_class(component.spec))
+    component.runtime.layout = layout
+    component.report.cfg = layout.cfg
+    component.undo.append(layout.revert)
+    if component.parallel.config.tp > 1:
+        for patch in _tp_lora_patches():
+            patches.apply(*patch)
+            component.undo.append(lambda patch=patch: patches.revert(*patch))
 
 
 def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:

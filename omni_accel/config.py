@@ -19,7 +19,7 @@ class AccelConfig:
     exists (False keeps Diffusers' modules and only routes their attention). ``projection_cache_bytes``:
     budget of the exact projection cache per transformer (0 turns it off). ``parallel``: how the
     transformer spreads over the ranks of a torchrun launch (``"auto"``: chosen for the model, the number
-    of ranks and the pipeline's default call; see ``omni_accel.parallel.auto``). ``compile``:
+    of ranks and the pipeline's first call; see ``omni_accel.parallel.auto``). ``compile``:
     ``torch.compile`` each repeated block of a native transformer (True, or a dict of ``torch.compile``
     keyword arguments). ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and replay
     it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer on one

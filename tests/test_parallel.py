@@ -157,8 +157,12 @@ def _two_ranks(rank: int, world: int) -> None:
     # true CFG: the pipeline calls the transformer twice per step; cfg=2 pairs the calls
     true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
     _check(ParallelConfig(cfg=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
-    # parallel="auto": FLUX's default call has no true CFG, so the two ranks take tensor parallelism
-    _check("auto", oracle, expect="ParallelConfig(tp=2, ulysses=1, ring=1, cfg=1) on 2 ranks")
+    _check(
+        "auto", _oracle(**true_cfg), expect="ParallelConfig(tp=1, ulysses=1, ring=1, cfg=2) on 2", **true_cfg
+    )
+    # parallel="auto" decides at the first pipeline call: without true CFG the two ranks take tensor
+    # parallelism, with it one guidance branch each
+    _check("auto", oracle, expect="ParallelConfig(tp=2, ulysses=1, ring=1, cfg=1) on 2 ranks, chosen at")
     # a batch of one without true CFG: computed on both ranks, still exact
     _check(ParallelConfig(cfg=2), _oracle(prompt="a cat"), expect="2 calls computed on both", prompt="a cat")
     # misconfigurations: clear errors, nothing swapped
@@ -180,10 +184,11 @@ def _two_ranks(rank: int, world: int) -> None:
     assert ((two.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
     # parallel="auto": Wan's default call runs both guidance branches, so they go to the two ranks
     wan = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel="auto")
+    assert "decided at the first pipeline call" in str(omni_accel.describe(wan))
+    auto = wan(**video, generator=torch.Generator().manual_seed(0))
     report = str(omni_accel.describe(wan))
     assert "ParallelConfig(tp=1, ulysses=1, ring=1, cfg=2)" in report
     assert "vae (AutoencoderKLWan): patch-parallel - decoder split" in report  # its encoder stays whole
-    auto = wan(**video, generator=torch.Generator().manual_seed(0))
     assert ((auto.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
     with pytest.raises(ValueError, match="needs a native transformer"):
         omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))

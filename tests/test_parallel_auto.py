@@ -53,3 +53,26 @@ def test_auto_from_the_environment_and_the_command_line():
     assert options_from_args(parser.parse_args(["--auto-parallel", "x.py"]))["parallel"] == "auto"
     with pytest.raises(SystemExit, match="give --auto-parallel or parallel degrees"):
         options_from_args(parser.parse_args(["--auto-parallel", "--tp", "2", "x.py"]))
+
+
+def test_first_call_hook_sees_the_arguments_and_retries_after_an_error():
+    from omni_accel.pipeline_calls import on_first_call
+
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    seen = []
+
+    def action(arguments):
+        seen.append(arguments)
+        if len(seen) == 1:
+            raise RuntimeError("not yet")
+
+    undo = on_first_call(pipe, action)
+    assert type(pipe).__name__ == "FluxPipeline"  # saved configs keep the class name
+    call = dict(prompt="a cat", num_inference_steps=1, output_type="latent")
+    with pytest.raises(RuntimeError, match="not yet"):
+        pipe(**call)
+    pipe(**call, true_cfg_scale=2.0)  # the hook stayed after the error: this call runs the action again
+    assert seen[1]["true_cfg_scale"] == 2.0 and seen[1]["guidance_scale"] == 3.5  # defaults included
+    pipe(**call)
+    assert len(seen) == 2 and type(pipe) is type(omni_accel.tiny_flux_pipeline(seed=0))
+    undo()  # a no-op once the first call happened

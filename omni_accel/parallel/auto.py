@@ -2,15 +2,17 @@
 
 The rules are the measured ones (docs/PARALLELISM.md, docs/PERFORMANCE.md), applied in this order:
 
-1. CFG first. When the pipeline's default call runs both guidance branches (Wan's ``guidance_scale=5``),
+1. CFG first. When the call runs both guidance branches (Wan's default ``guidance_scale=5``, FLUX's true CFG),
    ``cfg=2`` splits them over two ranks: one tensor exchanged per step, 1.93x measured on FLUX true CFG.
 2. Two remaining ranks take tensor parallelism (FLUX 1024x1024 on two H200s: tp 1.56x, ring 1.53x,
    ulysses 1.45x eager; compiled tp 1.30x, ulysses 0.94x).
 3. More remaining ranks take Ulysses up to the largest degree that divides the heads, and ring for the
    rest (not yet measured beyond two ranks: issue 12).
 
-The decision is made from the pipeline's *default* call; a call that differs (FLUX with ``true_cfg_scale``)
-runs correctly on the chosen layout, and an explicit ``ParallelConfig`` fits it better.
+``accelerate`` makes the native swap at once and decides the layout at the pipeline's first call, from that
+call's arguments (FLUX with ``true_cfg_scale`` and a negative prompt runs both branches; Wan does by
+default); later calls keep it, and run correctly on it whatever their arguments. Transformer calls made
+directly before the first pipeline call run whole on every rank.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def choose_layout(world_size: int, heads: int, cfg_by_default: bool, sequence_pl
         return AutoLayout(None, "one rank: nothing to spread")
     cfg = 2 if cfg_by_default and world_size % 2 == 0 else 1
     rest = world_size // cfg
-    why = [f"cfg={cfg}: the pipeline's default call runs both guidance branches"] if cfg == 2 else []
+    why = [f"cfg={cfg}: the call runs both guidance branches"] if cfg == 2 else []
     if rest == 1:
         return AutoLayout(ParallelConfig(cfg=cfg), "; ".join(why))
     if (rest == 2 or not sequence_plan) and heads % rest == 0:

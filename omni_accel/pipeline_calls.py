@@ -1,0 +1,43 @@
+"""Running something once, at a pipeline's first call, with that call's arguments.
+
+``parallel="auto"`` decides its layout there: whether a call runs both guidance branches (FLUX's true CFG)
+is only known from its arguments. Python looks ``__call__`` up on the type, so the instance gets a subclass
+of its own class (same name and module: saved configs are unchanged) whose ``__call__`` puts the class back,
+runs the action and then the call. An action that raises leaves the hook in place (the next call tries
+again and says the same) and the pipeline as it was.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+def on_first_call(pipe: Any, action: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    """Installs the hook; ``action`` gets the call's arguments by name, defaults included. Returns the undo
+    (a no-op once the first call has happened)."""
+    original = type(pipe)
+    signature = inspect.signature(original.__call__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        arguments.pop(next(iter(signature.parameters)))  # self
+        self.__class__ = original  # first: the action may give the class a patch of its own
+        try:
+            action(arguments)
+        except BaseException:
+            self.__class__ = hooked
+            raise
+        return self(*args, **kwargs)
+
+    hooked = type(original.__name__, (original,), {"__call__": __call__, "__module__": original.__module__})
+    pipe.__class__ = hooked
+
+    def undo() -> None:
+        if type(pipe) is hooked:
+            pipe.__class__ = original
+
+    return undo
