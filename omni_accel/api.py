@@ -46,15 +46,6 @@ _STATE_ATTR = "_omni_accel_state"
 _SHARED = "native (shared)"
 
 
-def _tp_lora_patches() -> list[tuple[str, str]]:
-    """Under TP, Diffusers' LoRA loaders must see full shapes, and peft (when installed: Diffusers' LoRA
-    backend) must merge (fuse) this rank's slice of each delta."""
-    needed = [("lora_full_shapes", "diffusers.loaders.lora_pipeline")]
-    if importlib.util.find_spec("peft") is not None:
-        needed.append(("lora_tp_merge", "peft.tuners.lora.layer"))
-    return needed
-
-
 @dataclass
 class _Component:
     name: str
@@ -121,110 +112,6 @@ def accelerate(
     setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
     _log_summary(pipe, components)
     return pipe
-
-
-_FIRST_CALL = "decided at the first pipeline call"
-
-
-def _parallel_config(
-    pipe: DiffusionPipeline, names: list[str], config: AccelConfig
-) -> tuple[ParallelConfig | str | None, str | None]:
-    """The layout to apply now, or ``_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
-    call's arguments (whether it runs both guidance branches); and a note for the report."""
-    if config.parallel != "auto":
-        return config.parallel, None
-    world = _world_size()
-    natives = [n for n in names if (spec := spec_for(getattr(pipe, n))) is not None and spec.native]
-    if world == 1:
-        return None, "one rank: nothing to spread"
-    if not natives or not config.native:
-        raise ValueError(
-            f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
-            f"none; natives exist for {', '.join(registered_natives())}. Run it on one rank."
-        )
-    if config.cuda_graphs:
-        raise ValueError(
-            f"cuda_graphs=True runs on one GPU for now, and parallel='auto' spreads the transformer over "
-            f"{world} ranks; leave cuda_graphs off under a parallel layout."
-        )
-    return _FIRST_CALL, _FIRST_CALL
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> None:
-    """``parallel="auto"`` at the first pipeline call: the layout for these arguments, checked on every
-    native component before any is spread, then applied as ``accelerate`` would have."""
-    state = _state(pipe)
-    natives = [c for c in state.components if c.runtime is not None and c.report.mode == "native"]
-    if not natives:  # the transformers belong to another accelerated pipeline (from_pipe)
-        return
-    model, module = natives[0].spec.native_model(), natives[0].original
-    chosen = choose_layout(
-        _world_size(),
-        module.config[model.parallel.attention_heads],
-        cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(arguments),
-        sequence_plan=model.parallel.sequence is not None,
-    )
-    parallel = init_parallel(chosen.config)
-    for component in natives:
-        _check_layout(component.original, component.spec.native_model(), parallel)
-    vae_coders, state.others = _plan_vae(pipe, state.config)
-    for component in natives:
-        component.parallel = parallel
-        _parallelize(component)
-        component.report.detail = component.report.detail.replace(
-            _FIRST_CALL,
-            f"{chosen.config} on {dist.get_world_size()} ranks, chosen at the first call: {chosen.reason}",
-        )
-    state.undo += _spread_the_rest(pipe, state.components, vae_coders, parallel)
-    logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
-
-
-def _spread_the_rest(
-    pipe: DiffusionPipeline,
-    components: list[_Component],
-    vae_coders: list[nn.Module],
-    parallel: ParallelState,
-) -> list[Callable[[], None]]:
-    """After the transformers are spread: CFG call pairing, the VAE's row split, each rank's shards moved
-    to its device. Returns the undos."""
-    undo = _pair_cfg_calls(pipe, components)
-    for coder in vae_coders:
-        row_split = vae_split.RowSplit(coder, dist.group.WORLD)
-        row_split.install()
-        undo.append(row_split.uninstall)
-    pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
-    return undo
-
-
-def _plan_vae(pipe: DiffusionPipeline, config: AccelConfig) -> tuple[list[nn.Module], list[ComponentReport]]:
-    """Under a parallel layout: which of the VAE's encoder and decoder split over the ranks by rows (checked
-    before anything is swapped), and the report line."""
-    vae = getattr(pipe, "vae", None)
-    coders = {name: getattr(vae, name, None) for name in ("decoder", "encoder")}
-    coders = {name: coder for name, coder in coders.items() if isinstance(coder, nn.Module)}
-    if config.vae_parallel is False or not coders:
-        return [], []
-    reasons = {name: vae_split.supports(coder) for name, coder in coders.items()}
-    if reasons.get("decoder") is not None:
-        if config.vae_parallel:
-            raise ValueError(
-                f"vae_parallel=True cannot split pipe.vae ({type(vae).__name__})'s decoder: {reasons['decoder']}. "
-                "Leave vae_parallel unset (the VAE then runs whole on every rank)."
-            )
-        why = f"runs whole on every rank: {reasons['decoder']}"
-        return [], [ComponentReport("vae", type(vae).__name__, "untouched", why)]
-    split = [name for name, reason in reasons.items() if reason is None]
-    detail = (
-        f"{' and '.join(split)} split over {dist.get_world_size()} ranks by rows (halo rows exchanged, GroupNorm "
-        "statistics reduced, the attention gathered); equal to one rank's up to float32 summation order"
-    )
-    return [coders[name] for name in split], [
-        ComponentReport("vae", type(vae).__name__, "patch-parallel", detail)
-    ]
 
 
 def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:
@@ -385,16 +272,6 @@ def _plan_swap(
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 
 
-def _check_layout(module: nn.Module, model, parallel: ParallelState) -> None:
-    """Raises, before anything changes, when ``parallel``'s layout cannot apply to ``module``."""
-    check_parallel(module, model.parallel, parallel)
-    if parallel.config.cfg > 1 and model.cfg_pairing is not None:
-        patches.check_applicable("pair_cfg_calls")
-    if parallel.config.tp > 1:
-        for patch, _ in _tp_lora_patches():
-            patches.check_applicable(patch)
-
-
 def _unless_compiled(
     cache: ExactProjectionCache | None, config: AccelConfig, graphs_on: bool, limitations: list[str]
 ) -> ExactProjectionCache | None:
@@ -511,33 +388,6 @@ def _commit(component: _Component) -> None:
             component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
 
 
-def _parallelize(component: _Component) -> None:
-    """Spreads a native component (its blocks already swapped) over ``component.parallel``'s ranks."""
-    model = component.spec.native_model()
-    layout = parallelize(component.original, model.parallel, component.parallel, output_class(component.spec))
-    component.runtime.layout = layout
-    component.report.cfg = layout.cfg
-    component.undo.append(layout.revert)
-    if component.parallel.config.tp > 1:
-        for patch in _tp_lora_patches():
-            patches.apply(*patch)
-            component.undo.append(lambda patch=patch: patches.revert(*patch))
-
-
-def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:
-    """Under cfg=2, pipelines that call their transformers twice per step get those calls paired."""
-    paired = [
-        (component.spec.native_model().cfg_pairing, component.runtime.layout.cfg)
-        for component in components
-        if component.runtime is not None and component.runtime.layout is not None
-        if component.runtime.layout.cfg is not None and component.spec.native_model().cfg_pairing is not None
-    ]
-    if not paired:
-        return []
-    pair_cfg_calls.apply(pipe, paired[0][0], [cfg for _, cfg in paired])
-    return [lambda: pair_cfg_calls.revert(pipe)]
-
-
 def _route_attention(component: _Component) -> None:
     if not component.spec or not component.spec.attention_routes:
         return
@@ -579,3 +429,156 @@ def _scoped_hooks(module: nn.Module, enter, leave) -> list[Callable[[], None]]:
         module.register_forward_hook(post_hook, always_call=True),
     ]
     return [handle.remove for handle in handles]
+
+
+# Parallel layouts: chosen (parallel="auto" waits for the first pipeline call), checked before anything
+# changes, then applied: the transformers, CFG call pairing, the VAE, each rank's device.
+
+_FIRST_CALL = "decided at the first pipeline call"
+
+
+def _parallel_config(
+    pipe: DiffusionPipeline, names: list[str], config: AccelConfig
+) -> tuple[ParallelConfig | str | None, str | None]:
+    """The layout to apply now, or ``_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
+    call's arguments (whether it runs both guidance branches); and a note for the report."""
+    if config.parallel != "auto":
+        return config.parallel, None
+    world = _world_size()
+    natives = [n for n in names if (spec := spec_for(getattr(pipe, n))) is not None and spec.native]
+    if world == 1:
+        return None, "one rank: nothing to spread"
+    if not natives or not config.native:
+        raise ValueError(
+            f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
+            f"none; natives exist for {', '.join(registered_natives())}. Run it on one rank."
+        )
+    if config.cuda_graphs:
+        raise ValueError(
+            f"cuda_graphs=True runs on one GPU for now, and parallel='auto' spreads the transformer over "
+            f"{world} ranks; leave cuda_graphs off under a parallel layout."
+        )
+    return _FIRST_CALL, _FIRST_CALL
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> None:
+    """``parallel="auto"`` at the first pipeline call: the layout for these arguments, checked on every
+    native component before any is spread, then applied as ``accelerate`` would have."""
+    state = _state(pipe)
+    natives = [c for c in state.components if c.runtime is not None and c.report.mode == "native"]
+    if not natives:  # the transformers belong to another accelerated pipeline (from_pipe)
+        return
+    model, module = natives[0].spec.native_model(), natives[0].original
+    chosen = choose_layout(
+        _world_size(),
+        module.config[model.parallel.attention_heads],
+        cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(arguments),
+        sequence_plan=model.parallel.sequence is not None,
+    )
+    parallel = init_parallel(chosen.config)
+    for component in natives:
+        _check_layout(component.original, component.spec.native_model(), parallel)
+    vae_coders, state.others = _plan_vae(pipe, state.config)
+    for component in natives:
+        component.parallel = parallel
+        _parallelize(component)
+        component.report.detail = component.report.detail.replace(
+            _FIRST_CALL,
+            f"{chosen.config} on {dist.get_world_size()} ranks, chosen at the first call: {chosen.reason}",
+        )
+    state.undo += _spread_the_rest(pipe, state.components, vae_coders, parallel)
+    logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
+
+
+def _check_layout(module: nn.Module, model, parallel: ParallelState) -> None:
+    """Raises, before anything changes, when ``parallel``'s layout cannot apply to ``module``."""
+    check_parallel(module, model.parallel, parallel)
+    if parallel.config.cfg > 1 and model.cfg_pairing is not None:
+        patches.check_applicable("pair_cfg_calls")
+    if parallel.config.tp > 1:
+        for patch, _ in _tp_lora_patches():
+            patches.check_applicable(patch)
+
+
+def _parallelize(component: _Component) -> None:
+    """Spreads a native component (its blocks already swapped) over ``component.parallel``'s ranks."""
+    model = component.spec.native_model()
+    layout = parallelize(component.original, model.parallel, component.parallel, output_class(component.spec))
+    component.runtime.layout = layout
+    component.report.cfg = layout.cfg
+    component.undo.append(layout.revert)
+    if component.parallel.config.tp > 1:
+        for patch in _tp_lora_patches():
+            patches.apply(*patch)
+            component.undo.append(lambda patch=patch: patches.revert(*patch))
+
+
+def _tp_lora_patches() -> list[tuple[str, str]]:
+    """Under TP, Diffusers' LoRA loaders must see full shapes, and peft (when installed: Diffusers' LoRA
+    backend) must merge (fuse) this rank's slice of each delta."""
+    needed = [("lora_full_shapes", "diffusers.loaders.lora_pipeline")]
+    if importlib.util.find_spec("peft") is not None:
+        needed.append(("lora_tp_merge", "peft.tuners.lora.layer"))
+    return needed
+
+
+def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:
+    """Under cfg=2, pipelines that call their transformers twice per step get those calls paired."""
+    paired = [
+        (component.spec.native_model().cfg_pairing, component.runtime.layout.cfg)
+        for component in components
+        if component.runtime is not None and component.runtime.layout is not None
+        if component.runtime.layout.cfg is not None and component.spec.native_model().cfg_pairing is not None
+    ]
+    if not paired:
+        return []
+    pair_cfg_calls.apply(pipe, paired[0][0], [cfg for _, cfg in paired])
+    return [lambda: pair_cfg_calls.revert(pipe)]
+
+
+def _spread_the_rest(
+    pipe: DiffusionPipeline,
+    components: list[_Component],
+    vae_coders: list[nn.Module],
+    parallel: ParallelState,
+) -> list[Callable[[], None]]:
+    """After the transformers are spread: CFG call pairing, the VAE's row split, each rank's shards moved
+    to its device. Returns the undos."""
+    undo = _pair_cfg_calls(pipe, components)
+    for coder in vae_coders:
+        row_split = vae_split.RowSplit(coder, dist.group.WORLD)
+        row_split.install()
+        undo.append(row_split.uninstall)
+    pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
+    return undo
+
+
+def _plan_vae(pipe: DiffusionPipeline, config: AccelConfig) -> tuple[list[nn.Module], list[ComponentReport]]:
+    """Under a parallel layout: which of the VAE's encoder and decoder split over the ranks by rows (checked
+    before anything is swapped), and the report line."""
+    vae = getattr(pipe, "vae", None)
+    coders = {name: getattr(vae, name, None) for name in ("decoder", "encoder")}
+    coders = {name: coder for name, coder in coders.items() if isinstance(coder, nn.Module)}
+    if config.vae_parallel is False or not coders:
+        return [], []
+    reasons = {name: vae_split.supports(coder) for name, coder in coders.items()}
+    if reasons.get("decoder") is not None:
+        if config.vae_parallel:
+            raise ValueError(
+                f"vae_parallel=True cannot split pipe.vae ({type(vae).__name__})'s decoder: {reasons['decoder']}. "
+                "Leave vae_parallel unset (the VAE then runs whole on every rank)."
+            )
+        why = f"runs whole on every rank: {reasons['decoder']}"
+        return [], [ComponentReport("vae", type(vae).__name__, "untouched", why)]
+    split = [name for name, reason in reasons.items() if reason is None]
+    detail = (
+        f"{' and '.join(split)} split over {dist.get_world_size()} ranks by rows (halo rows exchanged, GroupNorm "
+        "statistics reduced, the attention gathered); equal to one rank's up to float32 summation order"
+    )
+    return [coders[name] for name in split], [
+        ComponentReport("vae", type(vae).__name__, "patch-parallel", detail)
+    ]
