@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -148,7 +149,7 @@ class NativeBlock:
                     for name, paths in self.packed_projections().items()
                 }
                 weights.update(
-                    {name: read_linear(self.get_submodule(path), path) for name, path in self.linears.items()}
+                    {name: read_linear(self._submodule(path), path) for name, path in self.linears.items()}
                 )
                 return weights
             except Unsupported as exc:
@@ -175,7 +176,7 @@ class NativeBlock:
         if cache is None:
             return compute()
         cache.ensure_prepared(conditioning)
-        module = self.get_submodule(self.linears[name])
+        module = self._submodule(self.linears[name])
         return cache.project(f"{self.omni_name}.{name}", module, conditioning, compute)
 
     def _block_reason(self) -> str | None:
@@ -189,7 +190,20 @@ class NativeBlock:
         return None
 
     def _modules_at(self, paths: tuple[str, ...]) -> list[nn.Module]:
-        return [self.get_submodule(path) for path in paths]
+        return [self._submodule(path) for path in paths]
+
+    def _submodule(self, path: str) -> nn.Module:
+        """``get_submodule(path)`` read straight from each ``_modules`` (it runs for every projection of
+        every block at every call, and always sees the module the parent holds now)."""
+        module = self
+        for name in _split_path(path):
+            module = module._modules[name]
+        return module
+
+
+@functools.cache
+def _split_path(path: str) -> tuple[str, ...]:
+    return tuple(path.split("."))
 
 
 @dataclass
