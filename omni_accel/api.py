@@ -125,7 +125,7 @@ def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:
                 "pipe.%s (%s) is %s: %s", report.name, report.diffusers_class, report.mode, report.detail
             )
         for item in report.not_accelerated:
-            if report.mode == "native" and item.startswith("exact projection cache: off, because compiled"):
+            if report.mode == "native" and item.startswith("exact projection cache: off"):
                 logger.warning("pipe.%s: %s", report.name, item)
 
 
@@ -248,7 +248,7 @@ def _plan_swap(
         graphs_on = parallel is None and torch.cuda.is_available()
         if parallel is not None:
             limitations.append("CUDA graphs: off under a parallel layout (one GPU only, for now)")
-    cache = _unless_compiled(cache, config, graphs_on, limitations)
+    cache = _unless_compiled(cache, config, limitations)
     runtime = NativeRuntime(selector, options, cache)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
@@ -273,17 +273,12 @@ def _plan_swap(
 
 
 def _unless_compiled(
-    cache: ExactProjectionCache | None, config: AccelConfig, graphs_on: bool, limitations: list[str]
+    cache: ExactProjectionCache | None, config: AccelConfig, limitations: list[str]
 ) -> ExactProjectionCache | None:
-    """The cache, or None under compile=True or CUDA graphs: compiled blocks and replayed graphs cannot
-    consult it, so its per-step comparison would be pure overhead (and the report says so)."""
-    if cache is None:
-        return None
-    if config.compile:
+    """The cache, or None under compile=True: compiled blocks cannot consult it, so its per-step comparison
+    would be pure overhead (and the report says so). Graph-replayed steps skip it; eager calls use it."""
+    if config.compile and cache is not None:
         limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
-        return None
-    if graphs_on:
-        limitations.append("exact projection cache: off, because replayed CUDA graphs cannot consult it")
         return None
     return cache
 

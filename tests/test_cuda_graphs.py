@@ -89,7 +89,8 @@ def test_calls_a_graph_cannot_serve_run_eagerly_and_are_counted():
     assert "each step captured as a CUDA graph" in report
     assert "cuda graphs: 0 captured, 0 replays, 0 kept" in report
     assert "cuda graphs: 3 calls ran eagerly (arguments not all on one CUDA device)" in report
-    assert "exact projection cache: off, because replayed CUDA graphs cannot consult it" in report
+    cache = omni_accel.describe(pipe).components[0].cache
+    assert cache is not None and cache.hits > 0  # eager calls keep the exact projection cache
 
 
 @torch.no_grad()

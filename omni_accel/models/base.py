@@ -171,9 +171,10 @@ class NativeBlock:
         self, name: str, conditioning: torch.Tensor, compute: Callable[[], torch.Tensor]
     ) -> torch.Tensor:
         """``compute()`` of the projection ``linears[name]`` of ``conditioning`` (a tensor every block of a
-        forward shares, such as the timestep embedding), reused through the exact projection cache."""
+        forward shares, such as the timestep embedding), reused through the exact projection cache. Not
+        while a CUDA graph captures the step: a replay could not consult the cache, so the graph computes it."""
         cache = self.omni_runtime.cache
-        if cache is None:
+        if cache is None or (conditioning.is_cuda and torch.cuda.is_current_stream_capturing()):
             return compute()
         cache.ensure_prepared(conditioning)
         module = self._submodule(self.linears[name])
