@@ -98,6 +98,8 @@ class StepGraphs:
             key = step_key(module, leaves, spec)
         except TypeError:  # an unhashable argument: its value cannot key a graph
             return self._eager("an argument that cannot be compared between calls", forward, args, kwargs)
+        if key is None:
+            return self._eager(_HOOKED, forward, args, kwargs)
         device = next(leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor))
         with self._lock, torch.cuda.device(device):  # capture and replay on the arguments' GPU
             graph = self.graphs.get(key)
@@ -177,24 +179,31 @@ def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
         return "called inside someone else's CUDA graph capture"
     if torch.is_grad_enabled():
         return "autograd is enabled (pipelines call under torch.no_grad())"
-    if global_hooks_active() or any(is_hooked(child) for child in module.modules()):
-        return "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
-    return None
+    if global_hooks_active():
+        return _HOOKED
+    return None  # hooks on the module itself or below are found while its state is read (step_key)
 
 
-def step_key(module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> tuple:
-    """Everything the host decides a forward with (see the module docstring); raises TypeError for an
-    argument that cannot be hashed."""
+_HOOKED = "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
+
+
+def step_key(module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> tuple | None:
+    """Everything the host decides a forward with (see the module docstring), or None when a hook on the
+    module or below decides per call; raises TypeError for an argument that cannot be hashed."""
     arguments = tuple(
         (leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
     )
     hash(arguments)
-    return (spec, arguments, _module_state(module), _global_state())
+    state = _module_state(module)
+    return None if state is None else (spec, arguments, state, _global_state())
 
 
-def _module_state(module: nn.Module) -> tuple:
+def _module_state(module: nn.Module) -> tuple | None:
+    """One walk over the modules per call: their identity and state, or None at the first hooked one."""
     state = []
     for child in module.modules():
+        if is_hooked(child):
+            return None
         attrs = child.__dict__
         state.append(id(child))
         state.append(attrs["training"])

@@ -58,6 +58,10 @@ def test_what_keys_a_graph():
         assert new != key, what
         return new
 
+    handle = transformer.single_transformer_blocks[0].norm.register_forward_hook(lambda *a: None)
+    assert _key(transformer, **x) is None, "a hook below decides per call: no graph"
+    handle.remove()
+
     proj = transformer.transformer_blocks[0].attn.to_out[0]
     key = differs_after("a reassigned weight", lambda: setattr(proj.weight, "data", proj.weight.data.clone()))
     key = differs_after("training mode", transformer.train)
