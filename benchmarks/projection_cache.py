@@ -24,27 +24,15 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from flux_step import FLUX_DEV, inputs
+from random_models import WAN_14B, randomized
 from timing import timed, write_json
 
 import omni_accel
 
-WAN_14B = dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40)
 TINY = {
     "flux": dict(num_layers=2, num_single_layers=2, num_attention_heads=2, joint_attention_dim=4096),
     "wan": dict(num_attention_heads=2, attention_head_dim=32, ffn_dim=64, num_layers=2),
 }
-
-
-def _random(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Random weights in ``dtype``, keeping in float32 what Diffusers' from_pretrained keeps there."""
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.02)
-    model.to(dtype)
-    for name, module in model.named_modules():
-        if any(keep in name.split(".") for keep in model._keep_in_fp32_modules or ()):
-            module.float()
-    return model.eval()
 
 
 def _run_requests(call, steps: list, device: str) -> dict:
@@ -94,7 +82,7 @@ def _measure(pipe, call, steps, device) -> dict:
 def bench_flux(device: str, dtype: torch.dtype, tiny: bool, steps: int) -> dict:
     config = {**FLUX_DEV, **(TINY["flux"] if tiny else {})}
     with torch.device(device):
-        model = _random(FluxTransformer2DModel(**config), dtype)
+        model = randomized(FluxTransformer2DModel(**config), dtype)
     tokens = (64, 16) if tiny else (4096, 512)
     x = inputs(1, *tokens, device, dtype)
     pipe = FluxPipeline(FlowMatchEulerDiscreteScheduler(), None, None, None, None, None, model)
@@ -111,7 +99,7 @@ def bench_flux(device: str, dtype: torch.dtype, tiny: bool, steps: int) -> dict:
 @torch.no_grad()
 def bench_wan(device: str, dtype: torch.dtype, tiny: bool, steps: int) -> dict:
     with torch.device(device):
-        model = _random(WanTransformer3DModel(**(TINY["wan"] if tiny else WAN_14B)), dtype)
+        model = randomized(WanTransformer3DModel(**(TINY["wan"] if tiny else WAN_14B)), dtype)
     frames, height, width = (2, 8, 8) if tiny else (21, 60, 104)  # 480x832, 81 frames after the VAE
     g = torch.Generator(device).manual_seed(0)
     latents = torch.randn(1, 16, frames, height, width, generator=g, device=device, dtype=dtype)

@@ -14,6 +14,7 @@ import json
 import torch
 from diffusers import QwenImageTransformer2DModel, SD3Transformer2DModel
 from flux_step import rel_err
+from random_models import randomized
 from timing import interleaved, write_json
 
 import omni_accel
@@ -39,11 +40,7 @@ def _random(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     cls, config = MODELS[name]
     torch.manual_seed(0)
     with torch.device(device):
-        model = cls(**config).to(dtype).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.02)
-    return model
+        return randomized(cls(**config), dtype)
 
 
 class _Holder(omni_accel.api.DiffusionPipeline):

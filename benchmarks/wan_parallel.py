@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-from projection_cache import _random
+from random_models import randomized
 from timing import timed, write_json
 from wan_step import CONFIGS, add_video_arguments, rel_err
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.layouts:
         torch.manual_seed(0)
         with torch.device(device):
-            model = _random(WanTransformer3DModel(**config), dtype)
+            model = randomized(WanTransformer3DModel(**config), dtype)
         pipe = WanPipeline(None, None, None, FlowMatchEulerDiscreteScheduler(), transformer=model)
         pipe.set_progress_bar_config(disable=True)
         omni_accel.accelerate(pipe, parallel=LAYOUTS[name], compile=args.compile)

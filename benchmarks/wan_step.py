@@ -17,7 +17,7 @@ import argparse
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-from projection_cache import WAN_14B, _random
+from random_models import WAN_14B, randomized
 from timing import interleaved, timed, write_json
 
 import omni_accel
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     def build() -> WanTransformer3DModel:
         torch.manual_seed(0)
         with torch.device(device):
-            return _random(WanTransformer3DModel(**config), dtype)
+            return randomized(WanTransformer3DModel(**config), dtype)
 
     frames = (args.frames - 1) // 4 + 1  # the VAE: 4x in time (first frame apart), 8x in space
     shape = (1, 16, frames, args.height // 8, args.width // 8)

@@ -197,11 +197,6 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             f"cuda_graphs=True captures the steps of a native transformer, and pipe.{name} ({cls_name}) has "
             "none; leave cuda_graphs off for this pipeline."
         )
-    if config.cuda_graphs is True and distributed:
-        raise ValueError(
-            f"cuda_graphs=True runs on one GPU for now, and {config.parallel} spreads pipe.{name} over "
-            f"{dist.get_world_size()} ranks; leave cuda_graphs off under a parallel layout."
-        )
     if distributed and not native_ok:
         raise ValueError(
             f"{config.parallel} needs a native transformer, and pipe.{name} ({cls_name}) has none"
@@ -437,9 +432,14 @@ def _parallel_config(
 ) -> tuple[ParallelConfig | str | None, str | None]:
     """The layout to apply now, or ``_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
     call's arguments (whether it runs both guidance branches); and a note for the report."""
+    world = _world_size() if config.parallel == "auto" else getattr(config.parallel, "world_size", 1)
+    if config.cuda_graphs and world > 1:
+        raise ValueError(
+            f"cuda_graphs=True runs on one GPU for now, and parallel={config.parallel!r} spreads the "
+            f"transformer over {world} ranks; leave cuda_graphs off under a parallel layout."
+        )
     if config.parallel != "auto":
         return config.parallel, None
-    world = _world_size()
     natives = [n for n in names if (spec := spec_for(getattr(pipe, n))) is not None and spec.native]
     if world == 1:
         return None, "one rank: nothing to spread"
@@ -447,11 +447,6 @@ def _parallel_config(
         raise ValueError(
             f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
             f"none; natives exist for {', '.join(registered_natives())}. Run it on one rank."
-        )
-    if config.cuda_graphs:
-        raise ValueError(
-            f"cuda_graphs=True runs on one GPU for now, and parallel='auto' spreads the transformer over "
-            f"{world} ranks; leave cuda_graphs off under a parallel layout."
         )
     return _FIRST_CALL, _FIRST_CALL
 

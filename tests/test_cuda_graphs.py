@@ -16,6 +16,7 @@ from conftest import flux_inputs, random_flux_transformer, random_lora
 from diffusers import FirstBlockCacheConfig, FluxPipeline
 
 import omni_accel
+from omni_accel import ParallelConfig
 from omni_accel.cuda_graphs import step_key
 from omni_accel.models.tiny_pipelines import tiny_flux_pipeline, tiny_sd3_pipeline
 
@@ -145,9 +146,15 @@ def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):
     assert "cuda_graphs" not in options_from_args(parser.parse_args(["x.py"]))
 
 
-def test_cuda_graphs_need_a_native_transformer():
+def test_cuda_graphs_need_a_native_transformer(monkeypatch):
     with pytest.raises(ValueError, match="cuda_graphs=True captures the steps of a native transformer"):
         omni_accel.accelerate(tiny_sd3_pipeline(), cuda_graphs=True)
+    pipe = tiny_flux_pipeline()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets: "auto" would spread over two ranks
+    for layout in (ParallelConfig(tp=2), "auto"):  # refused before anything is set up or swapped
+        with pytest.raises(ValueError, match="cuda_graphs=True runs on one GPU for now"):
+            omni_accel.accelerate(pipe, cuda_graphs=True, parallel=layout)
+    assert type(pipe.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
     with pytest.raises(TypeError, match="cuda_graphs must be True, False or None"):
         omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs="yes")
 
