@@ -19,6 +19,7 @@ import torch.distributed as dist
 from diffusers import AutoencoderKL, AutoencoderKLWan
 from timing import timed, write_json
 
+import omni_accel.models.wan  # noqa: F401  (teaches the row split Wan's VAE layers)
 from omni_accel.parallel.vae import RowSplit
 
 FLUX_VAE = dict(

@@ -1,6 +1,7 @@
 """Every parallel layout against the one-rank oracle on the same weights and seed (gloo, fp32, CPU)."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -126,6 +127,7 @@ def _vae_checks() -> None:
     # Wan's video decoder, frame chunk by frame chunk with its cached frames: causal 3-D convolutions take
     # halo rows, the per-frame attention runs on the gathered frame. No reduction is split, so only a
     # convolution kernel's own choice of order for a smaller input can differ (bitwise equal here).
+    importlib.import_module("omni_accel.models.wan")  # teaches the row split Wan's VAE layers
     wan_vae = omni_accel.tiny_wan_pipeline(seed=0).vae
     z = torch.randn(1, wan_vae.config.z_dim, 3, 9, 8, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -22,6 +22,7 @@ from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.comm import all_reduce_sum
 from ..parallel.tensor import shard_of
+from ..parallel.vae import SAME_SIZE_CONVS, Bands, SplitLayer, register_row_split, whole_attention
 from .base import NativeBlock, NativeModel
 
 _TEXT_TOKENS = 512  # Diffusers' WanAttnProcessor: the text context is the last 512 tokens (I2V: image first)
@@ -258,4 +259,42 @@ WAN = NativeModel(
         "a 14B forward at 480p, and caching them measured no gain (docs/PERFORMANCE.md)",
     ),
     projection_cache=False,
+)
+
+
+# Wan's video VAE decoder under a parallel layout (omni_accel.parallel.vae): it decodes frame chunk by frame
+# chunk with cached frames, each chunk split by rows the same way, so each rank's cached frames are its
+# band's. No reduction is split: only a convolution kernel's own order for a smaller input can differ
+# (bitwise in the tiny gloo test). Its encoder (strided causal downsampling) stays whole.
+
+
+def _causal_conv_reason(conv: torch.nn.Conv3d) -> str | None:
+    kernel, (pad_w, _, pad_h, _, _, _) = conv.kernel_size[1:], conv._padding
+    if conv.stride != (1, 1, 1) or (kernel, (pad_h, pad_w)) not in SAME_SIZE_CONVS or conv.groups != 1:
+        return f"a causal convolution the row split does not handle ({conv})"
+    return None
+
+
+def _causal_conv_in_bands(conv: torch.nn.Conv3d, bands: Bands, x: torch.Tensor, cache_x=None) -> torch.Tensor:
+    """WanCausalConv3d (cached frames before, zero padding around) with the band's halo rows in place of the
+    zero rows, after the cached frames are joined (so the halo carries them too)."""
+    padding = list(conv._padding)  # (w, w, h, h, t before, t after)
+    if cache_x is not None and padding[4] > 0:
+        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        padding[4] -= cache_x.shape[2]
+    if padding[2]:
+        x = bands.with_halo(x)
+        padding[2] = padding[3] = 0
+    return torch.nn.Conv3d.forward(conv, F.pad(x, padding))
+
+
+register_row_split(
+    ("WanDecoder3d",),
+    {
+        "WanCausalConv3d": SplitLayer(_causal_conv_reason, _causal_conv_in_bands),
+        "WanAttentionBlock": SplitLayer(forward=whole_attention),  # per-frame attention: the whole frame
+        "WanResample": SplitLayer(
+            lambda resample: "a downsampling WanResample" if resample.mode.startswith("downsample") else None
+        ),
+    },
 )

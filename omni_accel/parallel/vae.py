@@ -1,36 +1,34 @@
 """Patch-parallel VAE: each rank decodes (or encodes) a band of rows, and the result is one rank's.
 
 Under a parallel layout every rank ends the denoising loop with the same latents (and starts an img2img
-call with the same image), so the VAE's work can be split instead of repeated. The layers of the VAEs
-we know, split by rows, each need only:
+call with the same image), so the VAE's work can be split instead of repeated. Split by rows, a VAE's
+layers each need only:
 
-* a 3x3 convolution (2-D, or Wan's causal 3-D one after its cached frames are joined): one row from each
-  neighbouring band (a halo exchanged with the neighbours), or the zero padding at the image's edge;
+* a 3x3 convolution: one row from each neighbouring band (a halo exchanged with the neighbours), or the
+  zero padding at the image's edge;
 * a stride-2 downsampling convolution (padded at the bottom and right only): one row from the band below,
   given bands of an even number of rows at every level (the encoder's bands are multiples of its whole
   downsampling factor);
 * a GroupNorm: its statistics over the whole image, from the bands' sums (two all-reduces: mean, then the
   squared deviations around it, in float32), applied as PyTorch applies them;
-* an attention over the positions (the 2-D mid-block one, Wan's per-frame one): its input is gathered
-  and it runs whole (a small part of the work);
-* upsampling (nearest, Wan's channel-to-space), per-position norms and elementwise steps: nothing.
+* an attention over the positions: its input is gathered and it runs whole (a small part of the work);
+* upsampling, per-position norms and elementwise steps: nothing.
 
-Known: Diffusers' ``Encoder``/``Decoder`` (``AutoencoderKL``: FLUX, SD3...) and Wan's ``WanDecoder3d``
-(decoded frame chunk by frame chunk, each chunk split the same way, so each rank's cached frames are its
-band's). The bands are gathered at the end of each call. Wan's decoder splits no reduction: only a
-convolution kernel's own order for a smaller input can differ (bitwise in the tiny gloo test, 8.6e-7
-relative with a larger one on CPU); with GroupNorms the order of their float32 sums differs too (< 1.5e-6
-relative in fp32, and no farther from a float64 run than one rank is). Installed as the coder's instance
-``forward`` for the duration of the accelerated pipeline; ``enable_tiling()`` keeps working (each tile is
-split the same way).
+Known here: Diffusers' 2-D ``Encoder``/``Decoder`` (``AutoencoderKL``: FLUX, SD3...) and its shared layers;
+a model file teaches its own VAE's layers with ``register_row_split`` (Wan's video decoder: models/wan.py).
+The bands are gathered at the end of each call. With GroupNorms only the order of their float32 sums
+differs from one rank (< 1.5e-6 relative in fp32, and no farther from a float64 run than one rank is).
+Installed as the coder's instance ``forward`` for the duration of the accelerated pipeline;
+``enable_tiling()`` keeps working (each tile is split the same way).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,17 +44,35 @@ def _rows(x: torch.Tensor) -> int:
     return x.ndim - 2
 
 
-_SAME_SIZE_CONVS = (((1, 1), (0, 0)), ((3, 3), (1, 1)))  # (kernel, padding) with stride 1
+SAME_SIZE_CONVS = (((1, 1), (0, 0)), ((3, 3), (1, 1)))  # (kernel, padding) with stride 1
+
+
+@dataclass(frozen=True)
+class SplitLayer:
+    """How the row split treats one layer class (by name): why an instance cannot be split (``reason``
+    returns None when it can), and its band-aware forward ``(module, bands, x, *args, **kwargs)`` (None:
+    the layer works on its rows alone)."""
+
+    reason: Callable[[nn.Module], str | None] = lambda module: None
+    forward: Callable[..., torch.Tensor] | None = None
+
+
+_CODERS = {"Encoder", "Decoder"}  # Diffusers' 2-D VAE halves; models register theirs (register_row_split)
+_LAYERS: dict[str, SplitLayer] = {}  # filled below with Diffusers' shared layers, and by the models
+
+
+def register_row_split(coders: tuple[str, ...], layers: dict[str, SplitLayer]) -> None:
+    """Teaches the row split a model's VAE: the class names of its splittable encoders/decoders and how
+    its own layer classes split (a model file calls this; ``parallel/`` names no model)."""
+    _CODERS.update(coders)
+    _LAYERS.update(layers)
 
 
 def supports(coder: nn.Module) -> str | None:
-    """None when ``coder`` is a VAE encoder or decoder made only of layers the row split handles; else what
-    is not. Known: Diffusers' 2-D ``Encoder`` and ``Decoder`` (``AutoencoderKL``) and Wan's video decoder
-    (``WanDecoder3d``: causal 3-D convolutions, per-position RMS norms, per-frame attention)."""
+    """None when ``coder`` is a VAE encoder or decoder the row split knows, made only of layers it
+    handles; else what is not."""
     kind = type(coder).__name__
-    if kind not in ("Encoder", "Decoder", "WanDecoder3d") or not type(coder).__module__.startswith(
-        "diffusers."
-    ):
+    if kind not in _CODERS or not type(coder).__module__.startswith("diffusers."):
         return f"it is a {kind}, which the row split does not know"
     downsampling = {id(m.conv) for m in coder.modules() if type(m).__name__ == "Downsample2D"}
     for name, module in coder.named_modules():
@@ -68,30 +84,13 @@ def supports(coder: nn.Module) -> str | None:
 
 def _layer_reason(module: nn.Module, downsampling: set[int]) -> str | None:
     kind = type(module).__name__
-    if kind == "Downsample2D":
-        conv = module.conv
-        if module.norm is not None or not module.use_conv or module.padding != 0:
-            return "a Downsample2D the row split does not handle"
-        if (conv.kernel_size, conv.stride, conv.padding, conv.groups) != ((3, 3), (2, 2), (0, 0), 1):
-            return f"a downsampling convolution the row split does not handle ({conv})"
-    elif kind == "WanCausalConv3d":
-        kernel, (pad_w, _, pad_h, _, _, _) = module.kernel_size[1:], module._padding
-        if (
-            module.stride != (1, 1, 1)
-            or ((kernel, (pad_h, pad_w)) not in _SAME_SIZE_CONVS)
-            or module.groups != 1
-        ):
-            return f"a causal convolution the row split does not handle ({module})"
-    elif kind == "WanResample" and module.mode.startswith("downsample"):
-        return "a downsampling WanResample"
-    elif isinstance(module, nn.Conv2d) and id(module) not in downsampling:
+    if kind in _LAYERS:
+        return _LAYERS[kind].reason(module)
+    if isinstance(module, nn.Conv2d) and id(module) not in downsampling:
         shape = ((module.kernel_size, module.padding), module.stride, module.dilation, module.padding_mode)
-        if shape[0] not in _SAME_SIZE_CONVS or shape[1:] != ((1, 1), (1, 1), "zeros") or module.groups != 1:
+        if shape[0] not in SAME_SIZE_CONVS or shape[1:] != ((1, 1), (1, 1), "zeros") or module.groups != 1:
             return f"a convolution the row split does not handle ({module})"
-    elif isinstance(module, nn.Conv1d | nn.Conv3d | nn.ConvTranspose2d) or kind in (
-        "SpatialNorm",
-        "AvgDown3D",
-    ):
+    elif isinstance(module, nn.Conv1d | nn.Conv3d | nn.ConvTranspose2d) or kind == "SpatialNorm":
         return f"a {kind}"
     return None
 
@@ -132,7 +131,7 @@ class RowSplit:
             return forward(sample, *args, **kwargs)
         sizes = [(units // world + (r < units % world)) * self.unit for r in range(world)]
         band = sample.narrow(rows, sum(sizes[:rank]), sizes[rank])
-        with _split_layers(self.coder, _Bands(self.group, rank, world)):
+        with _split_layers(self.coder, Bands(self.group, rank, world)):
             out = forward(band.contiguous(), *args, **kwargs)
         self.calls += 1
         out_sizes = [size * out.shape[rows] // sizes[rank] for size in sizes]  # up- or downsampled alike
@@ -143,7 +142,7 @@ def _plain_forward(coder: nn.Module) -> Any:
     return functools.partial(type(coder).forward, coder)
 
 
-class _Bands:
+class Bands:
     """The ranks holding consecutive row bands, in rank order."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world: int) -> None:
@@ -192,32 +191,19 @@ class _Bands:
         return x
 
 
-def _conv(module: nn.Conv2d, bands: _Bands, x: torch.Tensor) -> torch.Tensor:
+def _conv(module: nn.Conv2d, bands: Bands, x: torch.Tensor) -> torch.Tensor:
     """A 3x3 convolution (padding 1) of the band with its halo rows: the rows need no padding then."""
     return F.conv2d(bands.with_halo(x), module.weight, module.bias, 1, (0, 1))
 
 
-def _causal_conv3d(module: nn.Conv3d, bands: _Bands, x: torch.Tensor, cache_x: Any = None) -> torch.Tensor:
-    """Wan's causal 3-D convolution (cached frames before, zero padding around) with the band's halo rows
-    in place of the zero rows, after the cached frames are joined (so the halo carries them too)."""
-    padding = list(module._padding)  # (w, w, h, h, t before, t after)
-    if cache_x is not None and padding[4] > 0:
-        x = torch.cat([cache_x.to(x.device), x], dim=2)
-        padding[4] -= cache_x.shape[2]
-    if padding[2]:
-        x = bands.with_halo(x)
-        padding[2] = padding[3] = 0
-    return nn.Conv3d.forward(module, F.pad(x, padding))
-
-
-def _downsample(module: nn.Module, bands: _Bands, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _downsample(module: nn.Module, bands: Bands, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Diffusers' Downsample2D (pad one column right and one row below, 3x3 stride 2) of an even band:
     the row below is the next band's first."""
     x = F.pad(bands.with_row_below(x), (0, 1, 0, 0))
     return F.conv2d(x, module.conv.weight, module.conv.bias, stride=2)
 
 
-def _group_norm(module: nn.GroupNorm, bands: _Bands, x: torch.Tensor) -> torch.Tensor:
+def _group_norm(module: nn.GroupNorm, bands: Bands, x: torch.Tensor) -> torch.Tensor:
     """GroupNorm with the statistics of the whole image (float32 mean, then the squared deviations around
     it), applied as PyTorch's kernel applies them: ``x * scale + shift`` per channel."""
     batch, channels, groups = x.shape[0], x.shape[1], module.num_groups
@@ -234,7 +220,7 @@ def _group_norm(module: nn.GroupNorm, bands: _Bands, x: torch.Tensor) -> torch.T
     return (x.float() * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype)
 
 
-def _whole_attention(module: nn.Module, bands: _Bands, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def whole_attention(module: nn.Module, bands: Bands, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Runs the attention on the gathered image (with its own norm unsplit) and keeps this band."""
     counts = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(bands.world)]
     rows = _rows(x)
@@ -246,7 +232,22 @@ def _whole_attention(module: nn.Module, bands: _Bands, x: torch.Tensor, *args, *
     return out.narrow(rows, sum(sizes[: bands.rank]), sizes[bands.rank])
 
 
-_UNSPLIT = "_omni_unsplit"
+def _downsample_reason(module: nn.Module) -> str | None:
+    conv = module.conv
+    if module.norm is not None or not module.use_conv or module.padding != 0:
+        return "a Downsample2D the row split does not handle"
+    if (conv.kernel_size, conv.stride, conv.padding, conv.groups) != ((3, 3), (2, 2), (0, 0), 1):
+        return f"a downsampling convolution the row split does not handle ({conv})"
+    return None
+
+
+register_row_split(
+    (),
+    {
+        "Downsample2D": SplitLayer(_downsample_reason, _downsample),
+        "Attention": SplitLayer(forward=whole_attention),
+    },
+)
 
 
 @contextmanager
@@ -261,20 +262,18 @@ def _unsplit(module: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _split_layers(coder: nn.Module, bands: _Bands) -> Iterator[None]:
+def _split_layers(coder: nn.Module, bands: Bands) -> Iterator[None]:
     """For one call: the convolutions, downsamplings, GroupNorms and attention run band-aware."""
     patched = []
     for module in coder.modules():
-        if isinstance(module, nn.Conv2d) and module.kernel_size == (3, 3) and module.stride == (1, 1):
+        split = _LAYERS.get(type(module).__name__)
+        if split is not None:
+            if split.forward is not None:
+                patched.append((module, functools.partial(split.forward, module, bands)))
+        elif isinstance(module, nn.Conv2d) and module.kernel_size == (3, 3) and module.stride == (1, 1):
             patched.append((module, functools.partial(_conv, module, bands)))
-        elif type(module).__name__ == "Downsample2D":
-            patched.append((module, functools.partial(_downsample, module, bands)))
-        elif type(module).__name__ == "WanCausalConv3d":
-            patched.append((module, functools.partial(_causal_conv3d, module, bands)))
         elif isinstance(module, nn.GroupNorm):
             patched.append((module, functools.partial(_group_norm, module, bands)))
-        elif type(module).__name__ in ("Attention", "WanAttentionBlock"):
-            patched.append((module, functools.partial(_whole_attention, module, bands)))
     try:
         for module, forward in patched:
             module.forward = forward
