@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import omni_accel
 
 _FAMILIES = (
+    ("communication", ("nccl",)),
     ("elementwise / norm / other", ("triton_",)),  # inductor's fused kernels (names list the ops they fuse)
     ("attention", ("fmha", "flash", "cudnn", "attention", "sdpa", "fprop")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")),

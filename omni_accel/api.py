@@ -7,7 +7,6 @@ each recording its own undo). ``restore`` runs the undos in reverse order.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import re
@@ -94,8 +93,6 @@ def accelerate(
         return pipe
     layout, auto_reason = _parallel_config(pipe, names, config)
     deferred = layout == _FIRST_CALL
-    if deferred and config.cuda_graphs is None:
-        config = dataclasses.replace(config, cuda_graphs=False)  # the layout to come is multi-rank
     parallel = init_parallel(layout) if layout is not None and not deferred else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
     distributed = parallel is not None and parallel.mesh is not None
@@ -239,10 +236,8 @@ def _plan_swap(
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
     graphs_on = config.cuda_graphs
-    if graphs_on is None:  # auto: on for one CUDA device
-        graphs_on = parallel is None and torch.cuda.is_available()
-        if parallel is not None:
-            limitations.append("CUDA graphs: off under a parallel layout (one GPU only, for now)")
+    if graphs_on is None:  # auto: on wherever the steps run on CUDA
+        graphs_on = torch.cuda.is_available() and (parallel is None or parallel.device.type == "cuda")
     cache = _unless_compiled(cache, config, limitations)
     runtime = NativeRuntime(selector, options, cache)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
@@ -432,14 +427,9 @@ def _parallel_config(
 ) -> tuple[ParallelConfig | str | None, str | None]:
     """The layout to apply now, or ``_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
     call's arguments (whether it runs both guidance branches); and a note for the report."""
-    world = _world_size() if config.parallel == "auto" else getattr(config.parallel, "world_size", 1)
-    if config.cuda_graphs and world > 1:
-        raise ValueError(
-            f"cuda_graphs=True runs on one GPU for now, and parallel={config.parallel!r} spreads the "
-            f"transformer over {world} ranks; leave cuda_graphs off under a parallel layout."
-        )
     if config.parallel != "auto":
         return config.parallel, None
+    world = _world_size()
     natives = [n for n in names if (spec := spec_for(getattr(pipe, n))) is not None and spec.native]
     if world == 1:
         return None, "one rank: nothing to spread"

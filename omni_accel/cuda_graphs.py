@@ -9,7 +9,13 @@ disabled); attention processors; training flags; and the global switches that pi
 reduced-precision matmuls, an ``attention_scope``). A new key runs eagerly once (lazy initialisation,
 compilation and weight packing happen there), is captured on its next call and replayed after that.
 Calls a graph cannot serve exactly run eagerly and are counted by reason: hooks that decide per call (step
-caches, offload), autograd, tensors off the GPU, capture errors. Outputs are copied out of the graph's
+caches, offload), autograd, tensors off the GPU, capture errors.
+
+Under a parallel layout the step's collectives (NCCL all-reduces, all-to-alls, ring transfers) are captured
+with its kernels. Our layout hooks decide only from shapes, and say what they decided (``replay_key``):
+which slice of each sequence this rank holds is part of the key, since an uneven split can give two
+sequence lengths the same local shape. Every rank sees the same calls with keys that match, so the ranks
+capture and replay the same steps and their collectives stay paired. Outputs are copied out of the graph's
 memory, so a caller may keep them across calls (pipelines hold the conditional result while the
 unconditional one runs).
 """
@@ -199,11 +205,15 @@ def step_key(module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> tup
 
 
 def _module_state(module: nn.Module) -> tuple | None:
-    """One walk over the modules per call: their identity and state, or None at the first hooked one."""
+    """One walk over the modules per call: their identity and state, or None at the first hook that may
+    decide per call."""
     state = []
     for child in module.modules():
         if is_hooked(child):
-            return None
+            layout = _layout_hooks_state(child)
+            if layout is None:
+                return None
+            state.append(layout)
         attrs = child.__dict__
         state.append(id(child))
         state.append(attrs["training"])
@@ -223,6 +233,22 @@ def _module_state(module: nn.Module) -> tuple | None:
                 )
             )
     return tuple(state)  # compared whole, not by a hash that could collide
+
+
+def _layout_hooks_state(module: nn.Module) -> tuple | None:
+    """What the hooks on ``module`` decided for the call in flight when every one is a layout hook (it has
+    ``replay_key``: it decides from shapes alone), else None."""
+    attrs = module.__dict__
+    registry = attrs.get("_diffusers_hook")
+    if registry is None or attrs["_forward_hooks"] or attrs["_forward_pre_hooks"] or "_hf_hook" in attrs:
+        return None
+    keys = []
+    for name, hook in registry.hooks.items():
+        replay_key = getattr(hook, "replay_key", None)
+        if replay_key is None:
+            return None
+        keys.append((name, replay_key()))
+    return tuple(keys)
 
 
 def _global_state() -> tuple:

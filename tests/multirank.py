@@ -1,4 +1,5 @@
-"""Run a test body on several gloo ranks (CPU) and surface any rank's failure with its traceback."""
+"""Run a test body on several ranks (gloo on CPU, or NCCL with one GPU each) and surface any rank's failure
+with its traceback."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -17,13 +19,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, init: bool, fn, args, errors) -> None:
+def _entry(rank: int, world: int, port: int, init: bool, backend: str, fn, args, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         if init:
             dist.init_process_group(
-                "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+                backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
             )
         fn(rank, world, *args)
     except BaseException:
@@ -34,14 +38,19 @@ def _entry(rank: int, world: int, port: int, init: bool, fn, args, errors) -> No
             dist.destroy_process_group()
 
 
-def run_multirank(fn, world: int, *args, timeout: float = 240, init: bool = True) -> None:
+def run_multirank(
+    fn, world: int, *args, timeout: float = 240, init: bool = True, backend: str = "gloo"
+) -> None:
     """Runs ``fn(rank, world, *args)`` in ``world`` spawned processes; raises with the first traceback.
 
     With ``init=False`` the processes only get torchrun's environment and must join the group themselves."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, init, fn, args, errors)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, init, backend, fn, args, errors))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -149,12 +149,6 @@ def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):
 def test_cuda_graphs_need_a_native_transformer(monkeypatch):
     with pytest.raises(ValueError, match="cuda_graphs=True captures the steps of a native transformer"):
         omni_accel.accelerate(tiny_sd3_pipeline(), cuda_graphs=True)
-    pipe = tiny_flux_pipeline()
-    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets: "auto" would spread over two ranks
-    for layout in (ParallelConfig(tp=2), "auto"):  # refused before anything is set up or swapped
-        with pytest.raises(ValueError, match="cuda_graphs=True runs on one GPU for now"):
-            omni_accel.accelerate(pipe, cuda_graphs=True, parallel=layout)
-    assert type(pipe.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
     with pytest.raises(TypeError, match="cuda_graphs must be True, False or None"):
         omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs="yes")
 
@@ -218,3 +212,33 @@ def test_replays_follow_lora_scales_weight_edits_and_true_cfg():
     _replays_match_eager(pipe, negative_prompt="a dog", true_cfg_scale=4.0)  # cond result held over uncond
     stats = omni_accel.describe(pipe).components[0].graphs.stats()
     assert stats["eager"] == {} and stats["captures"] == 3, stats  # LoRA, its new scale, the call scale
+
+
+def _parallel_replays(rank: int, world: int) -> None:
+    """Each layout's replayed steps (their NCCL collectives captured with the kernels) against the same
+    pipeline run eagerly, on every rank: uneven sequence slices, a new resolution, true CFG paired."""
+    true_cfg = dict(negative_prompt="a dog", true_cfg_scale=4.0)
+    for layout, options in (
+        (ParallelConfig(tp=2), {}),
+        (ParallelConfig(tp=2), {"compile": True}),  # functional collectives inside compiled blocks
+        (ParallelConfig(ulysses=2), {}),
+        (ParallelConfig(ring=2), {}),
+        (ParallelConfig(cfg=2), {}),
+        ("auto", {}),  # the layout arrives at the first call, around graphs installed before it
+    ):
+        pipe = _gpu_pipeline(parallel=layout, **options)
+        _replays_match_eager(pipe)
+        _replays_match_eager(pipe, height=48, width=32)
+        # True CFG's calls have the first call's shapes: its graph again (compiled, eager launches now run
+        # the dynamic-shape kernels the second shape made: equal to rounding, as on one GPU)
+        _replays_match_eager(pipe, exact="compile" not in options, **true_cfg)
+        stats = omni_accel.describe(pipe).components[0].graphs.stats()
+        assert stats["eager"] == {} and stats["captures"] == 2, (layout, stats)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_parallel_replays_are_bitwise_the_eager_steps():
+    from multirank import run_multirank
+
+    run_multirank(_parallel_replays, 2, timeout=600, backend="nccl")

@@ -142,9 +142,39 @@ def _vae_checks() -> None:
     assert split.calls == 3 and rel <= 1e-6, rel
 
 
+def _graph_keys_under_a_layout() -> None:
+    """Our layout hooks let a step be keyed for a CUDA graph (a user's hook still does not), and the key
+    holds every rank's slice: 13 and 12 text tokens give rank 1 the same local shape (6 tokens), so a key
+    on shapes alone would replay the 13-token graph, with its uneven all-to-alls, for 12 tokens."""
+    from omni_accel import cuda_graphs
+
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    omni_accel.accelerate(pipe, parallel=ParallelConfig(ulysses=2), cuda_graphs=True)
+    assert "each step captured as a CUDA graph" in str(omni_accel.describe(pipe))
+    keys, eager_reason = [], cuda_graphs._eager_reason
+
+    def spy(module, leaves):
+        keys.append(cuda_graphs.step_key(module, leaves, None))
+        return eager_reason(module, leaves)  # on CPU: runs eagerly, counted
+
+    _latents(pipe, num_inference_steps=1)  # packs the projections: the keys after it are the ones graphs use
+    cuda_graphs._eager_reason = spy
+    try:
+        for text in (13, 12):
+            _latents(pipe, max_sequence_length=text, num_inference_steps=1)
+        handle = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *a: None)
+        _latents(pipe, num_inference_steps=1)
+        handle.remove()
+    finally:
+        cuda_graphs._eager_reason = eager_reason
+    assert keys[0] is not None and keys[1] is not None and keys[0] != keys[1]
+    assert keys[2] is None, "a user's hook decides per call: no graph"
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _vae_checks()
+    _graph_keys_under_a_layout()
     oracle = _oracle()
     for layout in (
         ParallelConfig(tp=2),

@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from diffusers.hooks import ModelHook
 from diffusers.hooks.hooks import StateManager
 from torch import nn
 
 from .comm import all_gather_dim
-from .hooks import bound_arguments
+from .hooks import LayoutHook, bound_arguments
 
 _BRANCHES = ("cond", "uncond")
 
@@ -107,9 +106,11 @@ class _NoState:
         pass
 
 
-class SplitGuidance(ModelHook):
+class SplitGuidance(LayoutHook):
     """Runs the module's forward through ``CfgParallel``. ``output_like(module, arguments)`` is an empty
-    tensor shaped like the output; ``output_class`` wraps it as the module returns it with ``return_dict``."""
+    tensor shaped like the output; ``output_class`` wraps it as the module returns it with ``return_dict``.
+    Registered after the step graphs are installed, so it wraps them: its per-call pairing decisions are
+    made outside any captured step, which sees only the half batch or the one branch it is given."""
 
     _is_stateful = True  # so Diffusers hands it the cache context (the branch name)
 

@@ -12,6 +12,15 @@ from diffusers.hooks import HookRegistry, ModelHook
 from torch import nn
 
 
+class LayoutHook(ModelHook):
+    """A hook of a parallel layout. It decides from the arguments' shapes alone, so a CUDA graph captured
+    with it stays right for every call with the same key; ``replay_key`` adds what else it decided for the
+    call in flight (see ``omni_accel.cuda_graphs``)."""
+
+    def replay_key(self) -> tuple:
+        return ()
+
+
 def register(module: nn.Module, hook: ModelHook, name: str) -> Callable[[], None]:
     """Registers ``hook`` on ``module`` as ``name``; returns the undo."""
     registry = HookRegistry.check_if_exists_or_initialize(module)

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from diffusers.hooks import ModelHook
 from torch import nn
 
-from .hooks import bound_arguments
+from .hooks import LayoutHook, bound_arguments
 from .sequence import SequenceParallel
 
 
@@ -83,7 +82,7 @@ class SequenceState:
         return type(value)(self.split(item, split) for item in value)
 
 
-class SplitSequence(ModelHook):
+class SplitSequence(LayoutHook):
     """On the model: starts a forward's layout and splits the forward arguments the plan names."""
 
     def __init__(self, plan: SequencePlan, state: SequenceState) -> None:
@@ -101,8 +100,12 @@ class SplitSequence(ModelHook):
         self.state.joint = None
         return output
 
+    def replay_key(self) -> tuple:
+        # Split before the forward: the sizes of every rank's slice, not just this rank's local shape.
+        return tuple((name, plan.sizes) for name, plan in self.state.streams.items())
 
-class SplitInputs(ModelHook):
+
+class SplitInputs(LayoutHook):
     """On a submodule: splits the arguments the plan names."""
 
     def __init__(self, splits: Mapping[str, Split], state: SequenceState) -> None:
@@ -116,7 +119,7 @@ class SplitInputs(ModelHook):
         return (), arguments
 
 
-class SplitOutputs(ModelHook):
+class SplitOutputs(LayoutHook):
     """On a submodule: splits the outputs the plan names (by index; a lone tensor is output 0)."""
 
     def __init__(self, splits: Mapping[int, Split], state: SequenceState) -> None:
@@ -132,7 +135,7 @@ class SplitOutputs(ModelHook):
         return type(output)(items)
 
 
-class GatherSequence(ModelHook):
+class GatherSequence(LayoutHook):
     """On the submodule whose output is the model's output: every rank gets the whole sequence back."""
 
     def __init__(self, split: Split, state: SequenceState) -> None:

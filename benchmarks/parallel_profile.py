@@ -1,0 +1,154 @@
+"""Where a two-GPU FLUX.1-dev step spends its time, per layout: kernel families, communication, how much
+of it is exposed (no compute kernel running beside it), GPU idle time and the host's launch time; the step
+with and without CUDA graphs.
+
+    torchrun --nproc-per-node 2 benchmarks/parallel_profile.py --out parallel_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from flux_profile import family
+from flux_step import bare_pipeline, build_transformer, graphs_switched, inputs
+from timing import interleaved, write_json
+from torch.profiler import ProfilerActivity, profile
+
+import omni_accel
+from omni_accel import ParallelConfig
+
+LAYOUTS = {
+    "1gpu": None,
+    "tp2": ParallelConfig(tp=2),
+    "ulysses2": ParallelConfig(ulysses=2),
+    "ring2": ParallelConfig(ring=2),
+}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two unions of intervals."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += max(0.0, min(end, b[k][1]) - max(start, b[k][0]))
+            k += 1
+    return total
+
+
+def timeline(fn, steps: int) -> dict:
+    """Kernel time per family, communication exposed beside compute and GPU idle, per step (ms)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    families: dict[str, float] = defaultdict(float)
+    compute, comm = [], []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        label = family(event.name)
+        span = (event.time_range.start, event.time_range.end)
+        families[label] += (span[1] - span[0]) / 1000 / steps
+        (comm if label == "communication" else compute).append(span)
+    compute, comm = _union(compute), _union(comm)
+    busy = _union(compute + comm)
+    window = busy[-1][1] - busy[0][0] if busy else 0.0
+    return {
+        "kernels_ms": dict(families),
+        "communication_exposed_ms": (_length(comm) - _overlap(comm, compute)) / 1000 / steps,
+        "gpu_idle_ms": (window - _length(busy)) / 1000 / steps,
+    }
+
+
+def host_ms(fn, runs: int = 3) -> float:
+    """The host's time to launch one step (no sync inside; the GPU queue is drained before each)."""
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="profiled steps per layout")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device, dtype = f"cuda:{torch.cuda.current_device()}", torch.bfloat16
+    x = inputs(1, 4096, 512, device, dtype)
+    results = {}
+    for name in args.layouts:
+        pipe = bare_pipeline(build_transformer(device, dtype))
+        omni_accel.accelerate(pipe, parallel=LAYOUTS[name])
+
+        def step(pipe=pipe):
+            return pipe.transformer(**x)
+
+        eager, graphs = graphs_switched(pipe, step, False), graphs_switched(pipe, step, True)
+        for _ in range(3):  # warm-up; the graph captures on its second call
+            eager(), graphs()
+        times = interleaved({"eager": eager, "graphs": graphs}, device, args.rounds, 3)
+        result = {
+            "eager_ms_per_step": times["eager"]["median_ms"],
+            "graphs_ms_per_step": times["graphs"]["median_ms"],
+            "host_launch_ms_eager": host_ms(eager),
+            "profile_eager": timeline(eager, args.steps),
+            "profile_graphs": timeline(graphs, args.steps),
+        }
+        results[name] = result
+        if omni_accel.is_main_process():
+            print(name, result, flush=True)
+        del pipe, eager, graphs, step
+        gc.collect()
+        torch.cuda.empty_cache()
+    if omni_accel.is_main_process():
+        for name, r in results.items():
+            p = r["profile_eager"]
+            kernels = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["kernels_ms"].items()))
+            print(
+                f"{name:9s} eager {r['eager_ms_per_step']:.1f} graphs {r['graphs_ms_per_step']:.1f} "
+                f"host {r['host_launch_ms_eager']:.1f} | {kernels} | comm exposed "
+                f"{p['communication_exposed_ms']:.1f} idle {p['gpu_idle_ms']:.1f} | graphs: exposed "
+                f"{r['profile_graphs']['communication_exposed_ms']:.1f} idle {r['profile_graphs']['gpu_idle_ms']:.1f}"
+            )
+        write_json(results, args.out)
+    dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()
