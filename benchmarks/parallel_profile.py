@@ -8,6 +8,7 @@ with and without CUDA graphs.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import os
 import statistics
@@ -105,7 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out")
+    parser.add_argument("--watchdog-s", type=float, default=0, help="dump the stacks and exit after this")
     args = parser.parse_args(argv)
+    if args.watchdog_s:
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device, dtype = f"cuda:{torch.cuda.current_device()}", torch.bfloat16

@@ -7,6 +7,7 @@ across new resolutions, batch sizes, LoRA scales, weight edits and compile.
 """
 
 import copy
+import faulthandler
 import pickle
 
 import pytest
@@ -217,6 +218,7 @@ def test_replays_follow_lora_scales_weight_edits_and_true_cfg():
 def _parallel_replays(rank: int, world: int) -> None:
     """Each layout's replayed steps (their NCCL collectives captured with the kernels) against the same
     pipeline run eagerly, on every rank: uneven sequence slices, a new resolution, true CFG paired."""
+    faulthandler.dump_traceback_later(150, exit=True)  # a replay waiting on its peer has no NCCL timeout
     true_cfg = dict(negative_prompt="a dog", true_cfg_scale=4.0)
     for layout, options in (
         (ParallelConfig(tp=2), {}),
@@ -226,6 +228,7 @@ def _parallel_replays(rank: int, world: int) -> None:
         (ParallelConfig(cfg=2), {}),
         ("auto", {}),  # the layout arrives at the first call, around graphs installed before it
     ):
+        print(f"rank {rank}: {layout} {options}", flush=True)
         pipe = _gpu_pipeline(parallel=layout, **options)
         _replays_match_eager(pipe)
         _replays_match_eager(pipe, height=48, width=32)
@@ -241,4 +244,4 @@ def _parallel_replays(rank: int, world: int) -> None:
 def test_parallel_replays_are_bitwise_the_eager_steps():
     from multirank import run_multirank
 
-    run_multirank(_parallel_replays, 2, timeout=600, backend="nccl")
+    run_multirank(_parallel_replays, 2, timeout=300, backend="nccl")
