@@ -477,6 +477,7 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
 def _check_layout(module: nn.Module, model, parallel: ParallelState) -> None:
     """Raises, before anything changes, when ``parallel``'s layout cannot apply to ``module``."""
     check_parallel(module, model.parallel, parallel)
+    patches.check_applicable("release_graphs_at_destroy")
     if parallel.config.cfg > 1 and model.cfg_pairing is not None:
         patches.check_applicable("pair_cfg_calls")
     if parallel.config.tp > 1:
@@ -491,6 +492,9 @@ def _parallelize(component: _Component) -> None:
     component.runtime.layout = layout
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
+    if component.graphs is not None:  # graphs of parallel steps hold NCCL operations
+        patches.apply("release_graphs_at_destroy", "torch.distributed")
+        component.undo.append(lambda: patches.revert("release_graphs_at_destroy", "torch.distributed"))
     if component.parallel.config.tp > 1:
         for patch in _tp_lora_patches():
             patches.apply(*patch)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,17 @@ from .forward_hooks import global_hooks_active, is_hooked
 from .utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+_LIVE: weakref.WeakSet[StepGraphs] = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Frees the graphs of every live ``StepGraphs`` (they capture again on later calls): a process group
+    cannot be destroyed while graphs hold NCCL operations of its communicators."""
+    if any(graphs.graphs for graphs in _LIVE):
+        torch.cuda.synchronize()
+    for graphs in list(_LIVE):
+        graphs.release()
 
 
 @dataclass
@@ -63,9 +75,17 @@ class StepGraphs:
         self.captures = self.replays = 0
         self.eager: Counter = Counter()
         self._lock = threading.Lock()
+        _LIVE.add(self)
 
     def install(self) -> None:
         self.module.forward = self
+
+    def release(self) -> None:
+        """Drops the captured graphs and their memory pool; later calls capture anew."""
+        with self._lock:
+            self.graphs.clear()
+            self.warmed.clear()
+            self.pool = None
 
     def uninstall(self) -> None:
         """Puts the module's forward back; when a hook registered later wraps us, we only step aside."""

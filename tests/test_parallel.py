@@ -169,6 +169,10 @@ def _graph_keys_under_a_layout() -> None:
         cuda_graphs._eager_reason = eager_reason
     assert keys[0] is not None and keys[1] is not None and keys[0] != keys[1]
     assert keys[2] is None, "a user's hook decides per call: no graph"
+    # destroying the process group frees the graphs first (captured NCCL operations would block it)
+    assert hasattr(dist.destroy_process_group, "__wrapped__")
+    omni_accel.restore(pipe)
+    assert not hasattr(dist.destroy_process_group, "__wrapped__")
 
 
 def _two_ranks(rank: int, world: int) -> None:

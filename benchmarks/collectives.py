@@ -1,0 +1,85 @@
+"""Bandwidth of the exchanges sequence and tensor parallelism make per block, at FLUX.1-dev's 1024x1024
+shapes on two GPUs: the Ulysses all-to-all (even and uneven splits), the same bytes by all-gather, a ring
+P2P transfer of K/V, and the TP all-reduce; eager and replayed from a CUDA graph.
+
+    torchrun --nproc-per-node 2 benchmarks/collectives.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import omni_accel
+
+
+def _time(fn, graphed: bool, calls: int = 20) -> float:
+    """Mean over ``calls`` back-to-back calls (ms) after a warm-up, launched one by one or as one graph."""
+    fn()
+    torch.cuda.synchronize()
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(calls):
+                fn()
+        run = graph.replay
+    else:
+
+        def run():
+            for _ in range(calls):
+                fn()
+
+    run()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+@torch.no_grad()
+def main() -> None:
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    tokens, width = 4608 // world, 3072  # this rank's tokens of one FLUX block at 1024x1024, bf16
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(tokens, 2 * width, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    gathered = torch.empty(world * tokens, width, device="cuda", dtype=torch.bfloat16)
+    uneven = [tokens * width // world + (1 if r == 0 else -1) * width for r in range(world)]
+    flat = x.view(-1)
+    received = [uneven[rank]] * world  # every rank sends rank r its piece r
+    flat_out = torch.empty(sum(received), device="cuda", dtype=torch.bfloat16)
+    peer = (rank + 1) % world
+    recv = torch.empty_like(kv)
+
+    def p2p():
+        ops = [dist.P2POp(dist.isend, kv, peer), dist.P2POp(dist.irecv, recv, peer)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+    cases = {
+        "all_to_all_single (even)": lambda: dist.all_to_all_single(out, x),
+        "all_to_all_single (uneven splits)": lambda: dist.all_to_all_single(flat_out, flat, received, uneven),
+        "all_gather_into_tensor (same bytes sent)": lambda: dist.all_gather_into_tensor(gathered, x),
+        "ring P2P of K/V (2x bytes)": p2p,
+        "all_reduce (TP, full tokens)": lambda: dist.all_reduce(gathered),
+    }
+    megabytes = x.numel() * x.element_size() / 1e6
+    for name, fn in cases.items():
+        eager, graphed = _time(fn, False), _time(fn, True)
+        if omni_accel.is_main_process():
+            print(
+                f"{name:42s} {megabytes:.1f} MB/rank: eager {eager * 1000:7.1f} us, graphed {graphed * 1000:7.1f} us"
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
