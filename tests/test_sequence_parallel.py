@@ -57,8 +57,9 @@ def check_attention(
     kv_len: int | None = None,
     v_dim: int = 8,
     kv_replicated: bool = False,
+    batch: int = 2,
 ) -> None:
-    q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim)
+    q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim, batch)
     want = PROVIDER.forward(q, k, v)
     sharded_kv_len = None if kv_replicated else kv_len
     sp = SequenceParallel.plan(q_len, kv_length=sharded_kv_len, **groups)
@@ -83,8 +84,12 @@ def check_shard_gather(group, length: int) -> None:
 
 # Cases run under every scheme; together they cover uneven and empty shards, heads that do not divide the
 # Ulysses degree (down to ranks with no head), cross attention (sharded or replicated K/V, another value
-# width), and batch 2 throughout.
+# width), Ulysses in one and in two pipeline stages (heads >= 2 x degree), and batches of 2 and of 1 (whose
+# all-to-alls skip the copies).
 TWO_RANK_CASES = [
+    dict(q_len=7, heads=5, batch=1),
+    dict(q_len=7, kv_len=4, heads=4, v_dim=5, batch=1),
+    dict(q_len=7, kv_len=6, heads=4, kv_replicated=True, batch=1),
     dict(q_len=8, heads=4),
     dict(q_len=7, heads=3),
     dict(q_len=1, heads=2),
@@ -94,6 +99,8 @@ TWO_RANK_CASES = [
     dict(q_len=7, kv_len=6, heads=3, kv_replicated=True),
 ]
 FOUR_RANK_CASES = [
+    dict(q_len=37, heads=9, batch=1),
+    dict(q_len=10, kv_len=7, heads=8),
     dict(q_len=8, heads=4),
     dict(q_len=37, heads=3),
     dict(q_len=5, heads=3),

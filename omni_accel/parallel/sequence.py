@@ -23,6 +23,7 @@ code: the collectives are not differentiable.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -80,37 +81,73 @@ def gather(
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes, strict=True)], dim=dim)
 
 
-def _exchange(
-    x: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    scatter_dim: int,
-    scatter_sizes: Sequence[int],
-    gather_dim: int,
-    gather_sizes: Sequence[int],
-) -> torch.Tensor:
-    """All-to-all: piece ``j`` of ``x`` along ``scatter_dim`` goes to rank ``j``; what arrives from rank ``i``
-    is ``gather_sizes[i]`` long along ``gather_dim`` and is concatenated there.
+class _Exchange:
+    """An all-to-all in flight: piece ``j`` of ``x`` along ``scatter_dim`` goes to rank ``j``; what arrives
+    from rank ``i`` is ``gather_sizes[i]`` long along ``gather_dim`` and is joined there by ``wait``.
 
     Flat buffers with per-peer element counts let both splits be uneven, which is why heads are split
     unevenly rather than zero-padded: uneven sequence shards already need variable splits, so uneven heads
-    cost nothing more, while padding would move and attend zeros that are thrown away.
+    cost nothing more, while padding would move and attend zeros that are thrown away. Where every dim
+    before the split one has size 1 (a batch of one), the pieces are consecutive in memory: the send
+    buffer is ``x`` itself, or the received buffer is the joined result, with no copy.
     """
-    if _size(group) == 1:
-        return x
-    pieces = x.split(list(scatter_sizes), dim=scatter_dim)
-    send = torch.cat([piece.reshape(-1) for piece in pieces])
-    mine = scatter_sizes[_rank(group)]
-    shapes = []
-    for size in gather_sizes:
-        shape = list(x.shape)
-        shape[scatter_dim], shape[gather_dim] = mine, size
-        shapes.append(shape)
-    counts = [torch.Size(shape).numel() for shape in shapes]
-    recv = x.new_empty(sum(counts))
-    dist.all_to_all_single(recv, send, counts, [piece.numel() for piece in pieces], group=group)
-    return torch.cat(
-        [part.view(shape) for part, shape in zip(recv.split(counts), shapes, strict=True)], dim=gather_dim
-    )
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        scatter_dim: int,
+        scatter_sizes: Sequence[int],
+        gather_dim: int,
+        gather_sizes: Sequence[int],
+    ) -> None:
+        self.x, self.gather_dim, self.work = x, gather_dim, None
+        if _size(group) == 1:
+            return
+        if math.prod(x.shape[:scatter_dim]) == 1:
+            send = x.contiguous().view(-1)
+        else:
+            send = torch.cat([piece.reshape(-1) for piece in x.split(list(scatter_sizes), dim=scatter_dim)])
+        mine = scatter_sizes[_rank(group)]
+        self.shapes = []
+        for size in gather_sizes:
+            shape = list(x.shape)
+            shape[scatter_dim], shape[gather_dim] = mine, size
+            self.shapes.append(shape)
+        self.counts = [math.prod(shape) for shape in self.shapes]
+        self.recv = x.new_empty(sum(self.counts))
+        sent = [math.prod(x.shape) // max(x.shape[scatter_dim], 1) * size for size in scatter_sizes]
+        self.send = send  # kept until the transfer is waited for
+        self.work = dist.all_to_all_single(self.recv, send, self.counts, sent, group=group, async_op=True)
+
+    def wait(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The joined result, written into ``into`` when given (a slice of a larger output)."""
+        if self.work is None:
+            return self.x if into is None else into.copy_(self.x)
+        self.work.wait()
+        parts = [
+            part.view(shape) for part, shape in zip(self.recv.split(self.counts), self.shapes, strict=True)
+        ]
+        dim = self.gather_dim
+        if into is None and math.prod(self.shapes[0][:dim]) == 1:
+            joined = list(self.shapes[0])
+            joined[dim] = sum(shape[dim] for shape in self.shapes)
+            return self.recv.view(joined)
+        if into is None:
+            return torch.cat(parts, dim=dim)
+        for part, piece in zip(
+            parts, into.split([shape[dim] for shape in self.shapes], dim=dim), strict=True
+        ):
+            piece.copy_(part)
+        return into
+
+
+def head_stages(heads: int, degree: int) -> list[tuple[int, int]]:
+    """``(first head, count)`` of each pipeline stage of Ulysses attention: two stages when every rank gets
+    a head in each, so one stage's all-to-alls run while the kernel works on the other; else one."""
+    stages = 2 if degree > 1 and heads >= 2 * degree else 1
+    counts = split_sizes(heads, stages)
+    return [(sum(counts[:i]), count) for i, count in enumerate(counts)]
 
 
 def merge_partials(
@@ -272,21 +309,39 @@ class SequenceParallel:
             raise ValueError(
                 f"query has {q.shape[_HEADS]} heads but key {k.shape[_HEADS]}; expand K/V heads first"
             )
-        group = self.ulysses_group
-        heads = split_sizes(q.shape[_HEADS], _size(group))
+        group, ring = self.ulysses_group, self.ring_group
         chunk = self._chunk(self.sizes)
-        q = _exchange(q, group, _HEADS, heads, _SEQ, chunk)
-        if kv_replicated:
-            start = sum(heads[: _rank(group)])
-            k, v = (t.narrow(_HEADS, start, heads[_rank(group)]) for t in (k, v))
-            out = _attend_out(attend, q, k, v)
-        else:
-            kv_sizes = self._sizes(kv=True)
-            if _size(group) > 1:  # K and V travel as one tensor: one all-to-all instead of two
-                kv = _exchange(torch.cat([k, v], dim=-1), group, _HEADS, heads, _SEQ, self._chunk(kv_sizes))
-                k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-            out = ring_attention(q, k, v, attend, self.ring_group, self._ring_blocks(kv_sizes))
-        return _exchange(out, group, _SEQ, chunk, _HEADS, heads)
+        kv_sizes = self._sizes(kv=True)
+        kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
+        # Every stage's inputs are posted first: the communication stream runs them back to back while the
+        # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
+        stages = []
+        for first, count in head_stages(q.shape[_HEADS], _size(group)):
+            heads = split_sizes(count, _size(group))
+
+            def send(t: torch.Tensor, sizes: Sequence[int], first=first, count=count, heads=heads):
+                return _Exchange(t.narrow(_HEADS, first, count), group, _HEADS, heads, _SEQ, sizes)
+
+            if kv_replicated:  # every rank holds all of K/V: only this rank's heads are needed
+                mine = first + sum(heads[: _rank(group)])
+                kv = [t.narrow(_HEADS, mine, heads[_rank(group)]) for t in (k, v)]
+            else:
+                kv = [send(k, kv_chunk), send(v, kv_chunk)]
+            stages.append((first, count, heads, send(q, chunk), kv))
+        back = []
+        for first, count, heads, q_sent, kv in stages:
+            q_stage = q_sent.wait()
+            if kv_replicated:
+                o = _attend_out(attend, q_stage, *kv)
+            else:
+                o = ring_attention(q_stage, *(t.wait() for t in kv), attend, ring, ring_blocks)
+            back.append((_Exchange(o, group, _SEQ, chunk, _HEADS, heads), first, count))
+        if len(back) == 1:
+            return back[0][0].wait()
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        for sent, first, count in back:
+            sent.wait(into=out.narrow(_HEADS, first, count))
+        return out
 
     def _check(self, x: torch.Tensor, sizes: Sequence[int], name: str) -> None:
         if x.shape[_SEQ] != sizes[self.index]:
