@@ -22,10 +22,10 @@ class AccelConfig:
     of ranks and the pipeline's first call; see ``omni_accel.parallel.auto``). ``compile``:
     ``torch.compile`` each repeated block of a native transformer (True, or a dict of ``torch.compile``
     keyword arguments). ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and replay
-    it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer whose steps
-    run on CUDA, one GPU or a parallel layout's. ``vae_parallel``: under a parallel layout, split the VAE decode over the ranks by latent
-    rows (None, the default: when the VAE's layers allow it). ``components``: the pipeline attributes
-    treated as denoisers."""
+    it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer whose
+    steps run on CUDA, on one GPU or under a parallel layout. ``vae_parallel``: under a parallel layout,
+    split the VAE decode over the ranks by latent rows (None, the default: when the VAE's layers allow it).
+    ``components``: the pipeline attributes treated as denoisers."""
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True

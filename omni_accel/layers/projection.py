@@ -232,15 +232,35 @@ def apply_linear(x: torch.Tensor, weights: LinearWeights) -> tuple[torch.Tensor,
 
 def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
     """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
-    summed in one all-reduce; the biases are added once, after it."""
+    summed over the ranks; the biases are added once, after it."""
     (terms,) = weights.adapters
-    y = all_reduce_sum(_add_adapters(x, F.linear(x, weights.weight), terms, with_bias=False), weights.reduce)
+    if terms or torch.compiler.is_compiling() or x.shape[:-1].numel() < 2:
+        partial = _add_adapters(x, F.linear(x, weights.weight), terms, with_bias=False)
+        y = all_reduce_sum(partial, weights.reduce)  # the compiler schedules its own overlap
+    else:
+        y = _summed_in_halves(x, weights)
     if weights.bias is not None:
         y = y + weights.bias
     for term in terms:
         if term.up_bias is not None:
             y = y + term.up_bias * term.scale
     return y
+
+
+def _summed_in_halves(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
+    """``x @ weight.T`` summed over the ranks in two halves of the rows, so the first half's all-reduce
+    runs while the second half's GEMM does and only half of the communication is left exposed. The sums
+    are the ones a single all-reduce would make."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows.new_empty(rows.shape[0], weights.weight.shape[0])
+    half = (rows.shape[0] + 1) // 2
+    transfers = []
+    for part in (slice(0, half), slice(half, rows.shape[0])):
+        torch.mm(rows[part], weights.weight.t(), out=out[part])
+        transfers.append(dist.all_reduce(out[part], group=weights.reduce, async_op=True))
+    for transfer in transfers:
+        transfer.wait()
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _add_adapters(
