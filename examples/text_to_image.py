@@ -5,6 +5,8 @@
     python examples/text_to_image.py --model tiny-wan --frames 5 --height 32 --width 32 --output out.gif
     python examples/text_to_image.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --frames 33 --output out.gif
     torchrun --nproc-per-node 2 examples/text_to_image.py --ulysses 2      # the transformer over 2 ranks
+    torchrun --nproc-per-node 2 examples/text_to_image.py --model random-flux-dev --dtype bfloat16 \
+        --steps 28 --tp 2    # FLUX.1-dev's full architecture with random weights, offline (GPUs)
 
 The plain Diffusers run goes first, so its numbers are untouched by acceleration; then the very same
 pipeline object is accelerated in place and called the very same way.
@@ -41,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model",
-        help="hub id or local dir, or tiny-flux / tiny-wan (offline, random weights); default: tiny-flux",
+        help="hub id or local dir, or tiny-flux / tiny-wan (offline, random weights), or random-flux-dev "
+        "(FLUX.1-dev's full size, random weights, built on the GPU); default: tiny-flux",
     )
     parser.add_argument("--frames", type=int, help="video pipelines (Wan): frames to generate (4k+1)")
     parser.add_argument("--prompt", default="a photo of an astronaut riding a horse on the moon")
@@ -90,6 +93,8 @@ def load_pipeline(args: argparse.Namespace) -> DiffusionPipeline:
     tiny["tiny-wan"] = omni_accel.tiny_wan_pipeline
     if args.model in tiny:
         return tiny[args.model](seed=0, dtype=dtype, device=args.device)
+    if args.model == "random-flux-dev":
+        return omni_accel.random_flux_dev_pipeline(seed=0, dtype=dtype, device=args.device)
     pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype).to(args.device)
     pipe.set_progress_bar_config(disable=True)  # the bars would interleave with the measurements
     return pipe
@@ -171,9 +176,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     if not omni_accel.is_main_process():  # every rank holds the same result: rank 0 reports and saves
         return result
-    source = (
-        args.model if args.model not in (None, "tiny-flux", "tiny-wan") else "tiny, offline, random weights"
-    )
+    offline = {None: "tiny", "tiny-flux": "tiny", "tiny-wan": "tiny", "random-flux-dev": "full size"}
+    source = f"{offline[args.model]}, offline, random weights" if args.model in offline else args.model
     print(f"pipeline: {type(pipe).__name__} ({source}), {args.dtype} on {args.device}")
     verdict = "OK" if result["within_tolerance"] else "OUT OF TOLERANCE"
     print(f"parity, {args.dtype} tolerance: image {image_tol:g}, latents rel {latent_tol:g} -> {verdict}")

@@ -16,14 +16,19 @@ from .report import AccelerationReport
 __version__ = "0.1.0"
 
 _TINY_BUILDERS = ("tiny_flux_pipeline", "tiny_qwenimage_pipeline", "tiny_sd3_pipeline", "tiny_wan_pipeline")
+_RANDOM_BUILDERS = ("random_flux_dev_pipeline",)
 
 
 def __getattr__(name: str):
-    # The tiny pipelines import text encoders from transformers: load them only when asked for.
+    # The offline pipelines import text encoders from transformers: load them only when asked for.
     if name in _TINY_BUILDERS:
         from .models import tiny_pipelines
 
         return getattr(tiny_pipelines, name)
+    if name in _RANDOM_BUILDERS:
+        from .models import random_pipelines
+
+        return getattr(random_pipelines, name)
     raise AttributeError(f"module 'omni_accel' has no attribute {name!r}")
 
 
@@ -42,6 +47,7 @@ __all__ = [
     "is_main_process",
     "load_ipython_extension",
     "provider_names",
+    "random_flux_dev_pipeline",
     "restore",
     "tiny_flux_pipeline",
     "tiny_qwenimage_pipeline",

@@ -171,3 +171,21 @@ def test_flux_rope_axes():
         assert sum(axes) == head_dim and all(a > 0 and a % 2 == 0 for a in axes)
     with pytest.raises(ValueError):
         flux_rope_axes(15)
+
+
+def test_full_size_random_flux_dev_has_the_released_shapes():
+    """The offline FLUX.1-dev (random weights) that benchmarks and the example build on a GPU: built here
+    on the meta device, its parameter counts are the released model's (text towers: less the vocabulary)."""
+    import omni_accel
+    from omni_accel.models.random_pipelines import FLUX_DEV_TRANSFORMER
+
+    pipe = omni_accel.random_flux_dev_pipeline(device="meta")
+    counts = {
+        name: sum(p.numel() for p in getattr(pipe, name).parameters()) for name in ("transformer", "vae")
+    }
+    assert counts == {"transformer": 11_901_408_320, "vae": 83_819_683}
+    config = {k: pipe.transformer.config[k] for k in FLUX_DEV_TRANSFORMER}
+    assert {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()} == FLUX_DEV_TRANSFORMER
+    assert pipe.text_encoder_2.config.d_model == 4096 and pipe.text_encoder_2.config.num_layers == 24
+    assert pipe.default_sample_size * pipe.vae_scale_factor == 1024
+    assert pipe.transformer.dtype == torch.bfloat16
