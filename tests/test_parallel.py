@@ -175,10 +175,22 @@ def _graph_keys_under_a_layout() -> None:
     assert not hasattr(dist.destroy_process_group, "__wrapped__")
 
 
+def _tp_splits_the_modulation() -> None:
+    """Under tp=2 the AdaLN modulation weights (a quarter of FLUX's parameters) are split, not replicated:
+    each rank holds half of every block's and gathers the small output."""
+    from omni_accel.parallel.tensor import shard_of
+
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(tp=2))
+    blocks = pipe.transformer.transformer_blocks[0], pipe.transformer.single_transformer_blocks[0]
+    for linear in (blocks[0].norm1.linear, blocks[0].norm1_context.linear, blocks[1].norm.linear):
+        assert shard_of(linear) is not None and linear.weight.shape[0] == linear.out_features // 2
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _vae_checks()
     _graph_keys_under_a_layout()
+    _tp_splits_the_modulation()
     oracle = _oracle()
     for layout in (
         ParallelConfig(tp=2),

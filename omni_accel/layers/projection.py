@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.comm import all_reduce_sum
+from ..parallel.comm import all_gather_dim, all_reduce_sum
 
 _PACK_LOCK = threading.Lock()
 
@@ -51,6 +51,7 @@ class LinearWeights:
     sizes: tuple[int, ...]
     adapters: tuple[tuple[LowRank, ...], ...]  # per packed output
     reduce: dist.ProcessGroup | None = None  # tensor-parallel input split: outputs are summed over this group
+    gather: dist.ProcessGroup | None = None  # tensor-parallel output split whose output every rank needs
 
 
 class Unsupported(Exception):
@@ -136,7 +137,8 @@ def read_linear(module: nn.Module, where: str) -> LinearWeights:
     base, terms = _resolve(module, where)
     shard = getattr(base, "omni_tp", None)
     reduce = shard.group if shard is not None and shard.reduces else None
-    return LinearWeights(base.weight, base.bias, (_local_size(base),), (terms,), reduce)
+    gather = shard.group if shard is not None and shard.gathers_output else None
+    return LinearWeights(base.weight, base.bias, (_local_size(base),), (terms,), reduce, gather)
 
 
 def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
@@ -225,6 +227,10 @@ def apply_linear(x: torch.Tensor, weights: LinearWeights) -> tuple[torch.Tensor,
     """``x`` through the (packed) projection: one output per packed linear, adapters added as peft does."""
     if weights.reduce is not None:
         return (_summed_over_ranks(x, weights),)
+    if weights.gather is not None:  # this rank's slice of the outputs, then every rank's
+        (terms,) = weights.adapters
+        local = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms)
+        return (all_gather_dim(local, -1, weights.gather),)
     y = F.linear(x, weights.weight, weights.bias)
     parts = y.split(weights.sizes, dim=-1) if len(weights.sizes) > 1 else (y,)
     return tuple(_add_adapters(x, part, terms) for part, terms in zip(parts, weights.adapters, strict=True))

@@ -231,6 +231,8 @@ class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
         **dict.fromkeys(packed["img_qkv"] + packed["txt_qkv"], Colwise()),
         "attn.to_out.0": Rowwise(),
         "attn.to_add_out": Rowwise(),
+        "norm1.linear": Colwise(gather=True),
+        "norm1_context.linear": Colwise(gather=True),
         "ff.net.0.proj": Colwise(),
         "ff.net.2": Rowwise(),
         "ff_context.net.0.proj": Colwise(),
@@ -256,6 +258,7 @@ class NativeFluxSingleTransformerBlock(_FluxNative, FluxSingleTransformerBlock):
     tp_plan = {
         **dict.fromkeys(packed["qkv_mlp"], Colwise()),
         "proj_out": Rowwise(input_parts=("attn.to_q", "proj_mlp")),  # its input: cat([attention, mlp])
+        "norm.linear": Colwise(gather=True),
     }
     modulations = ("mod",)
     site = AttentionSite("flux.single", "self")

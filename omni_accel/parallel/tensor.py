@@ -26,9 +26,13 @@ from .comm import all_gather_dim
 @dataclass(frozen=True)
 class Colwise:
     """Output features split over the TP ranks: each rank computes its slice of the outputs. ``optional``:
-    the linear exists only in some variants of the model (skipped where it is None)."""
+    the linear exists only in some variants of the model (skipped where it is None). ``gather``: every
+    rank needs the whole output, so it is all-gathered after the GEMM: for a large weight with a small
+    output (an AdaLN modulation: one vector per sample from a 3072 x 18432 weight), whose weight would
+    otherwise be held and read in full by every rank."""
 
     optional: bool = False
+    gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class LinearShard:
     group: dist.ProcessGroup
     rank: int
     size: int
+    gathers_output: bool = False
 
     @property
     def reduces(self) -> bool:
@@ -124,7 +129,8 @@ def plan_shards(
                 f"tp={size} does not divide the {bad} {'output' if dim == 0 else 'input'} features of {path}; "
                 "use a tp that divides them."
             )
-        shards.append((path, linear, LinearShard(dim, parts, group, rank, size)))
+        gathers = isinstance(style, Colwise) and style.gather
+        shards.append((path, linear, LinearShard(dim, parts, group, rank, size, gathers)))
     return shards
 
 
