@@ -19,7 +19,12 @@ import omni_accel
 
 _FAMILIES = (
     ("communication", ("nccl",)),
-    ("elementwise / norm / other", ("triton_",)),  # inductor's fused kernels (names list the ops they fuse)
+    # inductor's fused kernels (names list the ops they fuse) and ours (whose GELU writes next to the
+    # attention output: "concat" in its name, elementwise work all the same)
+    (
+        "elementwise / norm / other",
+        ("triton_", "_norm_modulate", "_gated_residual", "_concat_gelu", "_qk_norm"),
+    ),
     ("attention", ("fmha", "flash", "cudnn", "attention", "sdpa", "fprop")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")),
     ("copy / concat", ("copy", "cat", "memcpy", "memset")),

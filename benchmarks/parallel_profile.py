@@ -68,6 +68,7 @@ def timeline(fn, steps: int) -> dict:
             fn()
         torch.cuda.synchronize()
     families: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
     compute, comm = [], []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -75,6 +76,7 @@ def timeline(fn, steps: int) -> dict:
         label = family(event.name)
         span = (event.time_range.start, event.time_range.end)
         families[label] += (span[1] - span[0]) / 1000 / steps
+        kernels[f"{label}: {event.name[:100]}"] += (span[1] - span[0]) / 1000 / steps
         (comm if label == "communication" else compute).append(span)
     compute, comm = _union(compute), _union(comm)
     busy = _union(compute + comm)
@@ -83,6 +85,7 @@ def timeline(fn, steps: int) -> dict:
         "kernels_ms": dict(families),
         "communication_exposed_ms": (_length(comm) - _overlap(comm, compute)) / 1000 / steps,
         "gpu_idle_ms": (window - _length(busy)) / 1000 / steps,
+        "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15]),
     }
 
 
