@@ -238,6 +238,16 @@ def _two_ranks(rank: int, world: int) -> None:
     assert "ParallelConfig(tp=1, ulysses=1, ring=1, cfg=2)" in report
     assert "vae (AutoencoderKLWan): patch-parallel - decoder split" in report  # its encoder stays whole
     assert ((auto.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
+    # Wan VACE: its calls pair under cfg=2 as Wan's do (control blocks and all)
+    from test_wan_native import vace_call
+
+    def vace(**options):
+        pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, vace=True), **options)
+        return pipe(**vace_call(pipe), generator=torch.Generator().manual_seed(0)).frames, pipe
+
+    (one, _), (two, pipe) = vace(), vace(parallel=ParallelConfig(cfg=2))
+    assert ((two - one).abs().max() / one.abs().max()).item() <= 1e-5
+    assert "2 paired" in str(omni_accel.describe(pipe))
     with pytest.raises(ValueError, match="needs a native transformer"):
         omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
 

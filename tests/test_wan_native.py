@@ -2,7 +2,7 @@
 norm, and Wan 2.2 TI2V's per-token timesteps."""
 
 import torch
-from conftest import random_lora, random_wan_transformer
+from conftest import random_lora, random_wan_transformer, random_wan_vace_transformer
 from native_contract import NativeContract
 
 import omni_accel
@@ -50,6 +50,36 @@ class TestWanContract(NativeContract):
 
     make_module = staticmethod(random_wan_transformer)
     make_inputs = staticmethod(wan_inputs)
+
+
+def wan_vace_inputs(module, control_frames=None, **shapes):
+    """Wan's inputs plus VACE's control latents (fewer frames than the video: padded with zero tokens) and a
+    scale per control layer."""
+    inputs = wan_inputs(module, **shapes)
+    batch, _, frames, height, width = inputs["hidden_states"].shape
+    cfg = module.config
+    g = torch.Generator().manual_seed(2)
+    control = torch.randn(batch, cfg.vace_in_channels, control_frames or frames, height, width, generator=g)
+    scales = torch.linspace(0.5, 1.5, len(cfg.vace_layers))
+    return dict(inputs, control_hidden_states=control, control_hidden_states_scale=scales)
+
+
+class TestWanVACEContract(NativeContract):
+    cases = [
+        ({}, dict(batch=2, frames=3, side=8, text=7)),
+        ({"cross_attn_norm": False, "num_attention_heads": 3}, dict(batch=1, frames=3, side=6, text=5)),
+        ({}, dict(batch=1, frames=3, side=4, text=5, control_frames=2)),
+    ]
+    layouts = [
+        (ParallelConfig(cfg=2), {}, None),
+        (ParallelConfig(tp=2), {}, None),
+        # 27 tokens: uneven over 2 ranks; the control stream splits with the video tokens
+        (ParallelConfig(ulysses=2), {"num_attention_heads": 3}, dict(batch=2, frames=3, side=6, text=7)),
+        (ParallelConfig(ring=2), {}, dict(batch=1, frames=3, side=6, text=5, control_frames=2)),
+    ]
+
+    make_module = staticmethod(random_wan_vace_transformer)
+    make_inputs = staticmethod(wan_vace_inputs)
 
 
 def test_tiny_wan_pipeline_native_matches_diffusers_with_cfg():
@@ -112,6 +142,33 @@ def test_wan_image_to_video_pipeline_runs_native():
     expected = plain(**kwargs, generator=torch.Generator().manual_seed(0)).frames
     assert torch.equal(fast(**kwargs, generator=torch.Generator().manual_seed(0)).frames, expected)
     assert not omni_accel.describe(fast).components[0].runtime.fallbacks  # image K/V ran natively
+
+
+def vace_call(pipe) -> dict:
+    """A WanVACEPipeline call with guidance (prompt embeddings given: Diffusers' prompt cleaning needs
+    ``ftfy``); no control video, so the pipeline conditions on its blank one and the full mask."""
+    g = torch.Generator().manual_seed(5)
+    width = pipe.text_encoder.config.d_model
+    return dict(
+        prompt_embeds=torch.randn(1, 512, width, generator=g),
+        negative_prompt_embeds=torch.randn(1, 512, width, generator=g),
+        guidance_scale=4.0,
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        output_type="latent",
+    )
+
+
+def test_wan_vace_pipeline_runs_native():
+    plain = omni_accel.tiny_wan_pipeline(seed=0, vace=True)
+    fast = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, vace=True))
+    expected = plain(**vace_call(plain), generator=torch.Generator().manual_seed(0)).frames
+    assert torch.equal(fast(**vace_call(fast), generator=torch.Generator().manual_seed(0)).frames, expected)
+    report = omni_accel.describe(fast).components[0]
+    assert report.mode == "native" and "(blocks, vace_blocks)" in report.detail
+    assert not report.runtime.fallbacks
 
 
 def test_wan_video_to_video_from_pipe_and_save_pretrained(tmp_path):

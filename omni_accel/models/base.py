@@ -134,6 +134,10 @@ class NativeBlock:
         """``packed``, plus any projection only some variants of the model have (override to add them)."""
         return self.packed
 
+    def linear_projections(self) -> Mapping[str, str]:
+        """``linears``, plus any linear only some blocks of a class have (override to add them)."""
+        return self.linears
+
     def unsupported_reason(self, *args: Any, **kwargs: Any) -> str | None:
         """A model-specific reason this call must run Diffusers' forward (a custom processor...), or None."""
         return None
@@ -149,7 +153,10 @@ class NativeBlock:
                     for name, paths in self.packed_projections().items()
                 }
                 weights.update(
-                    {name: read_linear(self._submodule(path), path) for name, path in self.linears.items()}
+                    {
+                        name: read_linear(self._submodule(path), path)
+                        for name, path in self.linear_projections().items()
+                    }
                 )
                 return weights
             except Unsupported as exc:

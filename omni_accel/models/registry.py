@@ -67,6 +67,18 @@ _SPECS: dict[str, ModelSpec] = {
             r"condition_embedder\.text_embedder",
         ),
     ),
+    "WanVACETransformer3DModel": ModelSpec(
+        family="wan",
+        native="omni_accel.models.wan:WAN_VACE",
+        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_wan"),),
+        attention_roles={r".*\.attn1": ("wan.self", "self"), r".*\.attn2": ("wan.cross", "cross")},
+        cache_sites=(
+            r"(vace_)?blocks\.\d+\.attn2\.to_[kv]",
+            r"condition_embedder\.time_embedder",
+            r"condition_embedder\.time_proj",
+            r"condition_embedder\.text_embedder",
+        ),
+    ),
     "QwenImageTransformer2DModel": ModelSpec(
         family="qwenimage",
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_qwenimage"),),

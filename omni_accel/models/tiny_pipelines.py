@@ -32,6 +32,8 @@ from diffusers import (
     WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
+    WanVACEPipeline,
+    WanVACETransformer3DModel,
 )
 from tokenizers import pre_tokenizers
 from transformers import (
@@ -375,16 +377,18 @@ def tiny_wan_pipeline(
     attention_head_dim: int = 16,
     two_experts: bool = False,
     image_to_video: bool = False,
+    vace: bool = False,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> WanPipeline | WanImageToVideoPipeline:
+) -> WanPipeline | WanImageToVideoPipeline | WanVACEPipeline:
     """Wan 2.1 text-to-video pipeline (3D DiT with cross-attention, UMT5, causal video VAE) at toy size.
 
     ``two_experts=True`` gives Wan 2.2 A14B's layout: a second transformer (``transformer_2``, its own
     random weights) takes the low-noise steps below ``boundary_ratio`` 0.8 (with 4 steps: the last two).
     ``image_to_video=True`` gives Wan 2.1 I2V: a CLIP vision encoder, image K/V in every cross-attention and
     the conditioning latents as extra input channels (a ``WanImageToVideoPipeline``; pass ``prompt_embeds``,
-    since Diffusers' I2V prompt cleaning needs the ``ftfy`` package).
+    since Diffusers' I2V prompt cleaning needs the ``ftfy`` package). ``vace=True`` gives Wan VACE (a
+    ``WanVACEPipeline``): control blocks at the first and last layers read the control video and mask.
 
     The VAE keeps Wan's 4x temporal compression (so ``num_frames`` must be 4k+1, e.g. 5) but compresses space
     only 4x, so small clips still give several tokens per frame; height and width must be multiples of 8.
@@ -427,9 +431,17 @@ def tiny_wan_pipeline(
     in_channels = 2 * _LATENT_CHANNELS + 4 if image_to_video else _LATENT_CHANNELS
     image_kv = dict(image_dim=24, added_kv_proj_dim=inner_dim) if image_to_video else {}
 
+    # VACE's control input: the control video's latents (inactive and reactive parts) and the mask, one
+    # channel per pixel of a latent cell
+    vace_kw = {}
+    if vace:
+        cell = vae.config.scale_factor_spatial**2
+        vace_kw = dict(vace_layers=sorted({0, num_layers - 1}), vace_in_channels=2 * _LATENT_CHANNELS + cell)
+
     def expert(name: str) -> WanTransformer3DModel:
+        model_class = WanVACETransformer3DModel if vace else WanTransformer3DModel
         with _seeded(seed, name):
-            model = WanTransformer3DModel(
+            model = model_class(
                 patch_size=(1, 2, 2),
                 num_attention_heads=num_attention_heads,
                 attention_head_dim=attention_head_dim,
@@ -440,13 +452,14 @@ def tiny_wan_pipeline(
                 ffn_dim=2 * inner_dim,
                 num_layers=num_layers,
                 **image_kv,
+                **vace_kw,
             )
             _randomize_(model)
         return model
 
     transformer = expert("transformer")
     extra = {"transformer_2": expert("transformer_2"), "boundary_ratio": 0.8} if two_experts else {}
-    pipeline_class = WanImageToVideoPipeline if image_to_video else WanPipeline
+    pipeline_class = WanVACEPipeline if vace else WanImageToVideoPipeline if image_to_video else WanPipeline
     pipe = pipeline_class(
         tokenizer=tokenizer,
         text_encoder=text_encoder,

@@ -1,7 +1,7 @@
-"""Native Wan 2.1 / 2.2 blocks (T2V, I2V with image K/V, TI2V's per-token timesteps): Diffusers'
-WanTransformer3DModel keeps its patch embedding, condition embedder, RoPE and output layers; its blocks
-run the math below over packed projections (self-attention Q/K/V, cross-attention K/V of the text), with
-attention through our providers.
+"""Native Wan 2.1 / 2.2 blocks (T2V, I2V with image K/V, TI2V's per-token timesteps, VACE's control
+blocks): Diffusers' WanTransformer3DModel (and WanVACETransformer3DModel) keeps its patch embedding,
+condition embedder, RoPE and output layers; its blocks run the math below over packed projections
+(self-attention Q/K/V, cross-attention K/V of the text), with attention through our providers.
 
 Only what is Wan's own lives here: the block math (Diffusers' float32 norms and gates, RMSNorm across all
 heads, the I2V image branch), the table of packed projections and what makes a call fall back.
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
+from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
 from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate
 from ..layers.attention import AttentionSite, attention
@@ -109,6 +110,22 @@ def wan_block(
     return gated_residual(x, c_gate, ff)
 
 
+def wan_vace_block(
+    control: torch.Tensor,
+    context: torch.Tensor,
+    temb: torch.Tensor,
+    table: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    w: dict[str, LinearWeights],
+    norms: dict[str, torch.Tensor | None],
+    c: BlockConstants,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Diffusers' WanVACETransformerBlock.forward after its input projection: the control stream through
+    the same block math, and the hint it gives the main block of its layer."""
+    control = wan_block(control, context, temb, table, rope, w, norms, c)
+    return (apply_one(control, w["proj_out"]) if "proj_out" in w else None), control
+
+
 def _affine_norm(x: torch.Tensor, norms: dict[str, torch.Tensor | None], eps: float) -> torch.Tensor:
     """Diffusers' FP32LayerNorm with weights (``cross_attn_norm=True``)."""
     weight, bias = norms["cross_norm"], norms["cross_norm_bias"]
@@ -129,7 +146,7 @@ def _attention_reason(module: Any) -> str | None:
     return None
 
 
-class NativeWanTransformerBlock(NativeBlock, WanTransformerBlock):
+class _WanNative(NativeBlock):
     """Self-attention with RoPE, cross-attention over the text (and image), MLP; AdaLN from the timestep."""
 
     packed = {
@@ -167,21 +184,6 @@ class NativeWanTransformerBlock(NativeBlock, WanTransformerBlock):
             return dict(self.packed)
         return {**self.packed, "added_kv": ("attn2.add_k_proj", "attn2.add_v_proj")}  # I2V
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        prepared = self._prepare()
-        if prepared is None:
-            return super().forward(hidden_states, encoder_hidden_states, temb, rotary_emb)
-        weights, norms, constants = prepared
-        math = self.omni_runtime.math(wan_block)
-        table = self.scale_shift_table
-        return math(hidden_states, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants)
-
     @torch.compiler.disable
     def _prepare(self):
         """Everything host-side (weights, constants), or None when this call runs Diffusers' forward."""
@@ -214,6 +216,55 @@ class NativeWanTransformerBlock(NativeBlock, WanTransformerBlock):
         return weights, norms, constants
 
 
+class NativeWanTransformerBlock(_WanNative, WanTransformerBlock):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        prepared = self._prepare()
+        if prepared is None:
+            return super().forward(hidden_states, encoder_hidden_states, temb, rotary_emb)
+        weights, norms, constants = prepared
+        math = self.omni_runtime.math(wan_block)
+        table = self.scale_shift_table
+        return math(hidden_states, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants)
+
+
+class NativeWanVACETransformerBlock(_WanNative, WanVACETransformerBlock):
+    """VACE's control block: the Wan block on the control stream, with the first block's input projection
+    and every block's output projection (the hint added to the main block of its layer)."""
+
+    def linear_projections(self) -> dict[str, str]:
+        present = {name: name for name in ("proj_in", "proj_out") if getattr(self, name) is not None}
+        return {**self.linears, **present}
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        control_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        prepared = self._prepare()
+        if prepared is None:
+            return super().forward(
+                hidden_states, encoder_hidden_states, control_hidden_states, temb, rotary_emb
+            )
+        weights, norms, constants = prepared
+        if "proj_in" in weights:  # the first control block joins the video tokens, outside the math that
+            # every control block shares (compiled: one graph for all of them)
+            control_hidden_states = apply_one(control_hidden_states, weights["proj_in"]) + hidden_states
+        math = self.omni_runtime.math(wan_vace_block)
+        table = self.scale_shift_table
+        return math(
+            control_hidden_states, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants
+        )
+
+
 def _local(norm: torch.nn.Module, linear: torch.nn.Module) -> torch.Tensor | None:
     """The norm's weight for the heads this rank holds (all of them without tensor parallelism)."""
     shard = shard_of(linear)
@@ -232,34 +283,55 @@ def cfg_pairs(arguments: dict[str, Any]) -> bool:
     return arguments.get("guidance_scale", 5.0) > 1.0
 
 
-WAN = NativeModel(
-    blocks={"blocks": NativeWanTransformerBlock},
-    parallel=ParallelPlan(
-        name="Wan",
-        attention_heads="num_attention_heads",
-        sequence_first=True,  # 32k tokens at 480p: ulysses=2 1.72x, tp=2 1.59x on two H200s
-        sequence=SequencePlan(
-            # The video tokens are made inside the model: split the RoPE tables, the per-token timestep
-            # embeddings (Wan 2.2 TI2V; per-sample ones stay whole) and the first block's tokens.
-            submodule_outputs={
-                "rope": {0: Split("video", 1), 1: Split("video", 1)},
-                "condition_embedder": {0: Split("video", 1, ndim=3), 1: Split("video", 1, ndim=3)},
-            },
-            submodule_inputs={"blocks.0": {"hidden_states": Split("video", 1)}},
-            output=("proj_out", Split("video", 1)),
+_BATCHED = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")
+_LIMITATIONS = (
+    "custom attention processors, Diffusers attention backends set on a processor, "
+    "fuse_qkv_projections(), DoRA adapters, hooks on a submodule and training mode run Diffusers' "
+    "forward of the block (counted in the report)",
+    "exact projection cache: not used for Wan: its repeated projections (text K/V, timestep MLP) are ~0.1% of "
+    "a 14B forward at 480p, and caching them measured no gain (docs/PERFORMANCE.md)",
+)
+
+
+def _wan_model(name: str, blocks: dict, first_blocks: dict, batched: tuple[str, ...]) -> NativeModel:
+    """Wan's native model: ``first_blocks`` are the submodules whose video-token inputs split first under
+    sequence parallelism (path -> argument names)."""
+    return NativeModel(
+        blocks=blocks,
+        parallel=ParallelPlan(
+            name=name,
+            attention_heads="num_attention_heads",
+            sequence_first=True,  # 32k tokens at 480p: ulysses=2 1.72x, tp=2 1.59x on two H200s
+            sequence=SequencePlan(
+                # The video tokens are made inside the model: split the RoPE tables, the per-token timestep
+                # embeddings (Wan 2.2 TI2V; per-sample ones stay whole) and the first blocks' tokens.
+                submodule_outputs={
+                    "rope": {0: Split("video", 1), 1: Split("video", 1)},
+                    "condition_embedder": {0: Split("video", 1, ndim=3), 1: Split("video", 1, ndim=3)},
+                },
+                submodule_inputs={
+                    path: {argument: Split("video", 1) for argument in arguments}
+                    for path, arguments in first_blocks.items()
+                },
+                output=("proj_out", Split("video", 1)),
+            ),
+            batched_inputs=batched,
+            output_like=_output_like,
         ),
-        batched_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
-        output_like=_output_like,
-    ),
-    cfg_pairing=cfg_pairs,
-    limitations=(
-        "custom attention processors, Diffusers attention backends set on a processor, "
-        "fuse_qkv_projections(), DoRA adapters, hooks on a submodule and training mode run Diffusers' "
-        "forward of the block (counted in the report)",
-        "exact projection cache: not used for Wan: its repeated projections (text K/V, timestep MLP) are ~0.1% of "
-        "a 14B forward at 480p, and caching them measured no gain (docs/PERFORMANCE.md)",
-    ),
-    projection_cache=False,
+        cfg_pairing=cfg_pairs,
+        limitations=_LIMITATIONS,
+        projection_cache=False,
+    )
+
+
+WAN = _wan_model("Wan", {"blocks": NativeWanTransformerBlock}, {"blocks.0": ("hidden_states",)}, _BATCHED)
+# VACE: the control blocks run first, on the control tokens (padded to the video's length) and, in the
+# first one, the video tokens; their hints are added to the main blocks of their layers, token by token.
+WAN_VACE = _wan_model(
+    "Wan VACE",
+    {"blocks": NativeWanTransformerBlock, "vace_blocks": NativeWanVACETransformerBlock},
+    {"vace_blocks.0": ("hidden_states", "control_hidden_states"), "blocks.0": ("hidden_states",)},
+    (*_BATCHED, "control_hidden_states"),
 )
 
 
