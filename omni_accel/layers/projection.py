@@ -240,9 +240,10 @@ def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
     """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
     summed over the ranks; the biases are added once, after it."""
     (terms,) = weights.adapters
-    if terms or torch.compiler.is_compiling() or x.shape[:-1].numel() < 2:
+    halves = not terms and x.shape[:-1].numel() > 1 and not torch.is_autocast_enabled(x.device.type)
+    if not halves or torch.compiler.is_compiling():  # the compiler schedules its own overlap
         partial = _add_adapters(x, F.linear(x, weights.weight), terms, with_bias=False)
-        y = all_reduce_sum(partial, weights.reduce)  # the compiler schedules its own overlap
+        y = all_reduce_sum(partial, weights.reduce)
     else:
         y = _summed_in_halves(x, weights)
     if weights.bias is not None:
@@ -256,7 +257,7 @@ def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
 def _summed_in_halves(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
     """``x @ weight.T`` summed over the ranks in two halves of the rows, so the first half's all-reduce
     runs while the second half's GEMM does and only half of the communication is left exposed. The sums
-    are the ones a single all-reduce would make."""
+    are the ones a single all-reduce would make. (Not under autocast: a GEMM into ``out`` is not cast.)"""
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty(rows.shape[0], weights.weight.shape[0])
     half = (rows.shape[0] + 1) // 2
