@@ -21,19 +21,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransfo
 from timing import interleaved, timed, write_json
 
 import omni_accel
+from omni_accel.models.random_pipelines import FLUX_DEV_TRANSFORMER
 
-FLUX_DEV = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
+FLUX_DEV = dict(FLUX_DEV_TRANSFORMER)  # a copy: --tiny shrinks it
 
 
 def build_transformer(device: str, dtype: torch.dtype, seed: int = 0, **overrides) -> FluxTransformer2DModel:

@@ -20,21 +20,10 @@ from diffusers import AutoencoderKL, AutoencoderKLWan
 from timing import timed, write_json
 
 import omni_accel.models.wan  # noqa: F401  (teaches the row split Wan's VAE layers)
+from omni_accel.models.random_pipelines import FLUX_DEV_VAE
 from omni_accel.parallel.vae import RowSplit
 
-FLUX_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    block_out_channels=(128, 256, 512, 512),
-    layers_per_block=2,
-    latent_channels=16,
-    norm_num_groups=32,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-)
-TINY_VAE = dict(FLUX_VAE, block_out_channels=(8, 16, 32, 32), norm_num_groups=4, layers_per_block=1)
+TINY_VAE = dict(FLUX_DEV_VAE, block_out_channels=(8, 16, 32, 32), norm_num_groups=4, layers_per_block=1)
 
 
 @torch.no_grad()
@@ -53,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dist.init_process_group("nccl")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        device, dtype, config = f"cuda:{os.environ['LOCAL_RANK']}", torch.bfloat16, FLUX_VAE
+        device, dtype, config = f"cuda:{os.environ['LOCAL_RANK']}", torch.bfloat16, FLUX_DEV_VAE
         wan_config, video = {}, (480, 832)
     torch.manual_seed(0)
     with torch.device(device):

@@ -32,50 +32,36 @@ def random_flux_transformer(seed: int = 0, **overrides):
     return _randomized(FluxTransformer2DModel(**config).eval())
 
 
+_WAN_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=24,
+    freq_dim=32,
+    ffn_dim=48,
+    num_layers=2,
+    cross_attn_norm=False,
+    rope_max_seq_len=64,
+)
+
+
 def random_wan_transformer(seed: int = 0, **overrides):
     """A small Diffusers Wan transformer whose every weight is random (none left at a zero init)."""
     from diffusers import WanTransformer3DModel
 
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=24,
-        freq_dim=32,
-        ffn_dim=48,
-        num_layers=2,
-        cross_attn_norm=False,
-        rope_max_seq_len=64,
-    )
-    config.update(overrides)
     torch.manual_seed(seed)
-    return _randomized(WanTransformer3DModel(**config).eval())
+    return _randomized(WanTransformer3DModel(**{**_WAN_CONFIG, **overrides}).eval())
 
 
 def random_wan_vace_transformer(seed: int = 0, **overrides):
     """A small Diffusers Wan VACE transformer (control blocks at layers 0 and 2 of 3), every weight random."""
     from diffusers import WanVACETransformer3DModel
 
-    config = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=24,
-        freq_dim=32,
-        ffn_dim=48,
-        num_layers=3,
-        cross_attn_norm=True,
-        rope_max_seq_len=64,
-        vace_layers=[0, 2],
-        vace_in_channels=6,
-    )
-    config.update(overrides)
+    vace = dict(num_layers=3, cross_attn_norm=True, vace_layers=[0, 2], vace_in_channels=6)
     torch.manual_seed(seed)
-    return _randomized(WanVACETransformer3DModel(**config).eval())
+    return _randomized(WanVACETransformer3DModel(**{**_WAN_CONFIG, **vace, **overrides}).eval())
 
 
 def _randomized(model):

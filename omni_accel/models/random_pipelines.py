@@ -49,7 +49,7 @@ _T5_XXL = dict(
     feed_forward_proj="gated-gelu",
     dropout_rate=0.0,
 )
-_FLUX_VAE = dict(
+FLUX_DEV_VAE = dict(
     down_block_types=("DownEncoderBlock2D",) * 4,
     up_block_types=("UpDecoderBlock2D",) * 4,
     block_out_channels=(128, 256, 512, 512),
@@ -99,7 +99,7 @@ def random_flux_dev_pipeline(
         )
         transformer = FluxTransformer2DModel(**FLUX_DEV_TRANSFORMER)
         _randomize_(transformer)
-        vae = AutoencoderKL(**_FLUX_VAE)
+        vae = AutoencoderKL(**FLUX_DEV_VAE)
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
         vae=vae,
