@@ -29,7 +29,8 @@ class Colwise:
     the linear exists only in some variants of the model (skipped where it is None). ``gather``: every
     rank needs the whole output, so it is all-gathered after the GEMM: for a large weight with a small
     output (an AdaLN modulation: one vector per sample from a 3072 x 18432 weight), whose weight would
-    otherwise be held and read in full by every rank."""
+    otherwise be held and read in full by every rank. (Its all-gather is eager: for projections the native
+    blocks make in their host-side preparation, outside compiled math.)"""
 
     optional: bool = False
     gather: bool = False
