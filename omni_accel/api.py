@@ -229,15 +229,15 @@ def _plan_swap(
     model = spec.native_model()
     patches.check_applicable("hook_chains")
     _check_attention(name, module, _native_sites(module, model), selector)
+    graphs_on = config.cuda_graphs
+    if graphs_on is None:  # auto: on wherever the steps run on CUDA
+        graphs_on = torch.cuda.is_available() and (parallel is None or parallel.device.type == "cuda")
     if parallel is not None:
-        _check_layout(module, model, parallel)
+        _check_layout(module, model, parallel, graphs_on)
     options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
     limitations = list(model.limitations)
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
-    graphs_on = config.cuda_graphs
-    if graphs_on is None:  # auto: on wherever the steps run on CUDA
-        graphs_on = torch.cuda.is_available() and (parallel is None or parallel.device.type == "cuda")
     cache = _unless_compiled(cache, config, limitations)
     runtime = NativeRuntime(selector, options, cache)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
@@ -462,7 +462,9 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
     )
     parallel = init_parallel(chosen.config)
     for component in natives:
-        _check_layout(component.original, component.spec.native_model(), parallel)
+        _check_layout(
+            component.original, component.spec.native_model(), parallel, component.graphs is not None
+        )
     vae_coders, state.others = _plan_vae(pipe, state.config)
     for component in natives:
         component.parallel = parallel
@@ -475,10 +477,12 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
     logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
 
 
-def _check_layout(module: nn.Module, model, parallel: ParallelState) -> None:
-    """Raises, before anything changes, when ``parallel``'s layout cannot apply to ``module``."""
+def _check_layout(module: nn.Module, model, parallel: ParallelState, graphs: bool) -> None:
+    """Raises, before anything changes, when ``parallel``'s layout cannot apply to ``module`` (with CUDA
+    graphs of its steps when ``graphs``)."""
     check_parallel(module, model.parallel, parallel)
-    patches.check_applicable("release_graphs_at_destroy")
+    if graphs:
+        patches.check_applicable("release_graphs_at_destroy")
     if parallel.config.cfg > 1 and model.cfg_pairing is not None:
         patches.check_applicable("pair_cfg_calls")
     if parallel.config.tp > 1:
