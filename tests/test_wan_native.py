@@ -169,6 +169,11 @@ def test_wan_vace_pipeline_runs_native():
     report = omni_accel.describe(fast).components[0]
     assert report.mode == "native" and "(blocks, vace_blocks)" in report.detail
     assert not report.runtime.fallbacks
+    # native=False: Diffusers' blocks, their attention routed, the text K/V through the cache
+    routed = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, vace=True), native=False)
+    got = routed(**vace_call(routed), generator=torch.Generator().manual_seed(0)).frames
+    report = omni_accel.describe(routed).components[0]
+    assert torch.equal(got, expected) and report.mode == "routed" and report.cache.hits > 0
 
 
 def test_wan_video_to_video_from_pipe_and_save_pretrained(tmp_path):

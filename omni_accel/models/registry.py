@@ -45,6 +45,18 @@ def _import(target: str):
 
 _TRANSFORMERS = "diffusers.models.transformers"
 
+# Wan and Wan VACE share their attention (Diffusers' WanAttnProcessor) and their cache sites.
+_WAN_ROUTES = dict(
+    attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_wan"),),
+    attention_roles={r".*\.attn1": ("wan.self", "self"), r".*\.attn2": ("wan.cross", "cross")},
+    cache_sites=(
+        r"(vace_)?blocks\.\d+\.attn2\.to_[kv]",  # text K/V: the same at every step of a request
+        r"condition_embedder\.time_embedder",  # timestep MLP: shared by both CFG branches
+        r"condition_embedder\.time_proj",
+        r"condition_embedder\.text_embedder",
+    ),
+)
+
 _SPECS: dict[str, ModelSpec] = {
     "FluxTransformer2DModel": ModelSpec(
         family="flux",
@@ -55,29 +67,9 @@ _SPECS: dict[str, ModelSpec] = {
             r"single_transformer_blocks\.\d+\.attn": ("flux.single", "self"),
         },
     ),
-    "WanTransformer3DModel": ModelSpec(
-        family="wan",
-        native="omni_accel.models.wan:WAN",
-        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_wan"),),
-        attention_roles={r".*\.attn1": ("wan.self", "self"), r".*\.attn2": ("wan.cross", "cross")},
-        cache_sites=(
-            r"blocks\.\d+\.attn2\.to_[kv]",  # text K/V: the same at every step of a request
-            r"condition_embedder\.time_embedder",  # timestep MLP: shared by both CFG branches
-            r"condition_embedder\.time_proj",
-            r"condition_embedder\.text_embedder",
-        ),
-    ),
+    "WanTransformer3DModel": ModelSpec(family="wan", native="omni_accel.models.wan:WAN", **_WAN_ROUTES),
     "WanVACETransformer3DModel": ModelSpec(
-        family="wan",
-        native="omni_accel.models.wan:WAN_VACE",
-        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_wan"),),
-        attention_roles={r".*\.attn1": ("wan.self", "self"), r".*\.attn2": ("wan.cross", "cross")},
-        cache_sites=(
-            r"(vace_)?blocks\.\d+\.attn2\.to_[kv]",
-            r"condition_embedder\.time_embedder",
-            r"condition_embedder\.time_proj",
-            r"condition_embedder\.text_embedder",
-        ),
+        family="wan", native="omni_accel.models.wan:WAN_VACE", **_WAN_ROUTES
     ),
     "QwenImageTransformer2DModel": ModelSpec(
         family="qwenimage",
