@@ -35,6 +35,7 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor)
 
 
 def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=192, heads=3, head_dim=128):
+    from omni_accel.attention import merge, merge_kernel
     from omni_accel.layers import fused_kernels as kernels
 
     g = torch.Generator(device).manual_seed(0)
@@ -94,6 +95,20 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
         )
         _check(f"qk_norm_rope {dtype}", got, ref, ref.abs().amax(dim=-1, keepdim=True))
 
+        # Ring attention's merge of two partials: outputs BSHD (one a strided view), LSEs [B, H, S] (one
+        # transposed, as a kernel may return it), against the reference in float64.
+        tokens = text + image
+        partials = randn(batch, tokens, heads, 2 * head_dim, dtype=dtype)
+        out_a, out_b = partials[..., :head_dim], partials[..., head_dim:].contiguous()
+        lse_a = torch.randn(batch, heads, tokens, generator=g, device=device) * 4
+        lse_b = (torch.randn(batch, tokens, heads, generator=g, device=device) * 4).transpose(1, 2)
+        want, want_lse = merge.merge_partials(out_a.double(), lse_a.double(), out_b.double(), lse_b.double())
+        for out_dtype in dict.fromkeys((torch.float32, dtype)):
+            got, got_lse = merge_kernel.merge_attention(out_a, lse_a, out_b, lse_b, out_dtype)
+            magnitude = torch.maximum(out_a.abs(), out_b.abs()).double()
+            _check(f"merge_attention {dtype} -> {out_dtype}", got, want.to(out_dtype), magnitude)
+            _check(f"merge_attention lse {dtype}", got_lse, want_lse.float(), want_lse.abs())
+
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 def test_kernels_in_the_triton_interpreter():
@@ -140,3 +155,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.omni_accel.gated_residual.default, (x, shift, x))
     torch.library.opcheck(torch.ops.omni_accel.concat_gelu.default, (x, x[..., 16:]))
     torch.library.opcheck(torch.ops.omni_accel.qk_norm_rope.default, ([x], [w], 16, 1e-6, cos, sin))
+    from omni_accel.attention import merge_kernel  # noqa: F401
+
+    out, lse = x.unflatten(-1, (4, 16)), torch.randn(2, 4, 5, generator=g, device="cuda")
+    for out_dtype in (torch.float32, torch.bfloat16):
+        args = (out, lse, out * 2, lse.flip(0), out_dtype)
+        torch.library.opcheck(torch.ops.omni_accel.merge_attention.default, args)

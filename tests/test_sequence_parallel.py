@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from omni_accel.attention.merge import merge_partials
 from omni_accel.attention.providers.sdpa import SdpaMathProvider
 from omni_accel.parallel.config import ParallelConfig
 from omni_accel.parallel.mesh import init_parallel
 from omni_accel.parallel.sequence import (
     SequenceParallel,
     gather,
-    merge_partials,
     shard,
     split_sizes,
 )

@@ -47,7 +47,7 @@ class LinearWeights:
     """The effective weights of one projection, or of several packed side by side (``sizes``)."""
 
     weight: torch.Tensor
-    bias: torch.Tensor | None
+    bias: torch.Tensor | None  # of an input-split projection: on the group's first rank only
     sizes: tuple[int, ...]
     adapters: tuple[tuple[LowRank, ...], ...]  # per packed output
     reduce: dist.ProcessGroup | None = None  # tensor-parallel input split: outputs are summed over this group
@@ -138,7 +138,8 @@ def read_linear(module: nn.Module, where: str) -> LinearWeights:
     shard = getattr(base, "omni_tp", None)
     reduce = shard.group if shard is not None and shard.reduces else None
     gather = shard.group if shard is not None and shard.gathers_output else None
-    return LinearWeights(base.weight, base.bias, (_local_size(base),), (terms,), reduce, gather)
+    bias = None if reduce is not None and shard.rank != 0 else base.bias  # summed over the ranks: once
+    return LinearWeights(base.weight, bias, (_local_size(base),), (terms,), reduce, gather)
 
 
 def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
@@ -238,33 +239,38 @@ def apply_linear(x: torch.Tensor, weights: LinearWeights) -> tuple[torch.Tensor,
 
 def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
     """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
-    summed over the ranks; the biases are added once, after it."""
+    summed over the ranks. Only the first rank holds the bias (``read_linear``): its GEMM adds it in the
+    epilogue, so the sum has it once without a broadcast add over the whole output after the collective."""
     (terms,) = weights.adapters
     halves = not terms and x.shape[:-1].numel() > 1 and not torch.is_autocast_enabled(x.device.type)
     if not halves or torch.compiler.is_compiling():  # the compiler schedules its own overlap
-        partial = _add_adapters(x, F.linear(x, weights.weight), terms, with_bias=False)
+        partial = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
         y = all_reduce_sum(partial, weights.reduce)
     else:
-        y = _summed_in_halves(x, weights)
-    if weights.bias is not None:
-        y = y + weights.bias
+        y = _summed_in_halves(x, weights.weight, weights.bias, weights.reduce)
     for term in terms:
         if term.up_bias is not None:
             y = y + term.up_bias * term.scale
     return y
 
 
-def _summed_in_halves(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
-    """``x @ weight.T`` summed over the ranks in two halves of the rows, so the first half's all-reduce
-    runs while the second half's GEMM does and only half of the communication is left exposed. The sums
-    are the ones a single all-reduce would make. (Not under autocast: a GEMM into ``out`` is not cast.)"""
+def _summed_in_halves(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` summed over the ranks in two halves of the rows, so the first half's
+    all-reduce runs while the second half's GEMM does and only half of the communication is left exposed.
+    The sums are the ones a single all-reduce would make. (Not under autocast: a GEMM into ``out`` is not
+    cast.)"""
     rows = x.reshape(-1, x.shape[-1])
-    out = rows.new_empty(rows.shape[0], weights.weight.shape[0])
+    out = rows.new_empty(rows.shape[0], weight.shape[0])
     half = (rows.shape[0] + 1) // 2
     transfers = []
     for part in (slice(0, half), slice(half, rows.shape[0])):
-        torch.mm(rows[part], weights.weight.t(), out=out[part])
-        transfers.append(dist.all_reduce(out[part], group=weights.reduce, async_op=True))
+        if bias is None:
+            torch.mm(rows[part], weight.t(), out=out[part])
+        else:
+            torch.addmm(bias, rows[part], weight.t(), out=out[part])
+        transfers.append(dist.all_reduce(out[part], group=group, async_op=True))
     for transfer in transfers:
         transfer.wait()
     return out.view(*x.shape[:-1], out.shape[-1])

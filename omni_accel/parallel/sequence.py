@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..attention.merge import merge_partials
+
 Attend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 ]
@@ -107,7 +109,7 @@ class _Exchange:
         if math.prod(x.shape[:scatter_dim]) == 1:
             send = x.contiguous().view(-1)
         else:
-            send = torch.cat([piece.reshape(-1) for piece in x.split(list(scatter_sizes), dim=scatter_dim)])
+            send = _pieces_in_a_row(x, scatter_dim, scatter_sizes)
         mine = scatter_sizes[_rank(group)]
         self.shapes = []
         for size in gather_sizes:
@@ -135,11 +137,28 @@ class _Exchange:
             return self.recv.view(joined)
         if into is None:
             return torch.cat(parts, dim=dim)
-        for part, piece in zip(
-            parts, into.split([shape[dim] for shape in self.shapes], dim=dim), strict=True
-        ):
+        sizes = [shape[dim] for shape in self.shapes]
+        if len(set(sizes)) == 1:  # one copy: the received pieces side by side are ``into`` split per rank
+            into.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).copy_(
+                self.recv.view(len(sizes), *self.shapes[0])
+            )
+            return into
+        for part, piece in zip(parts, into.split(sizes, dim=dim), strict=True):
             piece.copy_(part)
         return into
+
+
+def _pieces_in_a_row(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    """``cat([piece.flatten() for piece in x.split(sizes, dim)])`` written in one pass: a copy per piece,
+    or a single one when the pieces are equal (a view of ``x`` with the ranks moved outermost)."""
+    if len(set(sizes)) == 1:
+        return x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).contiguous().view(-1)
+    send = x.new_empty(x.numel())
+    start = 0
+    for piece in x.split(list(sizes), dim=dim):
+        send[start : start + piece.numel()].view(piece.shape).copy_(piece)
+        start += piece.numel()
+    return send
 
 
 def head_stages(heads: int, degree: int) -> list[tuple[int, int]]:
@@ -148,27 +167,6 @@ def head_stages(heads: int, degree: int) -> list[tuple[int, int]]:
     stages = 2 if degree > 1 and heads >= 2 * degree else 1
     counts = split_sizes(heads, stages)
     return [(sum(counts[:i]), count) for i, count in enumerate(counts)]
-
-
-def merge_partials(
-    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Folds attention over one more key block into the running ``(out, lse)``.
-
-    Each partial is softmax-normalised over its own keys; rescaling by ``exp(lse_part - lse_total)`` turns
-    them into weights of the softmax over all keys, so the merge is exact. Kept in (at least) float32 because
-    the weights are differences of large logits. ``out`` is BSHD, ``lse`` ``[batch, heads, seq]``.
-    """
-    dtype = torch.promote_types(block_out.dtype, torch.float32)
-    block_out, block_lse = block_out.to(dtype), block_lse.to(dtype)
-    if out is None or lse is None:
-        return block_out, block_lse
-    total = torch.logaddexp(lse, block_lse)
-
-    def weight(part_lse: torch.Tensor) -> torch.Tensor:
-        return torch.exp(part_lse - total).transpose(1, 2).unsqueeze(-1)
-
-    return out * weight(lse) + block_out * weight(block_lse), total
 
 
 def _attend_out(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -208,7 +206,7 @@ def ring_attention(
             ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in (next_k, next_v)]
             requests = dist.batch_isend_irecv(ops)
         if q.numel() and k.shape[_SEQ]:
-            out, lse = merge_partials(out, lse, *attend(q, k, v, True))
+            out, lse = merge_partials(out, lse, *attend(q, k, v, True), q.dtype if last else None)
         if not last:
             for request in requests:
                 request.wait()
