@@ -37,6 +37,8 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor)
 def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=192, heads=3, head_dim=128):
     from omni_accel.attention import merge, merge_kernel
     from omni_accel.layers import fused_kernels as kernels
+    from omni_accel.parallel import copies
+    from omni_accel.parallel.copies import copy_rows_
 
     g = torch.Generator(device).manual_seed(0)
     dim = heads * head_dim
@@ -103,6 +105,16 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
         lse_a = torch.randn(batch, heads, tokens, generator=g, device=device) * 4
         lse_b = (torch.randn(batch, tokens, heads, generator=g, device=device) * 4).transpose(1, 2)
         want, want_lse = merge.merge_partials(out_a.double(), lse_a.double(), out_b.double(), lse_b.double())
+        # Ulysses' packing of a stage's heads rank by rank, and the unpacking of its output: bitwise copies.
+        q = randn(batch, tokens, 2 * heads * 4, head_dim // 4, dtype=dtype)  # two stages, 4 x 32 per head
+        stage = q.narrow(2, heads * 4, heads * 4)
+        per_rank = stage.unflatten(2, (2, heads * 2)).movedim(2, 0)
+        packed = copy_rows_(torch.empty_like(per_rank, memory_format=torch.contiguous_format), per_rank)
+        assert torch.equal(packed, per_rank), f"copy_rows_ pack {dtype}"
+        unpacked = copy_rows_(torch.zeros_like(q).narrow(2, 0, heads * 4), stage)
+        assert torch.equal(unpacked, stage), f"copy_rows_ unpack {dtype}"
+        assert copies._rows(packed, per_rank) is not None  # the kernel ran, not PyTorch's copy
+
         for out_dtype in dict.fromkeys((torch.float32, dtype)):
             got, got_lse = merge_kernel.merge_attention(out_a, lse_a, out_b, lse_b, out_dtype)
             magnitude = torch.maximum(out_a.abs(), out_b.abs()).double()

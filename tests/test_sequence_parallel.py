@@ -56,19 +56,13 @@ def check_attention(
     heads: int,
     kv_len: int | None = None,
     v_dim: int = 8,
-    kv_replicated: bool = False,
     batch: int = 2,
 ) -> None:
     q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim, batch)
     want = PROVIDER.forward(q, k, v)
-    sharded_kv_len = None if kv_replicated else kv_len
-    sp = SequenceParallel.plan(q_len, kv_length=sharded_kv_len, **groups)
-    if kv_replicated:
-        local_k, local_v = k, v
-    else:
-        local_k, local_v = sp.shard(k, kv=True), sp.shard(v, kv=True)
-    local_q = sp.shard(q)
-    out = sp.attention(local_q, local_k, local_v, attend, kv_replicated=kv_replicated)
+    sp = SequenceParallel.plan(q_len, kv_length=kv_len, **groups)
+    local_q, local_k, local_v = sp.shard(q), sp.shard(k, kv=True), sp.shard(v, kv=True)
+    out = sp.attention(local_q, local_k, local_v, attend)
     assert out.shape == (*local_q.shape[:3], v_dim)
     err = rel_err(sp.gather(out), want)
     assert err <= TOLERANCE, f"relative error {err:.2e}"
@@ -83,20 +77,17 @@ def check_shard_gather(group, length: int) -> None:
 
 
 # Cases run under every scheme; together they cover uneven and empty shards, heads that do not divide the
-# Ulysses degree (down to ranks with no head), cross attention (sharded or replicated K/V, another value
-# width), Ulysses in one and in two pipeline stages (heads >= 2 x degree), and batches of 2 and of 1 (whose
+# Ulysses degree (down to ranks with no head), cross attention (sharded K/V, another value width), Ulysses in one and in two pipeline stages (heads >= 2 x degree), and batches of 2 and of 1 (whose
 # all-to-alls skip the copies).
 TWO_RANK_CASES = [
     dict(q_len=7, heads=5, batch=1),
     dict(q_len=7, kv_len=4, heads=4, v_dim=5, batch=1),
-    dict(q_len=7, kv_len=6, heads=4, kv_replicated=True, batch=1),
     dict(q_len=8, heads=4),
     dict(q_len=7, heads=3),
     dict(q_len=1, heads=2),
     dict(q_len=5, heads=1),
     dict(q_len=7, kv_len=4, heads=3, v_dim=5),
     dict(q_len=6, kv_len=1, heads=2),
-    dict(q_len=7, kv_len=6, heads=3, kv_replicated=True),
 ]
 FOUR_RANK_CASES = [
     dict(q_len=37, heads=9, batch=1),
@@ -107,7 +98,6 @@ FOUR_RANK_CASES = [
     dict(q_len=3, heads=6),
     dict(q_len=37, kv_len=11, heads=3, v_dim=5),
     dict(q_len=9, kv_len=2, heads=2),
-    dict(q_len=37, kv_len=6, heads=3, kv_replicated=True),
 ]
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.merge import merge_partials
+from .copies import copy_rows_
 
 Attend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -107,7 +108,7 @@ class _Exchange:
         if _size(group) == 1:
             return
         if math.prod(x.shape[:scatter_dim]) == 1:
-            send = x.contiguous().view(-1)
+            send = _contiguous(x).view(-1)
         else:
             send = _pieces_in_a_row(x, scatter_dim, scatter_sizes)
         mine = scatter_sizes[_rank(group)]
@@ -139,24 +140,31 @@ class _Exchange:
             return torch.cat(parts, dim=dim)
         sizes = [shape[dim] for shape in self.shapes]
         if len(set(sizes)) == 1:  # one copy: the received pieces side by side are ``into`` split per rank
-            into.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).copy_(
-                self.recv.view(len(sizes), *self.shapes[0])
-            )
+            per_rank = into.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0)
+            copy_rows_(per_rank, self.recv.view(len(sizes), *self.shapes[0]))
             return into
         for part, piece in zip(parts, into.split(sizes, dim=dim), strict=True):
-            piece.copy_(part)
+            copy_rows_(piece, part)
         return into
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    return (
+        x if x.is_contiguous() else copy_rows_(torch.empty_like(x, memory_format=torch.contiguous_format), x)
+    )
 
 
 def _pieces_in_a_row(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
     """``cat([piece.flatten() for piece in x.split(sizes, dim)])`` written in one pass: a copy per piece,
     or a single one when the pieces are equal (a view of ``x`` with the ranks moved outermost)."""
-    if len(set(sizes)) == 1:
-        return x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).contiguous().view(-1)
     send = x.new_empty(x.numel())
+    if len(set(sizes)) == 1:
+        per_rank = x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0)
+        copy_rows_(send.view(per_rank.shape), per_rank)
+        return send
     start = 0
     for piece in x.split(list(sizes), dim=dim):
-        send[start : start + piece.numel()].view(piece.shape).copy_(piece)
+        copy_rows_(send[start : start + piece.numel()].view(piece.shape), piece)
         start += piece.numel()
     return send
 
@@ -285,24 +293,12 @@ class SequenceParallel:
         chunk = gather(x_local, dim, self.ulysses_group, self._chunk(sizes))
         return gather(chunk, dim, self.ring_group, self._ring_blocks(sizes))
 
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attend: Attend,
-        *,
-        kv_replicated: bool = False,
-    ) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Full attention of this rank's queries over the whole sequence; returns this rank's output slice.
-
-        ``q`` (and ``k``/``v`` unless ``kv_replicated``) are this rank's BSHD slices. With ``kv_replicated``
-        every rank passes the full K/V (e.g. text embeddings in cross attention): they are only cut by heads,
-        and no ring is needed since every rank already sees every key.
-        """
+        ``q``, ``k`` and ``v`` are this rank's BSHD slices. (Attention over K/V every rank holds whole, such
+        as a cross-attention's text, needs no layout at all: each rank attends with its own queries.)"""
         self._check(q, self.sizes, "query")
-        if not kv_replicated:
-            self._check(k, self._sizes(kv=True), "key")
+        self._check(k, self._sizes(kv=True), "key")
         if k.shape[_HEADS] != q.shape[_HEADS]:
             raise ValueError(
                 f"query has {q.shape[_HEADS]} heads but key {k.shape[_HEADS]}; expand K/V heads first"
@@ -320,19 +316,10 @@ class SequenceParallel:
             def send(t: torch.Tensor, sizes: Sequence[int], first=first, count=count, heads=heads):
                 return _Exchange(t.narrow(_HEADS, first, count), group, _HEADS, heads, _SEQ, sizes)
 
-            if kv_replicated:  # every rank holds all of K/V: only this rank's heads are needed
-                mine = first + sum(heads[: _rank(group)])
-                kv = [t.narrow(_HEADS, mine, heads[_rank(group)]) for t in (k, v)]
-            else:
-                kv = [send(k, kv_chunk), send(v, kv_chunk)]
-            stages.append((first, count, heads, send(q, chunk), kv))
+            stages.append((first, count, heads, send(q, chunk), [send(k, kv_chunk), send(v, kv_chunk)]))
         back = []
         for first, count, heads, q_sent, kv in stages:
-            q_stage = q_sent.wait()
-            if kv_replicated:
-                o = _attend_out(attend, q_stage, *kv)
-            else:
-                o = ring_attention(q_stage, *(t.wait() for t in kv), attend, ring, ring_blocks)
+            o = ring_attention(q_sent.wait(), *(t.wait() for t in kv), attend, ring, ring_blocks)
             back.append((_Exchange(o, group, _SEQ, chunk, _HEADS, heads), first, count))
         if len(back) == 1:
             return back[0][0].wait()
