@@ -1,8 +1,9 @@
-"""Where a two-GPU FLUX.1-dev step spends its time, per layout: kernel families, communication, how much
-of it is exposed (no compute kernel running beside it), GPU idle time and the host's launch time; the step
-with and without CUDA graphs.
+"""Where a two-GPU FLUX.1-dev step (or Wan 2.1 14B forward) spends its time, per layout: kernel families,
+communication, how much of it is exposed (no compute kernel running beside it), GPU idle time and the
+host's launch time; the step with and without CUDA graphs.
 
     torchrun --nproc-per-node 2 benchmarks/parallel_profile.py --out parallel_profile.json
+    torchrun --nproc-per-node 2 benchmarks/parallel_profile.py --model wan --layouts ulysses2 --rounds 1
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from flux_profile import family
 from flux_step import bare_pipeline, build_transformer, graphs_switched, inputs
+from random_models import WAN_14B, randomized
 from timing import interleaved, write_json
 from torch.profiler import ProfilerActivity, profile
 
@@ -102,10 +105,34 @@ def host_ms(fn, runs: int = 3) -> float:
     return statistics.median(times)
 
 
+def _flux(device: str, dtype: torch.dtype):
+    """FLUX.1-dev at 1024x1024 (4096 image + 512 text tokens)."""
+    return bare_pipeline(build_transformer(device, dtype)), inputs(1, 4096, 512, device, dtype)
+
+
+def _wan(device: str, dtype: torch.dtype):
+    """Wan 2.1 14B at 480x832, 81 frames (32760 video + 512 text tokens)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = randomized(WanTransformer3DModel(**WAN_14B), dtype)
+    g = torch.Generator(device).manual_seed(1)
+    x = dict(
+        hidden_states=torch.randn(1, 16, 21, 60, 104, generator=g, device=device, dtype=dtype),
+        timestep=torch.full((1,), 500.0, device=device),
+        encoder_hidden_states=torch.randn(1, 512, 4096, generator=g, device=device, dtype=dtype),
+        return_dict=False,
+    )
+    return WanPipeline(None, None, None, FlowMatchEulerDiscreteScheduler(), transformer=model), x
+
+
+MODELS = {"flux": _flux, "wan": _wan}
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="profiled steps per layout")
+    parser.add_argument("--model", choices=list(MODELS), default="flux")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out")
@@ -116,13 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device, dtype = f"cuda:{torch.cuda.current_device()}", torch.bfloat16
-    x = inputs(1, 4096, 512, device, dtype)
     results = {}
     for name in args.layouts:
-        pipe = bare_pipeline(build_transformer(device, dtype))
+        pipe, x = MODELS[args.model](device, dtype)
         omni_accel.accelerate(pipe, parallel=LAYOUTS[name])
 
-        def step(pipe=pipe):
+        def step(pipe=pipe, x=x):
             return pipe.transformer(**x)
 
         eager, graphs = graphs_switched(pipe, step, False), graphs_switched(pipe, step, True)
