@@ -11,7 +11,6 @@ import queue
 import time
 import traceback
 from functools import partial
-from unittest import mock
 
 import pytest
 import torch
@@ -20,13 +19,11 @@ import torch.multiprocessing as mp
 
 from omni_accel.attention.merge import merge_partials
 from omni_accel.attention.providers.sdpa import SdpaMathProvider
-from omni_accel.parallel import sequence
 from omni_accel.parallel.config import ParallelConfig
 from omni_accel.parallel.mesh import init_parallel
 from omni_accel.parallel.sequence import (
     SequenceParallel,
     gather,
-    head_stages,
     shard,
     split_sizes,
 )
@@ -60,15 +57,12 @@ def check_attention(
     kv_len: int | None = None,
     v_dim: int = 8,
     batch: int = 2,
-    stage_tiles: int | None = None,
 ) -> None:
     q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim, batch)
     want = PROVIDER.forward(q, k, v)
     sp = SequenceParallel.plan(q_len, kv_length=kv_len, **groups)
     local_q, local_k, local_v = sp.shard(q), sp.shard(k, kv=True), sp.shard(v, kv=True)
-    tiles = sequence._MIN_TILES_PER_STAGE if stage_tiles is None else stage_tiles
-    with mock.patch.object(sequence, "_MIN_TILES_PER_STAGE", tiles):
-        out = sp.attention(local_q, local_k, local_v, attend)
+    out = sp.attention(local_q, local_k, local_v, attend)
     assert out.shape == (*local_q.shape[:3], v_dim)
     err = rel_err(sp.gather(out), want)
     assert err <= TOLERANCE, f"relative error {err:.2e}"
@@ -83,13 +77,9 @@ def check_shard_gather(group, length: int) -> None:
 
 
 # Cases run under every scheme; together they cover uneven and empty shards, heads that do not divide the
-# Ulysses degree (down to ranks with no head), cross attention (sharded K/V, another value width), Ulysses
-# in one, two and four pipeline stages (``stage_tiles`` lowers the size four stages need, uneven heads
-# included), and batches of 2 and of 1 (whose
+# Ulysses degree (down to ranks with no head), cross attention (sharded K/V, another value width), Ulysses in one and in two pipeline stages (heads >= 2 x degree), and batches of 2 and of 1 (whose
 # all-to-alls skip the copies).
 TWO_RANK_CASES = [
-    dict(q_len=300, heads=9, batch=1, stage_tiles=1),
-    dict(q_len=7, heads=8, stage_tiles=1),
     dict(q_len=7, heads=5, batch=1),
     dict(q_len=7, kv_len=4, heads=4, v_dim=5, batch=1),
     dict(q_len=8, heads=4),
@@ -100,7 +90,6 @@ TWO_RANK_CASES = [
     dict(q_len=6, kv_len=1, heads=2),
 ]
 FOUR_RANK_CASES = [
-    dict(q_len=37, heads=18, stage_tiles=1),
     dict(q_len=37, heads=9, batch=1),
     dict(q_len=10, kv_len=7, heads=8),
     dict(q_len=8, heads=4),
@@ -203,16 +192,6 @@ def test_two_ranks(tmp_path):
 def test_four_ranks(tmp_path):
     """Ulysses 2 x ring 2, Ulysses 4 and ring 4 on every case."""
     run_ranks(4, tmp_path)
-
-
-def test_ulysses_stages_follow_the_kernel_size():
-    """Two stages where every rank gets a head in each; four only where each stage stays a large kernel."""
-    assert len(head_stages(24, 2, 4608)) == 2  # FLUX 1024x1024
-    assert len(head_stages(40, 2, 32760)) == 4  # Wan 14B, 480p, 81 frames
-    assert len(head_stages(12, 2, 32760)) == 2  # Wan 1.3B: a rank's share of a quarter is one head
-    assert len(head_stages(40, 8, 32760)) == 2
-    assert len(head_stages(3, 2, 10**6)) == 1
-    assert head_stages(9, 2, 10**6) == [(0, 3), (3, 2), (5, 2), (7, 2)]
 
 
 def test_split_sizes():

@@ -169,23 +169,10 @@ def _pieces_in_a_row(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.T
     return send
 
 
-# Four stages only when each stage's kernel still has this many 128-query tiles per rank (about eight waves
-# on a 132-SM H100/H200): a smaller kernel loses more to its tail than the finer overlap gains. Wan 14B at
-# 480p (32760 tokens, 40 heads) qualifies on two ranks; FLUX at 1024x1024 (4608 tokens, 24 heads) does not.
-_TILE = 128
-_MIN_TILES_PER_STAGE = 1024
-
-
-def head_stages(heads: int, degree: int, queries: int = 0) -> list[tuple[int, int]]:
-    """``(first head, count)`` of each pipeline stage of Ulysses attention over ``queries`` query rows (batch
-    times the whole sequence): one stage's all-to-alls run while the kernel works on another. Two stages when
-    every rank gets a head in each, four when each rank's share of a stage is still a large kernel; else one."""
-    stages = 1
-    if degree > 1 and heads >= 2 * degree:
-        stages = 2
-        tiles = math.ceil(queries / _TILE) * (heads // (4 * degree))
-        if heads >= 4 * degree and tiles >= _MIN_TILES_PER_STAGE:
-            stages = 4
+def head_stages(heads: int, degree: int) -> list[tuple[int, int]]:
+    """``(first head, count)`` of each pipeline stage of Ulysses attention: two stages when every rank gets
+    a head in each, so one stage's all-to-alls run while the kernel works on the other; else one."""
+    stages = 2 if degree > 1 and heads >= 2 * degree else 1
     counts = split_sizes(heads, stages)
     return [(sum(counts[:i]), count) for i, count in enumerate(counts)]
 
@@ -323,7 +310,7 @@ class SequenceParallel:
         # Every stage's inputs are posted first: the communication stream runs them back to back while the
         # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
         stages = []
-        for first, count in head_stages(q.shape[_HEADS], _size(group), q.shape[0] * sum(self.sizes)):
+        for first, count in head_stages(q.shape[_HEADS], _size(group)):
             heads = split_sizes(count, _size(group))
 
             def send(t: torch.Tensor, sizes: Sequence[int], first=first, count=count, heads=heads):
