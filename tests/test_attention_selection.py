@@ -35,6 +35,23 @@ def test_auto_falls_back_and_records_why():
     assert "skipped sdpa_cudnn (takes head sizes up to 128" in found.reason
 
 
+def test_auto_gives_long_sequences_to_flashinfer_where_installed(monkeypatch):
+    """Wan's 32760 tokens: FlashInfer's fa3 measured 14 % faster than cuDNN on an H200; FLUX's 4608 a tie."""
+    wan = AttentionRequest(torch.bfloat16, "cuda", 128, compute_capability=(9, 0), kv_len=32760)
+    flux = AttentionRequest(torch.bfloat16, "cuda", 128, compute_capability=(9, 0), kv_len=4608)
+    masked = AttentionRequest(
+        torch.bfloat16, "cuda", 128, has_mask=True, compute_capability=(9, 0), kv_len=32760
+    )
+    flashinfer = get_provider("flashinfer")
+    monkeypatch.setattr(flashinfer, "unavailable_reason", lambda: "not installed")
+    found = resolve(AttentionConfig(), "wan.self", "self", wan)
+    assert found.name == "sdpa_cudnn" and "skipped" not in found.reason  # absent: no noise about it
+    monkeypatch.setattr(flashinfer, "unavailable_reason", lambda: None)
+    assert resolve(AttentionConfig(), "wan.self", "self", wan).name == "flashinfer"
+    assert resolve(AttentionConfig(), "flux.joint", "self", flux).name == "sdpa_cudnn"
+    assert resolve(AttentionConfig(), "wan.self", "self", masked).name == "sdpa"
+
+
 def test_auto_gives_masked_calls_to_pytorchs_own_dispatch():
     """What plain Diffusers runs for the same mask: never slower than Diffusers, the same kernel."""
     masked = AttentionRequest(torch.bfloat16, "cuda", 128, has_mask=True, compute_capability=(9, 0))

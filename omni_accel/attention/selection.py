@@ -119,7 +119,7 @@ def resolve(config: AttentionConfig, role: str, category: str, request: Attentio
         if reasons:
             usable = [
                 n
-                for n in platform_preference(request.device_type, request.has_mask)
+                for n in platform_preference(request.device_type, request.has_mask, request.kv_len)
                 if not get_provider(n).reasons_against(request)
             ]
             raise AttentionProviderError(
@@ -130,7 +130,7 @@ def resolve(config: AttentionConfig, role: str, category: str, request: Attentio
         return Resolution(provider, f"{source} = {name!r}")
 
     skipped = []
-    for name in platform_preference(request.device_type, request.has_mask):
+    for name in platform_preference(request.device_type, request.has_mask, request.kv_len):
         provider = get_provider(name)
         reasons = provider.reasons_against(request)
         if not reasons:
