@@ -458,7 +458,6 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
         module.config[model.parallel.attention_heads],
         cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(arguments),
         sequence_plan=model.parallel.sequence is not None,
-        sequence_first=model.parallel.sequence_first,
     )
     parallel = init_parallel(chosen.config)
     for component in natives:

@@ -208,9 +208,9 @@ def _two_ranks(rank: int, world: int) -> None:
     _check(
         "auto", _oracle(**true_cfg), expect="ParallelConfig(tp=1, ulysses=1, ring=1, cfg=2) on 2", **true_cfg
     )
-    # parallel="auto" decides at the first pipeline call: without true CFG the two ranks take tensor
-    # parallelism, with it one guidance branch each
-    _check("auto", oracle, expect="ParallelConfig(tp=2, ulysses=1, ring=1, cfg=1) on 2 ranks, chosen at")
+    # parallel="auto" decides at the first pipeline call: without true CFG the two ranks split the
+    # sequence (Ulysses), with it they take one guidance branch each
+    _check("auto", oracle, expect="ParallelConfig(tp=1, ulysses=2, ring=1, cfg=1) on 2 ranks, chosen at")
     # a batch of one without true CFG: computed on both ranks, still exact
     _check(ParallelConfig(cfg=2), _oracle(prompt="a cat"), expect="2 calls computed on both", prompt="a cat")
     # misconfigurations: clear errors, nothing swapped

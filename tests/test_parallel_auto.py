@@ -10,9 +10,10 @@ from omni_accel.parallel.auto import choose_layout
 @pytest.mark.parametrize(
     "world, heads, cfg, sequence, expected",
     [
-        (2, 24, False, True, ParallelConfig(tp=2)),  # FLUX: tp is the fastest measured two-rank layout
+        (2, 24, False, True, ParallelConfig(ulysses=2)),  # FLUX: the fastest measured two-rank layout
         (2, 40, True, True, ParallelConfig(cfg=2)),  # Wan with guidance: one branch per rank
-        (4, 40, True, True, ParallelConfig(tp=2, cfg=2)),  # a model with image-sized sequences
+        (2, 40, False, True, ParallelConfig(ulysses=2)),
+        (4, 40, True, True, ParallelConfig(ulysses=2, cfg=2)),
         (4, 24, False, True, ParallelConfig(ulysses=4)),
         (8, 24, False, True, ParallelConfig(ulysses=8)),
         (8, 40, True, True, ParallelConfig(ulysses=4, cfg=2)),
@@ -25,20 +26,6 @@ def test_layout_rules(world, heads, cfg, sequence, expected):
     chosen = choose_layout(world, heads, cfg_by_default=cfg, sequence_plan=sequence)
     assert chosen.config == expected, chosen
     assert chosen.reason
-
-
-@pytest.mark.parametrize(
-    "world, cfg, expected",
-    [
-        (2, False, ParallelConfig(ulysses=2)),  # Wan without guidance: Ulysses measured faster than tp
-        (2, True, ParallelConfig(cfg=2)),
-        (4, True, ParallelConfig(ulysses=2, cfg=2)),
-        (8, False, ParallelConfig(ulysses=8)),
-    ],
-)
-def test_long_sequences_split_the_sequence(world, cfg, expected):
-    chosen = choose_layout(world, 40, cfg_by_default=cfg, sequence_plan=True, sequence_first=True)
-    assert chosen.config == expected, chosen
 
 
 def test_layout_errors_and_one_rank():

@@ -301,7 +301,6 @@ def _wan_model(name: str, blocks: dict, first_blocks: dict, batched: tuple[str, 
         parallel=ParallelPlan(
             name=name,
             attention_heads="num_attention_heads",
-            sequence_first=True,  # 32k tokens at 480p: ulysses=2 1.72x, tp=2 1.59x on two H200s
             sequence=SequencePlan(
                 # The video tokens are made inside the model: split the RoPE tables, the per-token timestep
                 # embeddings (Wan 2.2 TI2V; per-sample ones stay whole) and the first blocks' tokens.

@@ -5,12 +5,12 @@ The rules are the measured ones (docs/PARALLELISM.md, docs/PERFORMANCE.md), appl
 1. CFG first. When the call runs both guidance branches (Wan's default ``guidance_scale=5``, FLUX's true CFG),
    ``cfg=2`` splits them over two ranks: one tensor exchanged per step (two H200s: 1.93x on FLUX true CFG,
    1.99x on Wan 14B).
-2. Two remaining ranks take tensor parallelism for image models (FLUX 1024x1024 on two H200s, steps replayed
-   from CUDA graphs: tp 82.2 ms, ulysses 90.2, ring 92.6 against 132.4 on one GPU), and Ulysses for models
-   whose sequences are long (``ParallelPlan.sequence_first``: Wan's 32k-token videos, 1.72x against tp's
-   1.59x; ring's 1.76x is within 2 % and its merge rounds differently, while Ulysses was bitwise one GPU).
-3. More remaining ranks take Ulysses up to the largest degree that divides the heads, and ring for the
-   rest (not yet measured beyond two ranks: issue 12).
+2. The remaining ranks split the sequence: Ulysses up to the largest degree that divides the heads, ring
+   for the rest. On two H200s it is the fastest or within 1 % of it for both models measured: FLUX
+   1024x1024 through the pipeline ulysses 79.4 ms/step, ring 81.7, tp 81.9 (130.3 on one GPU); Wan 14B
+   with CFG ulysses 1.84x, ring 1.83x, tp 1.59x (and Ulysses is bitwise one GPU, ring's merge rounds
+   differently). Beyond two ranks not yet measured (issue 12).
+3. A model without a sequence plan takes tensor parallelism, when its heads split.
 
 ``accelerate`` makes the native swap at once and decides the layout at the pipeline's first call, from that
 call's arguments (FLUX with ``true_cfg_scale`` and a negative prompt runs both branches; Wan does by
@@ -31,9 +31,7 @@ class AutoLayout:
     reason: str
 
 
-def choose_layout(
-    world_size: int, heads: int, cfg_by_default: bool, sequence_plan: bool, sequence_first: bool = False
-) -> AutoLayout:
+def choose_layout(world_size: int, heads: int, cfg_by_default: bool, sequence_plan: bool) -> AutoLayout:
     """The layout for ``world_size`` ranks of a model with ``heads`` attention heads (see module doc)."""
     if world_size == 1:
         return AutoLayout(None, "one rank: nothing to spread")
@@ -42,21 +40,19 @@ def choose_layout(
     why = [f"cfg={cfg}: the call runs both guidance branches"] if cfg == 2 else []
     if rest == 1:
         return AutoLayout(ParallelConfig(cfg=cfg), "; ".join(why))
-    if ((rest == 2 and not sequence_first) or not sequence_plan) and heads % rest == 0:
-        why.append(f"tp={rest}: the fastest layout measured on two ranks" if rest == 2 else f"tp={rest}")
-        return AutoLayout(ParallelConfig(tp=rest, cfg=cfg), "; ".join(why))
     if not sequence_plan:
-        raise ValueError(
-            f"parallel='auto' cannot spread this model over {world_size} ranks: it has no sequence plan and "
-            f"its {heads} heads do not split {rest} ways. Launch a number of ranks that divides {heads}."
-        )
+        if heads % rest:
+            raise ValueError(
+                f"parallel='auto' cannot spread this model over {world_size} ranks: it has no sequence plan "
+                f"and its {heads} heads do not split {rest} ways. Launch a number of ranks that divides {heads}."
+            )
+        why.append(f"tp={rest}: no sequence plan, so the heads are split")
+        return AutoLayout(ParallelConfig(tp=rest, cfg=cfg), "; ".join(why))
     ulysses = max(d for d in range(1, rest + 1) if rest % d == 0 and heads % d == 0)
     ring = rest // ulysses
-    if rest == 2:
-        why.append(f"ulysses={ulysses}, ring={ring}: long sequences split faster than tensor parallelism")
-    else:
-        why.append(
-            f"ulysses={ulysses}, ring={ring}: Ulysses up to the largest degree dividing the {heads} heads, "
-            "ring for the rest (not yet measured beyond two ranks)"
-        )
+    measured = "the fastest measured on two ranks" if rest == 2 else "not yet measured beyond two ranks"
+    why.append(
+        f"ulysses={ulysses}, ring={ring}: Ulysses up to the largest degree dividing the {heads} heads, "
+        f"ring for the rest ({measured})"
+    )
     return AutoLayout(ParallelConfig(ulysses=ulysses, ring=ring, cfg=cfg), "; ".join(why))

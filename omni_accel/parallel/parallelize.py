@@ -44,8 +44,6 @@ class ParallelPlan:
     classes' ``tp_plan``). ``sequence``: the SP plan.
     ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these).
     ``output_like(module, arguments)``: an empty tensor shaped like the output of that call.
-    ``sequence_first``: its sequences are long enough that ``parallel="auto"`` splits them rather than
-    the weights on two ranks (``omni_accel.parallel.auto``).
     """
 
     name: str
@@ -54,7 +52,6 @@ class ParallelPlan:
     batched_inputs: tuple[str, ...]
     output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor]
     tensor: Mapping[str, TensorPlan] = field(default_factory=dict)
-    sequence_first: bool = False
 
 
 _LAYOUTS: list[weakref.ref] = []
