@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="add (b) and omni_accel compile=True")
     parser.add_argument("--cuda-graphs", action="store_true", help="add graph-replayed omni_accel variants")
+    parser.add_argument("--attention", default="auto", help="omni_accel's attention provider")
     parser.add_argument("--tiny", action="store_true", help="a two-block model on CPU: a smoke test")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def accelerated(**options):
         pipe = WanPipeline(None, None, None, FlowMatchEulerDiscreteScheduler(), transformer=build())
-        omni_accel.accelerate(pipe, cuda_graphs=args.cuda_graphs, **options)
+        omni_accel.accelerate(pipe, cuda_graphs=args.cuda_graphs, attention=args.attention, **options)
         return pipe
 
     def variant(pipe, graphs_on: bool):

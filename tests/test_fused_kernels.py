@@ -97,6 +97,14 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
         )
         _check(f"qk_norm_rope {dtype}", got, ref, ref.abs().amax(dim=-1, keepdim=True))
 
+        # Wan: the RMSNorm across all heads (a weight per channel), RoPE tables shaped [1, S, 1, D].
+        w_row = randn(dim, dtype=dtype)
+        normed = F.rms_norm(packed[..., :dim], (dim,), w_row, 1e-6).unflatten(-1, (-1, head_dim))
+        wan_cos, wan_sin = cos[None, text:, None], sin[None, text:, None]
+        ref = apply_rope(normed, wan_cos, wan_sin)
+        got = kernels.qk_norm_rope([packed[..., :dim]], [w_row], head_dim, 1e-6, wan_cos, wan_sin, True)
+        _check(f"qk_norm_rope across heads {dtype}", got, ref, ref.abs().amax(dim=-1, keepdim=True))
+
         # Ring attention's merge of two partials: outputs BSHD (one a strided view), LSEs [B, H, S] (one
         # transposed, as a kernel may return it), against the reference in float64.
         tokens = text + image
@@ -167,6 +175,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.omni_accel.gated_residual.default, (x, shift, x))
     torch.library.opcheck(torch.ops.omni_accel.concat_gelu.default, (x, x[..., 16:]))
     torch.library.opcheck(torch.ops.omni_accel.qk_norm_rope.default, ([x], [w], 16, 1e-6, cos, sin))
+    row_weight = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    args = ([x], [row_weight], 16, 1e-6, cos, sin, True)
+    torch.library.opcheck(torch.ops.omni_accel.qk_norm_rope.default, args)
     from omni_accel.attention import merge_kernel  # noqa: F401
 
     out, lse = x.unflatten(-1, (4, 16)), torch.randn(2, 4, 5, generator=g, device="cuda")

@@ -5,8 +5,9 @@ make several (each a full read and write of a 4608 x 3072 tensor at FLUX's size)
 * ``gated_residual``: ``x + gate * y``;
 * ``gelu_tanh`` and ``concat_gelu``: GELU (tanh) in one bandwidth-bound pass, the latter writing it next to
   another tensor (a single-stream block's attention output) so the MLP half is never concatenated;
-* ``qk_norm_rope``: per-head RMSNorm then RoPE of one or more sequence segments (text, image), written
-  straight into the joint ``[B, S, H, D]`` tensor attention reads (no concatenation).
+* ``qk_norm_rope``: RMSNorm (per head, or across all heads as Wan's) then RoPE of one or more sequence
+  segments (text, image), written straight into the joint ``[B, S, H, D]`` tensor attention reads (no
+  concatenation).
 
 Each computes in float32 and rounds once (Diffusers' unfused ops round after every op), so a bf16 result
 may differ from Diffusers' by a rounding step, as two of Diffusers' own kernels do. On CUDA
@@ -86,9 +87,11 @@ def qk_norm_rope(
     head_dim: int,
     eps: float | None,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
+    across_heads: bool = False,
 ) -> torch.Tensor:
     """``apply_rope(cat([rms_norm(x_i, w_i) ...], dim=1), *rope)`` over BSHD heads of each ``(x_i, w_i)``
-    (``x_i`` is ``[B, S_i, H * head_dim]``, maybe a strided view of a packed projection)."""
+    (``x_i`` is ``[B, S_i, H * head_dim]``, maybe a strided view of a packed projection). The RMSNorm is
+    per head (FLUX), or ``across_heads`` over the whole row with a weight per channel (Wan)."""
     tensors = [x for x, _ in segments]
     weights = [w for _, w in segments]
     if (
@@ -98,8 +101,11 @@ def qk_norm_rope(
         and all(x.stride(-1) == 1 for x in tensors)
         and _use_kernel(*tensors, *weights)
     ):
-        return torch.ops.omni_accel.qk_norm_rope(tensors, weights, head_dim, eps, *rope)
-    normed = [F.rms_norm(x.unflatten(-1, (-1, head_dim)), (head_dim,), w, eps) for x, w in segments]
+        return torch.ops.omni_accel.qk_norm_rope(tensors, weights, head_dim, eps, *rope, across_heads)
+    if across_heads:
+        normed = [F.rms_norm(x, (x.shape[-1],), w, eps).unflatten(-1, (-1, head_dim)) for x, w in segments]
+    else:
+        normed = [F.rms_norm(x.unflatten(-1, (-1, head_dim)), (head_dim,), w, eps) for x, w in segments]
     joint = normed[0] if len(normed) == 1 else torch.cat(normed, dim=1)
     return joint if rope is None else apply_rope(joint, *rope)
 

@@ -97,9 +97,11 @@ def _qk_norm_rope_kernel(
     eps,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ACROSS_HEADS: tl.constexpr,
 ):
-    """One token of one segment: every head's RMSNorm, then RoPE on (even, odd) channel pairs. Rows are
-    read and written whole (coalesced); the pairs are split and joined in registers."""
+    """One token of one segment: the RMSNorm of every head (or, ``ACROSS_HEADS``, of the whole row with a
+    weight per channel, as Wan's), then RoPE on (even, odd) channel pairs. Rows are read and written whole
+    (coalesced); the pairs are split and joined in registers."""
     row = tl.program_id(0)
     b = row // seq
     s = row % seq
@@ -108,8 +110,12 @@ def _qk_norm_rope_kernel(
     mask = (h < heads) & (d < HEAD_DIM)
     dtype = OUT.dtype.element_ty
     x = tl.load(X + b * stride_xb + s * stride_xs + h * HEAD_DIM + d, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-    weight = tl.load(W + d).to(tl.float32)
+    if ACROSS_HEADS:
+        rstd = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / (heads * HEAD_DIM) + eps)
+        weight = tl.load(W + h * HEAD_DIM + d, mask=mask, other=0.0).to(tl.float32)
+    else:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        weight = tl.load(W + d).to(tl.float32)
     x = x * rstd * weight
     position = (out_start + s) * HEAD_DIM + d
     cos = tl.load(COS + position)
@@ -181,6 +187,7 @@ def qk_norm_rope(
     eps: float | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    across_heads: bool = False,
 ) -> torch.Tensor:
     batch = tensors[0].shape[0]
     heads = tensors[0].shape[2] // head_dim
@@ -188,20 +195,22 @@ def qk_norm_rope(
     out = torch.empty((batch, total, heads, head_dim), dtype=tensors[0].dtype, device=tensors[0].device)
     eps = torch.finfo(out.dtype).eps if eps is None else eps
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    block_h = triton.next_power_of_2(heads)
+    warps = 4 if block_h * head_dim <= 4096 else 8  # Wan 14B's 40 heads: 8192 values per token
     start = 0
     for x, weight in zip(tensors, weights, strict=True):
         seq = x.shape[1]
         if batch * seq:
             _qk_norm_rope_kernel[(batch * seq,)](
                 x, weight, cos, sin, out, seq, heads, x.stride(0), x.stride(1), total, start, eps,
-                HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(heads),
+                HEAD_DIM=head_dim, BLOCK_H=block_h, ACROSS_HEADS=across_heads, num_warps=warps,
             )  # fmt: skip
         start += seq
     return out
 
 
 @qk_norm_rope.register_fake
-def _(tensors, weights, head_dim, eps, cos, sin):
+def _(tensors, weights, head_dim, eps, cos, sin, across_heads=False):
     first = tensors[0]
     total = sum(t.shape[1] for t in tensors)
     return first.new_empty(first.shape[0], total, first.shape[2] // head_dim, head_dim)
