@@ -149,9 +149,9 @@ class _Exchange:
 
 
 def _contiguous(x: torch.Tensor) -> torch.Tensor:
-    return (
-        x if x.is_contiguous() else copy_rows_(torch.empty_like(x, memory_format=torch.contiguous_format), x)
-    )
+    if x.is_contiguous():
+        return x
+    return copy_rows_(torch.empty_like(x, memory_format=torch.contiguous_format), x)
 
 
 def _pieces_in_a_row(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
