@@ -108,9 +108,11 @@ def _planned_wrapper(
     # fa3 is FlashInfer's Hopper kernel; elsewhere FlashInfer knows best (fa2 on Ampere/Ada/Blackwell).
     backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "auto"
     wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
-    logger.info(
-        "flashinfer: planning %s heads x %s, %s x %s tokens (the first plan of a kernel JIT-compiles it: "
-        "tens of seconds, cached on disk afterwards)",
+    # The first plan of a process is said at WARNING (shown by default): it may JIT-compile for a minute.
+    log = logger.info if _PLANS else logger.warning
+    log(
+        "flashinfer: planning %s heads x %s, %s x %s tokens (the first plan of a kernel on a machine "
+        "JIT-compiles it: about a minute, cached on disk afterwards)",
         heads,
         head_dim,
         seq_q,
