@@ -89,7 +89,7 @@ class NativeRuntime:
             return fn
         compiled = self._compiled.get(fn)
         if compiled is None:
-            logger.info(
+            logger.warning(  # shown by default: a long first call should not look like a hang
                 "compiling %s: its first call per input shape compiles (seconds to a minute; cached on disk)",
                 fn.__name__,
             )
