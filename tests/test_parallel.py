@@ -126,11 +126,14 @@ def _vae_checks() -> None:
 
     # Wan's video decoder, frame chunk by frame chunk with its cached frames: causal 3-D convolutions take
     # halo rows, the per-frame attention runs on the gathered frame. No reduction is split, so only a
-    # convolution kernel's own choice of order for a smaller input can differ (bitwise equal here).
+    # convolution kernel's own choice of order for a smaller input can differ (bitwise on 2 and 4 ranks;
+    # on 8, bands of one row, 1.1e-6), so the split run must be as close to a float64 run as the whole one.
     importlib.import_module("omni_accel.models.wan")  # teaches the row split Wan's VAE layers
     wan_vae = omni_accel.tiny_wan_pipeline(seed=0).vae
+    exact_wan = copy.deepcopy(wan_vae).double()
     z = torch.randn(1, wan_vae.config.z_dim, 3, 9, 8, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
+        exact = exact_wan.decode(z.double()).sample
         want = wan_vae.decode(z).sample
         split = RowSplit(wan_vae.decoder, dist.group.WORLD)
         split.install()
@@ -139,7 +142,8 @@ def _vae_checks() -> None:
         finally:
             split.uninstall()
     rel = ((got - want).abs().max() / want.abs().max()).item()
-    assert split.calls == 3 and rel <= 1e-6, rel
+    error, own = ((got - exact).abs().max().item(), (want - exact).abs().max().item())
+    assert split.calls == 3 and rel <= 1.5e-6 and error <= 2 * own, (rel, error, own)
 
 
 def _graph_keys_under_a_layout() -> None:
@@ -278,6 +282,26 @@ def _four_ranks(rank: int, world: int) -> None:
         assert graphs == 2 and not breaks, f"{layout}: {graphs} graphs, {breaks}"
 
 
+def _eight_ranks(rank: int, world: int) -> None:
+    """Eight ranks (issue 12 on CPUs): the VAE in bands of one latent row, every kind of degree at 8, and
+    hybrids of three dimensions, true CFG paired over Ulysses groups, and "auto"."""
+    torch.set_num_threads(1)
+    _vae_checks()
+    oracle = _oracle(heads=8)
+    for layout in (
+        ParallelConfig(ulysses=8),
+        ParallelConfig(ring=8),
+        ParallelConfig(ulysses=2, ring=4),
+        ParallelConfig(tp=2, ulysses=2, cfg=2),
+        ParallelConfig(tp=4, ring=2),
+    ):
+        _check(layout, oracle, heads=8)
+    true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
+    paired = _oracle(heads=8, **true_cfg)
+    _check(ParallelConfig(cfg=2, ulysses=4), paired, heads=8, expect="paired", **true_cfg)
+    _check("auto", oracle, heads=8, expect="ParallelConfig(tp=1, ulysses=8, ring=1, cfg=1) on 8 ranks")
+
+
 def _dead_peer(rank: int, world: int) -> None:
     """accelerate() starts the group from torchrun's environment with the configured timeout; a rank that
     stops taking part makes the others fail with an error after that timeout instead of hanging."""
@@ -309,6 +333,11 @@ def test_two_rank_layouts():
 @pytest.mark.multirank
 def test_four_rank_hybrids():
     run_multirank(_four_ranks, 4, timeout=600)
+
+
+@pytest.mark.multirank
+def test_eight_rank_layouts():
+    run_multirank(_eight_ranks, 8, timeout=600)
 
 
 def test_parallel_config_errors():
