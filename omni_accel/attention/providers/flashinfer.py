@@ -167,8 +167,9 @@ def _flashinfer_attention_fake(query, key, value, scale, return_lse):
 
 
 class FlashInferProvider(AttentionProvider):
-    """FlashInfer ragged batch prefill: lossless, one launch per batch, returns the LSE; opt-in because the
-    first call of each configuration JIT-compiles (tens of seconds)."""
+    """FlashInfer ragged batch prefill: lossless, one launch per batch, returns the LSE. ``auto`` picks it
+    only for long sequences (where it beats cuDNN), since its first use on a machine JIT-compiles for about
+    a minute; anywhere else it is an explicit choice."""
 
     name = "flashinfer"
     capabilities = Capabilities(
