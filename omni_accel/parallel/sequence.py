@@ -128,21 +128,22 @@ class _Exchange:
         if self.work is None:
             return self.x if into is None else into.copy_(self.x)
         self.work.wait()
-        parts = [
-            part.view(shape) for part, shape in zip(self.recv.split(self.counts), self.shapes, strict=True)
-        ]
         dim = self.gather_dim
+        sizes = [shape[dim] for shape in self.shapes]
         if into is None and math.prod(self.shapes[0][:dim]) == 1:
             joined = list(self.shapes[0])
-            joined[dim] = sum(shape[dim] for shape in self.shapes)
+            joined[dim] = sum(sizes)
             return self.recv.view(joined)
-        if into is None:
-            return torch.cat(parts, dim=dim)
-        sizes = [shape[dim] for shape in self.shapes]
-        if len(set(sizes)) == 1:  # one copy: the received pieces side by side are ``into`` split per rank
+        if into is not None and len(set(sizes)) == 1:
+            # One copy: the received pieces side by side are ``into`` split per rank.
             per_rank = into.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0)
             copy_rows_(per_rank, self.recv.view(len(sizes), *self.shapes[0]))
             return into
+        parts = [
+            part.view(shape) for part, shape in zip(self.recv.split(self.counts), self.shapes, strict=True)
+        ]
+        if into is None:
+            return torch.cat(parts, dim=dim)
         for part, piece in zip(parts, into.split(sizes, dim=dim), strict=True):
             copy_rows_(piece, part)
         return into
