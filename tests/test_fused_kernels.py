@@ -5,7 +5,6 @@ On a GPU (``-m gpu``) at FLUX's shapes in bf16, fp16 and fp32; on CPU through Tr
 installed. The native blocks' parity with Diffusers runs the references on CPU (tests/test_flux_native.py).
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_accel.layers import apply_rope, layer_norm, modulate
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from omni_accel.utils.kernels import HAS_TRITON
 
 
 def _check(name: str, got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> None:

@@ -9,12 +9,9 @@ while compiling, the reference below runs.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from ..utils.kernels import HAS_TRITON, kernels_can_run
 
 
 def merge_partials(
@@ -44,14 +41,12 @@ def merge_partials(
 
 def _use_kernel(out, lse, block_out, block_lse, dtype: torch.dtype) -> bool:
     return (
-        _HAS_TRITON
-        and dtype == torch.float32
-        and not torch.compiler.is_compiling()
-        and all(t.is_cuda and t.dtype in _KERNEL_DTYPES for t in (out, lse, block_out, block_lse))
+        dtype == torch.float32
+        and kernels_can_run(out, lse, block_out, block_lse)
         and out.shape == block_out.shape
         and out.stride(-1) == block_out.stride(-1) == 1
     )
 
 
-if _HAS_TRITON:
+if HAS_TRITON:
     from . import merge_kernel  # noqa: F401  (registers the custom op)

@@ -18,33 +18,22 @@ reference runs, so the CPU suite stays exact against Diffusers.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from ..utils.kernels import HAS_TRITON, kernels_can_run
 from .modulation import modulate
 from .norms import layer_norm
 from .rope import apply_rope
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _use_kernel(*tensors: torch.Tensor) -> bool:
-    return (
-        HAS_TRITON
-        and not torch.compiler.is_compiling()
-        and all(t.is_cuda and t.dtype in _KERNEL_DTYPES for t in tensors)
-    )
 
 
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """``modulate(layer_norm(x, eps), shift, scale)`` for ``x`` ``[B, S, D]`` and ``[B, D]`` (per sample) or
     ``[B, S, D]`` (per token) modulation. The modulation's dtype is the precision of the math (Wan keeps
     it in float32, FLUX in the activations' dtype); the result has ``x``'s dtype."""
-    if shift.ndim == 2 and x.stride(-1) == 1 and _use_kernel(x, shift, scale):
+    if shift.ndim == 2 and x.stride(-1) == 1 and kernels_can_run(x, shift, scale):
         return torch.ops.omni_accel.norm_modulate(x, shift, scale, eps)
     return modulate(layer_norm(x.to(shift.dtype), eps), shift, scale).to(x.dtype)
 
@@ -56,7 +45,7 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
         gate.ndim == 2
         and x.is_contiguous()
         and y.is_contiguous()
-        and _use_kernel(x, gate, y)
+        and kernels_can_run(x, gate, y)
         and x.dtype == y.dtype
     ):
         return torch.ops.omni_accel.gated_residual(x, gate, y)
@@ -75,7 +64,7 @@ def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         and a.stride(-1) == 1
         and b.stride(-1) == 1
         and a.dtype == b.dtype
-        and _use_kernel(a, b)
+        and kernels_can_run(a, b)
     ):
         return torch.ops.omni_accel.concat_gelu(a, b)
     activated = F.gelu(b, approximate="tanh")
@@ -99,7 +88,7 @@ def qk_norm_rope(
         and head_dim & (head_dim - 1) == 0  # a power of two: the kernel holds a head in one tile
         and all(w is not None for w in weights)
         and all(x.stride(-1) == 1 for x in tensors)
-        and _use_kernel(*tensors, *weights)
+        and kernels_can_run(*tensors, *weights)
     ):
         return torch.ops.omni_accel.qk_norm_rope(tensors, weights, head_dim, eps, *rope, across_heads)
     if across_heads:

@@ -8,12 +8,12 @@ folded away on an H200), so the kernels do not pretend to round in between.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from ..utils.kernels import INTERPRETED
 
 # Diffusers' GELU(tanh) constants as PyTorch's CUDA kernel has them, rounded to float32.
 _GELU_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
@@ -26,7 +26,7 @@ def _tanh_by_exp(x):
 
 
 # Triton's CPU interpreter (the CPU tests) has no libdevice; on a GPU its tanh is CUDA's tanhf, bitwise.
-_tanh = _tanh_by_exp if os.environ.get("TRITON_INTERPRET") == "1" else libdevice.tanh
+_tanh = _tanh_by_exp if INTERPRETED else libdevice.tanh
 
 
 @triton.jit

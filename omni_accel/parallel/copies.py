@@ -8,14 +8,11 @@ here moves whole rows instead. Elsewhere (CPU, no Triton, short rows) it is ``ds
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Triton's CPU interpreter (the CPU tests of the kernel) runs it on CPU tensors.
-_KERNEL_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+from ..utils.kernels import HAS_TRITON, INTERPRETED
+
+_KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"  # the interpreter (CPU tests) takes CPU tensors
 _MIN_ROW = 64  # shorter contiguous runs are left to PyTorch
 _OUTER_DIMS = 3
 
