@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from flux_lora_step import with_lora
 from flux_step import bare_pipeline, build_transformer, rel_err
+from layout_variants import split
 from timing import timed, write_json
 
 import omni_accel
@@ -31,7 +32,8 @@ _ONE_GPU = {"plain": "1gpu", "true_cfg": "1gpu_true_cfg", "lora": "1gpu_lora"}
 
 def _kind(layout_name: str) -> str:
     """Which one-GPU run a layout compares with: same calls (true CFG or not), same adapters."""
-    return next((kind for kind in ("true_cfg", "lora") if layout_name.endswith(kind)), "plain")
+    base = layout_name.partition("+")[0]
+    return next((kind for kind in ("true_cfg", "lora") if base.endswith(kind)), "plain")
 
 
 def _embeddings(device: str, dtype: torch.dtype, seed: int) -> dict:
@@ -84,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--compile", action="store_true", help="accelerate with compile=True (omni_accel only)"
     )
-    parser.add_argument("--layouts", nargs="+", help="a subset of the layouts (default: all)")
+    parser.add_argument(
+        "--layouts", nargs="+", help="a subset of the layouts (default: all), each with an optional +variant"
+    )
     parser.add_argument(
         "--no-diffusers", action="store_true", help="skip Diffusers' own 1-GPU and Ulysses runs"
     )
@@ -122,16 +126,16 @@ def main(argv: list[str] | None = None) -> dict:
     compile_options = {"compile": True} if args.compile else {}
     if args.compile and args.tiny:
         compile_options = {"compile": {"backend": "aot_eager"}}
-    for name, layout in layouts.items():
-        if args.layouts and name not in args.layouts:
-            continue
-        true_cfg = name.endswith("true_cfg")
+    for name in args.layouts or list(layouts):
+        base, variant = split(name)
+        true_cfg = base.endswith("true_cfg")
         model = build_transformer(device, dtype, **size)
-        if name.endswith("lora"):
+        if base.endswith("lora"):
             with_lora(model, rank=16)
         pipe = bare_pipeline(model)
-        omni_accel.accelerate(pipe, parallel=layout, **compile_options)
-        result, latents = _measure(pipe, args.steps, args.repeats, true_cfg, device)
+        with variant:
+            omni_accel.accelerate(pipe, parallel=layouts[base], **compile_options)
+            result, latents = _measure(pipe, args.steps, args.repeats, true_cfg, device)
         key = _kind(name)
         oracle.setdefault(key, latents)  # the first layout run of each kind is the reference
         result["rel_err_vs_1gpu"] = rel_err(latents, oracle[key].float())

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from layout_variants import split
 from random_models import randomized
 from timing import timed, write_json
 from wan_step import CONFIGS, add_video_arguments, rel_err
@@ -56,7 +57,12 @@ def main(argv: list[str] | None = None) -> dict:
     add_video_arguments(parser)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(LAYOUTS),
+        help=f"of {list(LAYOUTS)}, each with an optional +variant",
+    )
     parser.add_argument("--tiny", action="store_true", help="a two-block model on CPU with gloo")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -71,15 +77,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     results, oracle = {"gpus": torch.cuda.device_count() or "cpu", "shapes": vars(args)}, None
     for name in args.layouts:
+        layout, variant = split(name)
         torch.manual_seed(0)
         with torch.device(device):
             model = randomized(WanTransformer3DModel(**config), dtype)
         pipe = WanPipeline(None, None, None, FlowMatchEulerDiscreteScheduler(), transformer=model)
         pipe.set_progress_bar_config(disable=True)
-        omni_accel.accelerate(pipe, parallel=LAYOUTS[name], compile=args.compile)
-        _call(pipe, args, device, dtype)  # warm-up (and compilation)
-        dist.barrier()
-        latents, ms = timed(lambda pipe=pipe: _call(pipe, args, device, dtype), device)
+        with variant:
+            omni_accel.accelerate(pipe, parallel=LAYOUTS[layout], compile=args.compile)
+            _call(pipe, args, device, dtype)  # warm-up (and compilation)
+            dist.barrier()
+            latents, ms = timed(lambda pipe=pipe: _call(pipe, args, device, dtype), device)
         oracle = latents if oracle is None else oracle
         results[name] = {
             "s_per_step_with_cfg": ms / 1000 / args.steps,

@@ -56,8 +56,23 @@ def init_parallel(config: ParallelConfig) -> ParallelState:
         else torch.device("cpu")
     )
     shape = tuple(getattr(config, d) for d in _DIMS)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=_DIMS)
+    options = {
+        d: _group_options(dist.get_backend(), config.timeout_s) for d in _DIMS if getattr(config, d) > 1
+    }
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=_DIMS, backend_override=options)
     return ParallelState(config, mesh, device)
+
+
+def _group_options(backend: str, timeout_s: float) -> tuple[str, object]:
+    """Every layout group waits ``timeout_s`` (new groups would otherwise take torch's default), and on NCCL
+    its kernels run on a high-priority stream: a transfer posted beside a long kernel (an attention, a
+    GEMM) then gets SMs as soon as that kernel's blocks retire, instead of after all of them."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return backend, options
 
 
 def is_main_process() -> bool:
