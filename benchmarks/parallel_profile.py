@@ -63,13 +63,16 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
-def timeline(fn, steps: int) -> dict:
-    """Kernel time per family, communication exposed beside compute and GPU idle, per step (ms)."""
+def timeline(fn, steps: int, trace: str | None = None) -> dict:
+    """Kernel time per family, communication exposed beside compute and GPU idle, per step (ms); the
+    profiler's Chrome trace written to ``trace`` when given."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     families: dict[str, float] = defaultdict(float)
     kernels: dict[str, float] = defaultdict(float)
     compute, comm = [], []
@@ -128,6 +131,13 @@ def _wan(device: str, dtype: torch.dtype):
 MODELS = {"flux": _flux, "wan": _wan}
 
 
+def _trace_path(directory: str | None, layout: str) -> str | None:
+    if directory is None:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, f"{layout}_rank{dist.get_rank()}.json")
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out")
+    parser.add_argument("--trace-dir", help="write each rank's Chrome trace of the replayed steps here")
     parser.add_argument("--watchdog-s", type=float, default=0, help="dump the stacks and exit after this")
     args = parser.parse_args(argv)
     if args.watchdog_s:
@@ -160,11 +171,20 @@ def main(argv: list[str] | None = None) -> dict:
             "graphs_ms_per_step": times["graphs"]["median_ms"],
             "host_launch_ms_eager": host_ms(eager),
             "profile_eager": timeline(eager, args.steps),
-            "profile_graphs": timeline(graphs, args.steps),
+            "profile_graphs": timeline(graphs, args.steps, _trace_path(args.trace_dir, name)),
         }
         results[name] = result
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, result)
         if omni_accel.is_main_process():
             print(name, result, flush=True)
+            for rank, r in enumerate(per_rank):  # the ranks wait for the slower one: compare them
+                p = r["profile_graphs"]
+                kernels = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["kernels_ms"].items()))
+                print(
+                    f"  rank {rank} graphs: {kernels} | exposed {p['communication_exposed_ms']:.1f}",
+                    flush=True,
+                )
         del pipe, eager, graphs, step
         gc.collect()
         torch.cuda.empty_cache()

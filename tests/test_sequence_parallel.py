@@ -57,12 +57,13 @@ def check_attention(
     kv_len: int | None = None,
     v_dim: int = 8,
     batch: int = 2,
+    overlap: bool = True,
 ) -> None:
     q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim, batch)
     want = PROVIDER.forward(q, k, v)
     sp = SequenceParallel.plan(q_len, kv_length=kv_len, **groups)
     local_q, local_k, local_v = sp.shard(q), sp.shard(k, kv=True), sp.shard(v, kv=True)
-    out = sp.attention(local_q, local_k, local_v, attend)
+    out = sp.attention(local_q, local_k, local_v, attend, overlap)
     assert out.shape == (*local_q.shape[:3], v_dim)
     err = rel_err(sp.gather(out), want)
     assert err <= TOLERANCE, f"relative error {err:.2e}"
@@ -88,6 +89,9 @@ TWO_RANK_CASES = [
     dict(q_len=5, heads=1),
     dict(q_len=7, kv_len=4, heads=3, v_dim=5),
     dict(q_len=6, kv_len=1, heads=2),
+    # Transfers kept apart from the kernel (one Ulysses stage, ring blocks sent after the kernel).
+    dict(q_len=7, heads=5, batch=1, overlap=False),
+    dict(q_len=7, kv_len=4, heads=4, v_dim=5, overlap=False),
 ]
 FOUR_RANK_CASES = [
     dict(q_len=37, heads=9, batch=1),
@@ -98,6 +102,7 @@ FOUR_RANK_CASES = [
     dict(q_len=3, heads=6),
     dict(q_len=37, kv_len=11, heads=3, v_dim=5),
     dict(q_len=9, kv_len=2, heads=2),
+    dict(q_len=37, kv_len=11, heads=9, v_dim=5, overlap=False),
 ]
 
 
