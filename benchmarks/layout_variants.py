@@ -3,6 +3,7 @@ library's choice undone or changed while that layout is built and timed. Benchma
 
     normal_priority   the layout's NCCL groups on normal-priority streams (the library asks for high)
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
+    overlapped        transfers beside every attention kernel, also those that hold every SM (FlashInfer's)
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Iterator
 
 import omni_accel.parallel.mesh as mesh
 import omni_accel.parallel.sequence as sequence
+from omni_accel.attention.base import AttentionProvider
+from omni_accel.attention.providers.flashinfer import FlashInferProvider
 
 
 @contextlib.contextmanager
@@ -49,7 +52,17 @@ def _three_stages() -> Iterator[None]:
         sequence.head_stages = original
 
 
-VARIANTS = {"normal_priority": _normal_priority, "three_stages": _three_stages}
+@contextlib.contextmanager
+def _overlapped() -> Iterator[None]:
+    original = FlashInferProvider.occupies_every_sm
+    FlashInferProvider.occupies_every_sm = AttentionProvider.occupies_every_sm
+    try:
+        yield
+    finally:
+        FlashInferProvider.occupies_every_sm = original
+
+
+VARIANTS = {"normal_priority": _normal_priority, "three_stages": _three_stages, "overlapped": _overlapped}
 
 
 def split(name: str) -> tuple[str, contextlib.AbstractContextManager]:
