@@ -1,9 +1,7 @@
-"""Variants of a layout for A/B runs in one launch: ``ulysses2+normal_priority`` is ``ulysses2`` with the
-library's choice undone or changed while that layout is built and timed. Benchmarks only.
+"""Variants of a layout for A/B runs in one launch: ``ulysses2+three_stages`` is ``ulysses2`` with one of
+the library's choices changed while that layout is built and timed. Benchmarks only.
 
-    normal_priority   the layout's NCCL groups on normal-priority streams (the library asks for high)
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
-    overlapped        transfers beside every attention kernel, also those that hold every SM (FlashInfer's)
 """
 
 from __future__ import annotations
@@ -11,27 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import omni_accel.parallel.mesh as mesh
 import omni_accel.parallel.sequence as sequence
-from omni_accel.attention.base import AttentionProvider
-from omni_accel.attention.providers.flashinfer import FlashInferProvider
-
-
-@contextlib.contextmanager
-def _normal_priority() -> Iterator[None]:
-    original = mesh._group_options
-
-    def options(backend: str, timeout_s: float):
-        backend, opts = original(backend, timeout_s)
-        if backend == "nccl":
-            opts.is_high_priority_stream = False
-        return backend, opts
-
-    mesh._group_options = options
-    try:
-        yield
-    finally:
-        mesh._group_options = original
 
 
 @contextlib.contextmanager
@@ -52,17 +30,7 @@ def _three_stages() -> Iterator[None]:
         sequence.head_stages = original
 
 
-@contextlib.contextmanager
-def _overlapped() -> Iterator[None]:
-    original = FlashInferProvider.occupies_every_sm
-    FlashInferProvider.occupies_every_sm = AttentionProvider.occupies_every_sm
-    try:
-        yield
-    finally:
-        FlashInferProvider.occupies_every_sm = original
-
-
-VARIANTS = {"normal_priority": _normal_priority, "three_stages": _three_stages, "overlapped": _overlapped}
+VARIANTS = {"three_stages": _three_stages}
 
 
 def split(name: str) -> tuple[str, contextlib.AbstractContextManager]:

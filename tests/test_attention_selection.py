@@ -162,17 +162,3 @@ def test_masked_providers_apply_the_mask(name):
     masked = get_provider(name).forward(q, k, v, attn_mask=mask)
     truncated = get_provider(name).forward(q, k[:, :3], v[:, :3])
     assert torch.allclose(masked, truncated, atol=1e-6)
-
-
-def test_only_flashinfers_hopper_kernel_holds_every_sm():
-    """Layouts keep their transfers apart from a persistent kernel (one block per SM, work fixed at
-    launch): FlashInfer's fa3 on Hopper; its Ampere kernel and every other provider are not."""
-    from omni_accel.attention import get_provider
-
-    def request(capability):
-        return AttentionRequest(torch.bfloat16, "cuda", 128, compute_capability=capability, kv_len=32760)
-
-    flashinfer = get_provider("flashinfer")
-    assert flashinfer.occupies_every_sm(request((9, 0)))
-    assert not flashinfer.occupies_every_sm(request((8, 0)))
-    assert not get_provider("sdpa_cudnn").occupies_every_sm(request((9, 0)))

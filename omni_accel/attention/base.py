@@ -126,13 +126,6 @@ class AttentionProvider(abc.ABC):
     name: str
     capabilities: Capabilities
 
-    def occupies_every_sm(self, request: AttentionRequest) -> bool:
-        """Whether the kernel for ``request`` is persistent: one block per SM, each with its share of the
-        work fixed when launched. A transfer posted beside it then waits for it to finish, or takes an SM
-        one of its blocks was planned for, which then finishes last: layouts do not overlap
-        communication with such a kernel (measured on H200: a Ulysses stage's kernel 7.3 -> 15.1 ms)."""
-        return False
-
     def unavailable_reason(self) -> str | None:
         """Why the provider cannot run in this process at all (a missing package...), or None."""
         return None

@@ -8,7 +8,7 @@ provider with the needed capability (the log-sum-exp, for ring attention) works 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -56,16 +56,8 @@ def _attend_in_layout(
                 f"Attention role {role!r}: masked attention under sequence parallelism is not supported; "
                 "run this model with ulysses=1 and ring=1."
             )
-        return sp.attention(query, key, value, attend, _may_overlap(selector, role, category, query, sp))
+        return sp.attention(query, key, value, attend)
     return attend(query, key, value)
-
-
-def _may_overlap(selector: int, role: str, category: str, query: torch.Tensor, sp) -> bool:
-    """Whether the layout may run its transfers beside the kernel this call resolves to (over the key
-    length the kernel will see, not this rank's slice)."""
-    request = replace(AttentionRequest.for_call(query, needs_lse=sp.needs_lse), kv_len=sp.kernel_key_length)
-    provider = selector_by_index(selector).resolve(role, category, request).provider
-    return not provider.occupies_every_sm(request)
 
 
 @torch.library.custom_op("omni_accel::routed_attention", mutates_args=())

@@ -64,13 +64,8 @@ def init_parallel(config: ParallelConfig) -> ParallelState:
 
 
 def _group_options(backend: str, timeout_s: float) -> tuple[str, object]:
-    """Every layout group waits ``timeout_s`` (new groups would otherwise take torch's default), and on NCCL
-    its kernels run on a high-priority stream: a transfer posted beside a long kernel (an attention, a
-    GEMM) then gets SMs as soon as that kernel's blocks retire, instead of after all of them."""
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    else:
-        options = dist.ProcessGroupGloo._Options()
+    """Every layout group waits ``timeout_s``: a new group would otherwise take torch's default."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return backend, options
 

@@ -192,11 +192,10 @@ def ring_attention(
     attend: Attend,
     group: dist.ProcessGroup | None,
     kv_sizes: Sequence[int],
-    overlap: bool = True,
 ) -> torch.Tensor:
     """Attention of the local queries over the K/V blocks of every rank in ``group`` (``kv_sizes[i]`` tokens
-    on rank ``i``). Block ``i`` travels rank to rank; with ``overlap`` the transfer of the next block is
-    posted before the kernel runs on the current one, so communication overlaps compute, else after it."""
+    on rank ``i``). Block ``i`` travels rank to rank; the transfer of the next block is posted before the
+    kernel runs on the current one, so communication overlaps compute."""
     world = _size(group)
     if world == 1:
         return _attend_out(attend, q, k, v)
@@ -208,8 +207,6 @@ def ring_attention(
     block = rank
     for step in range(world):
         last = step == world - 1
-        if not overlap and q.numel() and k.shape[_SEQ]:
-            out, lse = merge_partials(out, lse, *attend(q, k, v, True), q.dtype if last else None)
         if not last:
             block = (block - 1) % world  # the block the previous rank holds now
             next_k = k.new_empty(k.shape[0], kv_sizes[block], *k.shape[2:])
@@ -217,7 +214,7 @@ def ring_attention(
             ops = [dist.P2POp(dist.isend, t, send_to, group) for t in (k, v)]
             ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in (next_k, next_v)]
             requests = dist.batch_isend_irecv(ops)
-        if overlap and q.numel() and k.shape[_SEQ]:
+        if q.numel() and k.shape[_SEQ]:
             out, lse = merge_partials(out, lse, *attend(q, k, v, True), q.dtype if last else None)
         if not last:
             for request in requests:
@@ -297,24 +294,10 @@ class SequenceParallel:
         chunk = gather(x_local, dim, self.ulysses_group, self._chunk(sizes))
         return gather(chunk, dim, self.ring_group, self._ring_blocks(sizes))
 
-    @property
-    def kernel_key_length(self) -> int:
-        """The key length one kernel call sees: its Ulysses group's whole chunk (the longest, with a ring)."""
-        return max(self._ring_blocks(self._sizes(kv=True)))
-
-    @property
-    def needs_lse(self) -> bool:
-        """Whether the kernel must return the log-sum-exp (the ring merges partial outputs with it)."""
-        return _size(self.ring_group) > 1
-
-    def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, overlap: bool = True
-    ) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Full attention of this rank's queries over the whole sequence; returns this rank's output slice.
         ``q``, ``k`` and ``v`` are this rank's BSHD slices. (Attention over K/V every rank holds whole, such
-        as a cross-attention's text, needs no layout at all: each rank attends with its own queries.)
-        ``overlap=False`` keeps every transfer apart from the kernel: one Ulysses stage, ring blocks sent
-        after the kernel (for kernels that hold every SM, see ``AttentionProvider.occupies_every_sm``)."""
+        as a cross-attention's text, needs no layout at all: each rank attends with its own queries.)"""
         self._check(q, self.sizes, "query")
         self._check(k, self._sizes(kv=True), "key")
         if k.shape[_HEADS] != q.shape[_HEADS]:
@@ -328,8 +311,7 @@ class SequenceParallel:
         # Every stage's inputs are posted first: the communication stream runs them back to back while the
         # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
         stages = []
-        heads = q.shape[_HEADS]
-        for first, count in head_stages(heads, _size(group)) if overlap else [(0, heads)]:
+        for first, count in head_stages(q.shape[_HEADS], _size(group)):
             heads = split_sizes(count, _size(group))
 
             def send(t: torch.Tensor, sizes: Sequence[int], first=first, count=count, heads=heads):
@@ -338,7 +320,7 @@ class SequenceParallel:
             stages.append((first, count, heads, send(q, chunk), [send(k, kv_chunk), send(v, kv_chunk)]))
         back = []
         for first, count, heads, q_sent, kv in stages:
-            o = ring_attention(q_sent.wait(), *(t.wait() for t in kv), attend, ring, ring_blocks, overlap)
+            o = ring_attention(q_sent.wait(), *(t.wait() for t in kv), attend, ring, ring_blocks)
             back.append((_Exchange(o, group, _SEQ, chunk, _HEADS, heads), first, count))
         if len(back) == 1:
             return back[0][0].wait()

@@ -22,7 +22,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ...utils.logging import get_logger
-from ..base import AttentionProvider, AttentionRequest, Capabilities
+from ..base import AttentionProvider, Capabilities
 
 logger = get_logger(__name__)
 
@@ -182,10 +182,6 @@ class FlashInferProvider(AttentionProvider):
 
     def unavailable_reason(self) -> str | None:
         return _unavailable()
-
-    def occupies_every_sm(self, request: AttentionRequest) -> bool:
-        # The Hopper (fa3) kernel's plan gives each of the device's SMs one block and a fixed list of tiles.
-        return request.compute_capability is not None and request.compute_capability[0] == 9
 
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if attn_mask is not None:
