@@ -4,12 +4,12 @@ The rules are the measured ones (docs/PARALLELISM.md, docs/PERFORMANCE.md), appl
 
 1. CFG first. When the call runs both guidance branches (Wan's default ``guidance_scale=5``, FLUX's true CFG),
    ``cfg=2`` splits them over two ranks: one tensor exchanged per step (two H200s: 1.93x on FLUX true CFG,
-   1.99x on Wan 14B).
+   2.00x on Wan 14B).
 2. The remaining ranks split the sequence: Ulysses up to the largest degree that divides the heads, ring
    for the rest. On two H200s it is the fastest or within 1 % of it for both models measured: FLUX
    1024x1024 through the pipeline ulysses 79.4 ms/step, ring 81.7, tp 81.9 (130.3 on one GPU); Wan 14B
-   with CFG ulysses 1.84x, ring 1.83x, tp 1.59x (and Ulysses is bitwise one GPU, ring's merge rounds
-   differently). Beyond two ranks not yet measured (issue 12).
+   with CFG ulysses 1.77x, ring 1.65x (cuDNN, earlier: 1.84x, 1.83x, tp 1.59x; Ulysses is bitwise one
+   GPU, ring's merge rounds differently). Beyond two ranks not yet measured (issue 12).
 3. A model without a sequence plan takes tensor parallelism, when its heads split.
 
 ``accelerate`` makes the native swap at once and decides the layout at the pipeline's first call, from that
