@@ -56,15 +56,17 @@ def init_parallel(config: ParallelConfig) -> ParallelState:
         else torch.device("cpu")
     )
     shape = tuple(getattr(config, d) for d in _DIMS)
-    options = {
-        d: _group_options(dist.get_backend(), config.timeout_s) for d in _DIMS if getattr(config, d) > 1
-    }
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=_DIMS, backend_override=options)
+    backend = dist.get_backend()
+    # One options object per group: creating a group writes its ranks and name into the object it is given.
+    overrides = {d: _group_options(backend, config.timeout_s) for d in _DIMS if getattr(config, d) > 1}
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=_DIMS, backend_override=overrides)
     return ParallelState(config, mesh, device)
 
 
 def _group_options(backend: str, timeout_s: float) -> tuple[str, object]:
-    """Every layout group waits ``timeout_s``: a new group would otherwise take torch's default."""
+    """Every layout group waits ``timeout_s``: a new group would otherwise take torch's default (30 min
+    on gloo), and one spanning all ranks would reuse the default group, whose timeout the user may have
+    set otherwise."""
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return backend, options
