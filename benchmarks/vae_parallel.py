@@ -1,5 +1,5 @@
-"""FLUX's VAE (AutoencoderKL: decode and encode at --size) and Wan 2.1's (decode of --frames frames at
-480x832), random weights, run whole on every rank vs split over the ranks by rows (omni_accel's
+"""FLUX's VAE (AutoencoderKL: decode and encode at --size) and Wan 2.1's (decode and encode of --frames
+frames at 480x832), random weights, run whole on every rank vs split over the ranks by rows (omni_accel's
 patch-parallel VAE), in one torchrun launch: seconds per call and the split result's distance from the
 whole one.
 
@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> dict:
         wan_latents = torch.randn(
             1, 16, frames, video[0] // 8, video[1] // 8, generator=g, device=device, dtype=dtype
         )
+        video_in = torch.randn(1, 3, args.frames, *video, generator=g, device=device, dtype=dtype)
         calls["wan_decode"] = (wan.decoder, lambda: wan.decode(wan_latents).sample)
+        calls["wan_encode"] = (wan.encoder, lambda: wan.encode(video_in).latent_dist.parameters)
     results = {
         "world_size": dist.get_world_size(),
         "size": args.size,

@@ -6,6 +6,7 @@ import importlib
 import pytest
 import torch
 import torch.distributed as dist
+from diffusers import AutoencoderKLWan
 from multirank import run_multirank
 
 import omni_accel
@@ -145,6 +146,33 @@ def _vae_checks() -> None:
     error, own = ((got - exact).abs().max().item(), (want - exact).abs().max().item())
     assert split.calls == 3 and rel <= 1.5e-6 and error <= 2 * own, (rel, error, own)
 
+    # Wan's video encoder the same way, for I2V / V2V: its strided downsamplings take the row below each
+    # frame's band, its temporal ones need no rows; Wan 2.1's VAE and Wan 2.2's (patchified input, residual
+    # down blocks with an averaging shortcut), even and uneven bands.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the same weights on every rank
+        wan22_vae = AutoencoderKLWan(
+            base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True],
+            is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=8,
+        )  # fmt: skip
+    world = (
+        dist.get_world_size()
+    )  # rows: whole downsampling units (Wan 2.1's 4, Wan 2.2's 8 with its patches)
+    for vae, height in ((wan_vae, 8 * world), (wan_vae, 8 * world + 4), (wan22_vae, 8 * world)):
+        x = torch.randn(1, 3, 5, height, 16, generator=torch.Generator().manual_seed(height))
+        with torch.no_grad():
+            exact = copy.deepcopy(vae).double().encode(x.double()).latent_dist.parameters
+            want = vae.encode(x).latent_dist.parameters
+            split = RowSplit(vae.encoder, dist.group.WORLD)
+            split.install()
+            try:
+                got = vae.encode(x).latent_dist.parameters
+            finally:
+                split.uninstall()
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        error, own = ((got - exact).abs().max().item(), (want - exact).abs().max().item())
+        assert split.calls == 2 and rel <= 1.5e-6 and error <= 2 * own, (height, rel, error, own)
+
 
 def _graph_keys_under_a_layout() -> None:
     """Our layout hooks let a step be keyed for a CUDA graph (a user's hook still does not), and the key
@@ -268,7 +296,7 @@ def _two_ranks(rank: int, world: int) -> None:
     auto = wan(**video, generator=torch.Generator().manual_seed(0))
     report = str(omni_accel.describe(wan))
     assert "ParallelConfig(tp=1, ulysses=1, ring=1, cfg=2)" in report
-    assert "vae (AutoencoderKLWan): patch-parallel - decoder split" in report  # its encoder stays whole
+    assert "vae (AutoencoderKLWan): patch-parallel - decoder and encoder split" in report
     assert ((auto.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
     # Wan VACE: its calls pair under cfg=2 as Wan's do (control blocks and all)
     from test_wan_native import vace_call

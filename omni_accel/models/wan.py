@@ -338,17 +338,53 @@ WAN_VACE = _wan_model(
 )
 
 
-# Wan's video VAE decoder under a parallel layout (omni_accel.parallel.vae): it decodes frame chunk by frame
-# chunk with cached frames, each chunk split by rows the same way, so each rank's cached frames are its
-# band's. No reduction is split: only a convolution kernel's own order for a smaller input can differ
-# (bitwise in the tiny gloo test). Its encoder (strided causal downsampling) stays whole.
+# Wan's video VAE under a parallel layout (omni_accel.parallel.vae): it encodes and decodes frame chunk by
+# frame chunk with cached frames, each chunk split by rows the same way, so each rank's cached frames are
+# its band's. No reduction is split: only a convolution kernel's own order for a smaller input can differ
+# (bitwise in the tiny gloo tests).
 
 
 def _causal_conv_reason(conv: torch.nn.Conv3d) -> str | None:
     kernel, (pad_w, _, pad_h, _, _, _) = conv.kernel_size[1:], conv._padding
-    if conv.stride != (1, 1, 1) or (kernel, (pad_h, pad_w)) not in SAME_SIZE_CONVS or conv.groups != 1:
+    spatial_stride = conv.stride[1:]  # a stride in time (the encoder's temporal downsampling) needs no rows
+    if spatial_stride != (1, 1) or (kernel, (pad_h, pad_w)) not in SAME_SIZE_CONVS or conv.groups != 1:
         return f"a causal convolution the row split does not handle ({conv})"
     return None
+
+
+def _is_downsampling(resample: torch.nn.Module) -> bool:
+    return resample.mode.startswith("downsample")
+
+
+def _resample_reason(resample: torch.nn.Module) -> str | None:
+    """A WanResample the row split handles: any upsampling, or the downsampling's zero pad (one column
+    right, one row below) and 3x3 stride-2 convolution."""
+    if not _is_downsampling(resample):
+        return None
+    pad, conv = resample.resample
+    if (pad.padding, conv.kernel_size, conv.stride, conv.padding) != ((0, 1, 0, 1), (3, 3), (2, 2), (0, 0)):
+        return f"a downsampling WanResample the row split does not handle ({resample.resample})"
+    return None
+
+
+def _resample_in_bands(
+    resample: torch.nn.Module, bands: Bands, x: torch.Tensor, *args, **kwargs
+) -> torch.Tensor:
+    """Diffusers' WanResample.forward; when it downsamples, the row under each frame's band is the next
+    band's first (zeros under the image), in place of the zero row its pad adds."""
+    if not _is_downsampling(resample):
+        return type(resample).forward(resample, x, *args, **kwargs)
+    pad, conv = resample.resample
+
+    def downsample(frames: torch.Tensor) -> torch.Tensor:
+        below = F.pad(bands.with_row_below(frames), (pad.padding[0], pad.padding[1], 0, 0))
+        return F.conv2d(below, conv.weight, conv.bias, conv.stride)
+
+    resample.resample.forward = downsample
+    try:
+        return type(resample).forward(resample, x, *args, **kwargs)
+    finally:
+        del resample.resample.forward
 
 
 def _causal_conv_in_bands(conv: torch.nn.Conv3d, bands: Bands, x: torch.Tensor, cache_x=None) -> torch.Tensor:
@@ -365,12 +401,12 @@ def _causal_conv_in_bands(conv: torch.nn.Conv3d, bands: Bands, x: torch.Tensor, 
 
 
 register_row_split(
-    ("WanDecoder3d",),
+    ("WanDecoder3d", "WanEncoder3d"),
     {
         "WanCausalConv3d": SplitLayer(_causal_conv_reason, _causal_conv_in_bands),
         "WanAttentionBlock": SplitLayer(forward=whole_attention),  # per-frame attention: the whole frame
         "WanResample": SplitLayer(
-            lambda resample: "a downsampling WanResample" if resample.mode.startswith("downsample") else None
+            _resample_reason, _resample_in_bands, lambda resample: 2 if _is_downsampling(resample) else 1
         ),
     },
 )

@@ -15,7 +15,8 @@ layers each need only:
 * upsampling, per-position norms and elementwise steps: nothing.
 
 Known here: Diffusers' 2-D ``Encoder``/``Decoder`` (``AutoencoderKL``: FLUX, SD3...) and its shared layers;
-a model file teaches its own VAE's layers with ``register_row_split`` (Wan's video decoder: models/wan.py).
+a model file teaches its own VAE's layers with ``register_row_split`` (Wan's video encoder and decoder:
+models/wan.py).
 The bands are gathered at the end of each call. With GroupNorms only the order of their float32 sums
 differs from one rank (< 1.5e-6 relative in fp32, and no farther from a float64 run than one rank is).
 Installed as the coder's instance ``forward`` for the duration of the accelerated pipeline;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,11 +52,13 @@ SAME_SIZE_CONVS = (((1, 1), (0, 0)), ((3, 3), (1, 1)))  # (kernel, padding) with
 @dataclass(frozen=True)
 class SplitLayer:
     """How the row split treats one layer class (by name): why an instance cannot be split (``reason``
-    returns None when it can), and its band-aware forward ``(module, bands, x, *args, **kwargs)`` (None:
-    the layer works on its rows alone)."""
+    returns None when it can), its band-aware forward ``(module, bands, x, *args, **kwargs)`` (None: the
+    layer works on its rows alone), and by how much it divides the rows (``downsamples``: 2 for a stride-2
+    downsampling, whose own convolution the split then leaves to this layer; 1 for any other layer)."""
 
     reason: Callable[[nn.Module], str | None] = lambda module: None
     forward: Callable[..., torch.Tensor] | None = None
+    downsamples: Callable[[nn.Module], int] = lambda module: 1
 
 
 _CODERS = {"Encoder", "Decoder"}  # Diffusers' 2-D VAE halves; models register theirs (register_row_split)
@@ -74,7 +78,14 @@ def supports(coder: nn.Module) -> str | None:
     kind = type(coder).__name__
     if kind not in _CODERS or not type(coder).__module__.startswith("diffusers."):
         return f"it is a {kind}, which the row split does not know"
-    downsampling = {id(m.conv) for m in coder.modules() if type(m).__name__ == "Downsample2D"}
+    # The parts of a downsampling layer (its strided convolution...) are that layer's to handle.
+    downsampling = {
+        id(part)
+        for layer in coder.modules()
+        if _row_factor(layer) > 1
+        for part in layer.modules()
+        if part is not layer
+    }
     for name, module in coder.named_modules():
         reason = _layer_reason(module, downsampling)
         if reason is not None:
@@ -82,11 +93,18 @@ def supports(coder: nn.Module) -> str | None:
     return None
 
 
+def _row_factor(module: nn.Module) -> int:
+    split = _LAYERS.get(type(module).__name__)
+    return 1 if split is None else split.downsamples(module)
+
+
 def _layer_reason(module: nn.Module, downsampling: set[int]) -> str | None:
     kind = type(module).__name__
     if kind in _LAYERS:
         return _LAYERS[kind].reason(module)
-    if isinstance(module, nn.Conv2d) and id(module) not in downsampling:
+    if id(module) in downsampling:
+        return None
+    if isinstance(module, nn.Conv2d):
         shape = ((module.kernel_size, module.padding), module.stride, module.dilation, module.padding_mode)
         if shape[0] not in SAME_SIZE_CONVS or shape[1:] != ((1, 1), (1, 1), "zeros") or module.groups != 1:
             return f"a convolution the row split does not handle ({module})"
@@ -102,7 +120,7 @@ class RowSplit:
     def __init__(self, coder: nn.Module, group: dist.ProcessGroup) -> None:
         self.coder = coder
         self.group = group
-        self.unit = 2 ** sum(type(m).__name__ == "Downsample2D" for m in coder.modules())
+        self.unit = math.prod(_row_factor(m) for m in coder.modules())
         self.calls = 0
 
     def install(self) -> None:
@@ -244,7 +262,7 @@ def _downsample_reason(module: nn.Module) -> str | None:
 register_row_split(
     (),
     {
-        "Downsample2D": SplitLayer(_downsample_reason, _downsample),
+        "Downsample2D": SplitLayer(_downsample_reason, _downsample, downsamples=lambda module: 2),
         "Attention": SplitLayer(forward=whole_attention),
     },
 )
