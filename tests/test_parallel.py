@@ -437,3 +437,13 @@ def test_parallel_without_torchrun_says_how_to_launch(monkeypatch):
     with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
         omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2))
     assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"
+
+
+def test_the_layout_device_follows_the_groups_backend():
+    """A plain ``init_process_group()`` on a GPU machine starts gloo and NCCL together: the layout runs on
+    CUDA then, not on the CPU (which would move the user's pipeline there)."""
+    from omni_accel.parallel.mesh import device_type_of
+
+    assert device_type_of("nccl") == "cuda"
+    assert device_type_of("cpu:gloo,cuda:nccl") == "cuda"
+    assert device_type_of("gloo") == "cpu"

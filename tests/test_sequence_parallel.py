@@ -30,6 +30,7 @@ from omni_accel.parallel.sequence import (
 
 PROVIDER = SdpaMathProvider()
 TOLERANCE = 1e-5
+DEFAULT_GROUP_TIMEOUT_S = 60  # what the workers start their default group with
 
 
 def attend(q, k, v, need_lse):
@@ -110,10 +111,12 @@ def two_rank_checks() -> list:
 
 
 def check_group_timeouts(groups: dict, timeout_s: float) -> None:
-    """The layout's groups wait as long as the config says (new groups would take torch's 30 minutes)."""
-    want = datetime.timedelta(seconds=timeout_s)
+    """The layout's own groups wait as long as the config says (torch starts a new gloo group with 30
+    minutes); a dimension over all ranks is the default group, with the timeout it was started with."""
     for group in groups.values():
         if group is not None:
+            own = group is not dist.group.WORLD
+            want = datetime.timedelta(seconds=timeout_s if own else DEFAULT_GROUP_TIMEOUT_S)
             assert group._get_backend(torch.device("cpu")).options._timeout == want
 
 
@@ -143,7 +146,7 @@ def worker(rank: int, world: int, init_file: str, results) -> None:
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=DEFAULT_GROUP_TIMEOUT_S),
         )
         for name, check in CHECKS[world]():
             ran += 1

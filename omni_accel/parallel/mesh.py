@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from .config import ParallelConfig
 
@@ -49,27 +50,32 @@ def init_parallel(config: ParallelConfig) -> ParallelState:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout_s))
     config.check_world_size(dist.get_world_size())
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = device_type_of(dist.get_backend())
     device = (
         torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
         if device_type == "cuda"
         else torch.device("cpu")
     )
     shape = tuple(getattr(config, d) for d in _DIMS)
-    backend = dist.get_backend()
-    # One options object per group: creating a group writes its ranks and name into the object it is given.
-    overrides = {d: _group_options(backend, config.timeout_s) for d in _DIMS if getattr(config, d) > 1}
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=_DIMS, backend_override=overrides)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=_DIMS)
+    _bound_waits(mesh, config)
     return ParallelState(config, mesh, device)
 
 
-def _group_options(backend: str, timeout_s: float) -> tuple[str, object]:
-    """Every layout group waits ``timeout_s``: a new group would otherwise take torch's default (30 min
-    on gloo), and one spanning all ranks would reuse the default group, whose timeout the user may have
-    set otherwise."""
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=timeout_s)
-    return backend, options
+def device_type_of(backend: str) -> str:
+    """Where a process group's collectives run: CUDA when it has NCCL, also in the ``cpu:gloo,cuda:nccl``
+    pair that a plain ``init_process_group()`` starts on a GPU machine."""
+    return "cuda" if "nccl" in str(backend) else "cpu"
+
+
+def _bound_waits(mesh: DeviceMesh, config: ParallelConfig) -> None:
+    """The layout's own groups wait ``config.timeout_s`` (torch starts a new group with its default: 10
+    minutes on NCCL, 30 on gloo); a dimension spanning all ranks uses the default group, which keeps the
+    timeout it was started with (``timeout_s`` too when ``accelerate`` started it)."""
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    for dim in _DIMS:
+        if getattr(config, dim) > 1 and mesh.get_group(dim) is not dist.group.WORLD:
+            _set_pg_timeout(timeout, mesh.get_group(dim))
 
 
 def is_main_process() -> bool:
