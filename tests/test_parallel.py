@@ -172,6 +172,17 @@ def _vae_checks() -> None:
         rel = ((got - want).abs().max() / want.abs().max()).item()
         error, own = ((got - exact).abs().max().item(), (want - exact).abs().max().item())
         assert split.calls == 2 and rel <= 1.5e-6 and error <= 2 * own, (height, rel, error, own)
+    # and Wan 2.2's decoder (residual up blocks duplicating 2x2 patches)
+    z = torch.randn(1, 4, 3, 4 * world, 6, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = wan22_vae.decode(z).sample
+        split = RowSplit(wan22_vae.decoder, dist.group.WORLD)
+        split.install()
+        try:
+            got = wan22_vae.decode(z).sample
+        finally:
+            split.uninstall()
+    assert split.calls == 3 and ((got - want).abs().max() / want.abs().max()).item() <= 1.5e-6
 
 
 def _graph_keys_under_a_layout() -> None:
