@@ -229,7 +229,7 @@ def _tp_splits_the_modulation() -> None:
         assert shard_of(linear) is not None and linear.weight.shape[0] == linear.out_features // 2
 
 
-def _bf16_as_accurate_as_one_rank() -> None:
+def _bf16_as_accurate_as_one_rank(*layouts: ParallelConfig) -> None:
     """Each layout in bf16 is as close to a float64 run as one rank in bf16 is: a layout sums in another
     order, never in a lower precision (so a bf16 layout's distance from one rank, 5-7 % for Wan's ring and
     tp after two steps of a random 14B model on GPUs, is rounding amplified by the model, not an error)."""
@@ -251,14 +251,14 @@ def _bf16_as_accurate_as_one_rank() -> None:
         return ((out - exact).abs().max() / exact.abs().max()).item()
 
     one = error(forward(torch.bfloat16))
-    for layout in (ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2)):
+    for layout in layouts:
         got = error(forward(torch.bfloat16, layout))
         assert got <= 1.25 * one, f"{layout} in bf16: {got:.2e} from float64, one rank {one:.2e}"
 
 
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
-    _bf16_as_accurate_as_one_rank()
+    _bf16_as_accurate_as_one_rank(ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2))
     _vae_checks()
     _graph_keys_under_a_layout()
     _tp_splits_the_modulation()
@@ -348,6 +348,10 @@ def _two_ranks(rank: int, world: int) -> None:
 
 def _four_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
+    _bf16_as_accurate_as_one_rank(
+        ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2),
+        ParallelConfig(tp=2, ulysses=2), ParallelConfig(tp=4),
+    )  # fmt: skip
     _vae_checks()
     oracle = _oracle()
     for layout in (
