@@ -57,9 +57,21 @@ def _oracle(heads: int = 2, **call) -> torch.Tensor:
     return _latents(omni_accel.accelerate(pipe), **call)
 
 
+def _split_run(coder: torch.nn.Module, run) -> tuple[torch.Tensor, int]:
+    """``run()`` with ``coder`` split over the ranks by rows; its output and how many calls were split."""
+    from omni_accel.parallel.vae import RowSplit
+
+    split = RowSplit(coder, dist.group.WORLD)
+    split.install()
+    try:
+        with torch.no_grad():
+            return run(), split.calls
+    finally:
+        split.uninstall()
+
+
 def _vae_checks() -> None:
     """The row-split VAE against the whole VAE on each rank: decode and encode, uneven bands, tiling."""
-    from omni_accel.parallel.vae import RowSplit
 
     vae = omni_accel.tiny_flux_pipeline(seed=0).vae
     with torch.no_grad():
@@ -89,13 +101,8 @@ def _vae_checks() -> None:
         with torch.no_grad():
             exact = run(exact_vae, x.double())
             want = run(vae, x)
-            split = RowSplit(getattr(vae, coder), dist.group.WORLD)
-            split.install()
-            try:
-                got = run(vae, x)
-            finally:
-                split.uninstall()
-        assert split.calls > 0 and "forward" not in getattr(vae, coder).__dict__
+        got, calls = _split_run(getattr(vae, coder), lambda run=run, x=x: run(vae, x))
+        assert calls > 0 and "forward" not in getattr(vae, coder).__dict__
         # Only the order of float32 sums differs (GroupNorm statistics): ~1e-7 of the output per norm.
         # So the split run is as close to a float64 run as the whole one, and within 1.5e-6 of it.
         rel = ((got - want).abs().max() / want.abs().max()).item()
@@ -136,15 +143,10 @@ def _vae_checks() -> None:
     with torch.no_grad():
         exact = exact_wan.decode(z.double()).sample
         want = wan_vae.decode(z).sample
-        split = RowSplit(wan_vae.decoder, dist.group.WORLD)
-        split.install()
-        try:
-            got = wan_vae.decode(z).sample
-        finally:
-            split.uninstall()
+    got, calls = _split_run(wan_vae.decoder, lambda: wan_vae.decode(z).sample)
     rel = ((got - want).abs().max() / want.abs().max()).item()
     error, own = ((got - exact).abs().max().item(), (want - exact).abs().max().item())
-    assert split.calls == 3 and rel <= 1.5e-6 and error <= 2 * own, (rel, error, own)
+    assert calls == 3 and rel <= 1.5e-6 and error <= 2 * own, (rel, error, own)
 
     # Wan's video encoder the same way, for I2V / V2V: its strided downsamplings take the row below each
     # frame's band, its temporal ones need no rows; Wan 2.1's VAE and Wan 2.2's (patchified input, residual
@@ -155,34 +157,22 @@ def _vae_checks() -> None:
             base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True],
             is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=8,
         )  # fmt: skip
-    world = (
-        dist.get_world_size()
-    )  # rows: whole downsampling units (Wan 2.1's 4, Wan 2.2's 8 with its patches)
+    world = dist.get_world_size()  # heights in whole downsampling units (Wan 2.1: 4 rows, Wan 2.2: 8)
     for vae, height in ((wan_vae, 8 * world), (wan_vae, 8 * world + 4), (wan22_vae, 8 * world)):
         x = torch.randn(1, 3, 5, height, 16, generator=torch.Generator().manual_seed(height))
         with torch.no_grad():
             exact = copy.deepcopy(vae).double().encode(x.double()).latent_dist.parameters
             want = vae.encode(x).latent_dist.parameters
-            split = RowSplit(vae.encoder, dist.group.WORLD)
-            split.install()
-            try:
-                got = vae.encode(x).latent_dist.parameters
-            finally:
-                split.uninstall()
+        got, calls = _split_run(vae.encoder, lambda vae=vae, x=x: vae.encode(x).latent_dist.parameters)
         rel = ((got - want).abs().max() / want.abs().max()).item()
         error, own = ((got - exact).abs().max().item(), (want - exact).abs().max().item())
-        assert split.calls == 2 and rel <= 1.5e-6 and error <= 2 * own, (height, rel, error, own)
+        assert calls == 2 and rel <= 1.5e-6 and error <= 2 * own, (height, rel, error, own)
     # and Wan 2.2's decoder (residual up blocks duplicating 2x2 patches)
     z = torch.randn(1, 4, 3, 4 * world, 6, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         want = wan22_vae.decode(z).sample
-        split = RowSplit(wan22_vae.decoder, dist.group.WORLD)
-        split.install()
-        try:
-            got = wan22_vae.decode(z).sample
-        finally:
-            split.uninstall()
-    assert split.calls == 3 and ((got - want).abs().max() / want.abs().max()).item() <= 1.5e-6
+    got, calls = _split_run(wan22_vae.decoder, lambda: wan22_vae.decode(z).sample)
+    assert calls == 3 and ((got - want).abs().max() / want.abs().max()).item() <= 1.5e-6
 
 
 def _graph_keys_under_a_layout() -> None:
