@@ -73,9 +73,10 @@ def _bound_waits(mesh: DeviceMesh, config: ParallelConfig) -> None:
     minutes on NCCL, 30 on gloo); a dimension spanning all ranks uses the default group, which keeps the
     timeout it was started with (``timeout_s`` too when ``accelerate`` started it)."""
     timeout = datetime.timedelta(seconds=config.timeout_s)
-    for dim in _DIMS:
-        if getattr(config, dim) > 1 and mesh.get_group(dim) is not dist.group.WORLD:
-            _set_pg_timeout(timeout, mesh.get_group(dim))
+    groups = [mesh.get_group(dim) for dim in _DIMS if getattr(config, dim) > 1]
+    for group in groups:
+        if group is not dist.group.WORLD:
+            _set_pg_timeout(timeout, group)
 
 
 def is_main_process() -> bool:
