@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     best.set_attention_backend("_native_cudnn")
     best.compile_repeated_blocks(fullgraph=True)
     eager = omni_accel.accelerate(bare_pipeline(model()), cuda_graphs=True)
-    compiled = omni_accel.accelerate(bare_pipeline(model()), compile=True)
+    compiled = omni_accel.accelerate(bare_pipeline(model()), compile=True, compile_in_background=False)
     variants = {
         "diffusers_default": lambda: default(**x)[0],
         "diffusers_best": lambda: best(**x)[0],

@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
         else ["cpu"]
     )
     results, oracle = {"gpus": gpus, "steps": args.steps}, {}
-    compile_options = {"compile": True} if args.compile else {}
+    compile_options = {"compile": True, "compile_in_background": False} if args.compile else {}
     if args.compile and args.tiny:
-        compile_options = {"compile": {"backend": "aot_eager"}}
+        compile_options["compile"] = {"backend": "aot_eager"}
     for name in args.layouts or list(layouts):
         base, variant = split(name)
         true_cfg = base.endswith("true_cfg")

@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> dict:
     best.compile_repeated_blocks(fullgraph=True)
     eager = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), cuda_graphs=True)
     compiled = omni_accel.accelerate(
-        bare_pipeline(build_transformer(device, dtype)), compile=True, cuda_graphs=False
+        bare_pipeline(build_transformer(device, dtype)),
+        compile=True,
+        compile_in_background=False,
+        cuda_graphs=False,
     )
 
     def variants(x: dict) -> dict:

@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
         pipe = WanPipeline(None, None, None, FlowMatchEulerDiscreteScheduler(), transformer=model)
         pipe.set_progress_bar_config(disable=True)
         with variant:
-            omni_accel.accelerate(pipe, parallel=LAYOUTS[layout], compile=args.compile)
+            omni_accel.accelerate(
+                pipe, parallel=LAYOUTS[layout], compile=args.compile, compile_in_background=False
+            )
             _call(pipe, args, device, dtype)  # warm-up (and compilation)
             dist.barrier()
             latents, ms = timed(lambda pipe=pipe: _call(pipe, args, device, dtype), device)

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cuda_graphs:
         variants["omni_accel_cuda_graphs"] = variant(omni, graphs_on=True)
     if args.compile:
-        compiled = accelerated(compile=True)
+        compiled = accelerated(compile=True, compile_in_background=False)
         variants["omni_accel_compiled"] = variant(compiled, graphs_on=False)
         if args.cuda_graphs:
             variants["omni_accel_compiled_cuda_graphs"] = variant(compiled, graphs_on=True)

@@ -239,10 +239,12 @@ def _plan_swap(
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
     cache = _unless_compiled(cache, config, limitations)
-    runtime = NativeRuntime(selector, options, cache)
+    runtime = NativeRuntime(selector, options, cache, config.compile_in_background)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
         detail += "; repeated blocks compiled"
+        if config.compile_in_background:
+            detail += " (in the background on one device: eager steps until the code is ready)"
     if graphs_on:
         detail += "; each step captured as a CUDA graph"
     if parallel is not None:
@@ -257,7 +259,7 @@ def _plan_swap(
         runtime=runtime,
         not_accelerated=limitations,
     )
-    graphs = cuda_graphs.StepGraphs(module) if graphs_on else None
+    graphs = cuda_graphs.StepGraphs(module, step_state=runtime.begin_step) if graphs_on else None
     report.graphs = graphs
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 

@@ -21,7 +21,9 @@ class AccelConfig:
     transformer spreads over the ranks of a torchrun launch (``"auto"``: chosen for the model, the number
     of ranks and the pipeline's first call; see ``omni_accel.parallel.auto``). ``compile``:
     ``torch.compile`` each repeated block of a native transformer (True, or a dict of ``torch.compile``
-    keyword arguments). ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and replay
+    keyword arguments); ``compile_in_background``: until a block function's compiled code is ready, its
+    calls run eagerly while a thread compiles it (see ``omni_accel.models.compiler``; False: the first call
+    waits for the compile). ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and replay
     it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer whose
     steps run on CUDA, on one GPU or under a parallel layout. ``vae_parallel``: under a parallel layout,
     split the VAE decode over the ranks by latent rows (None, the default: when the VAE's layers allow it).
@@ -32,6 +34,7 @@ class AccelConfig:
     projection_cache_bytes: int = 256 * 1024**2
     parallel: ParallelConfig | str | None = None
     compile: bool | Mapping[str, Any] = False
+    compile_in_background: bool = True
     cuda_graphs: bool | None = None
     vae_parallel: bool | None = None
     components: tuple[str, ...] = ("transformer", "transformer_2")
@@ -50,6 +53,10 @@ class AccelConfig:
         if not isinstance(self.compile, bool | Mapping):
             raise TypeError(
                 f"compile must be True/False or a dict of torch.compile arguments, got {self.compile!r}."
+            )
+        if not isinstance(self.compile_in_background, bool):
+            raise TypeError(
+                f"compile_in_background must be True or False, got {self.compile_in_background!r}."
             )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}.")

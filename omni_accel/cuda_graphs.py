@@ -26,6 +26,7 @@ import copy
 import threading
 import weakref
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +64,11 @@ class StepGraphs:
     module's instance ``forward``, so it travels with the module through ``deepcopy`` and pickling, and a
     Diffusers hook registered later wraps it like any forward."""
 
-    def __init__(self, module: nn.Module, max_graphs: int = 4) -> None:
+    def __init__(
+        self, module: nn.Module, max_graphs: int = 4, step_state: Callable[[], Hashable] | None = None
+    ) -> None:
         self.module = module
+        self.step_state = step_state  # called as each step starts; what it returns is part of the key
         self.inner = module.__dict__.get("forward")  # a hook's forward installed before us, if any
         self.max_graphs = max_graphs
         self.enabled = True
@@ -102,12 +106,14 @@ class StepGraphs:
 
     def __deepcopy__(self, memo: dict) -> StepGraphs:
         # Graphs hold this module's pointers: a copy starts empty and captures its own.
-        twin = StepGraphs(copy.deepcopy(self.module, memo), self.max_graphs)
+        twin = StepGraphs(
+            copy.deepcopy(self.module, memo), self.max_graphs, copy.deepcopy(self.step_state, memo)
+        )
         twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
         return twin
 
     def __reduce__(self):
-        return _unpickle, (self.module, self.inner, self.max_graphs, self.enabled)
+        return _unpickle, (self.module, self.inner, self.max_graphs, self.enabled, self.step_state)
 
     def _forward(self) -> Any:
         return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
@@ -120,8 +126,9 @@ class StepGraphs:
         reason = _eager_reason(module, leaves)
         if reason is not None:
             return self._eager(reason, forward, args, kwargs)
+        state = self.step_state() if self.step_state is not None else None
         try:
-            key = step_key(module, leaves, spec)
+            key = step_key(module, leaves, spec, state)
         except TypeError:  # an unhashable argument: its value cannot key a graph
             return self._eager("an argument that cannot be compared between calls", forward, args, kwargs)
         if key is None:
@@ -136,7 +143,9 @@ class StepGraphs:
                     out = forward(*args, **kwargs)
                     if len(self.warmed) >= 64:
                         self.warmed.clear()
-                    self.warmed.add(step_key(module, leaves, spec))  # after the first call's weight packing
+                    self.warmed.add(
+                        step_key(module, leaves, spec, state)
+                    )  # after the first call's weight packing
                     return out
                 graph = self._capture(key, forward, leaves, spec)
                 if graph is None:
@@ -190,8 +199,8 @@ class StepGraphs:
         }
 
 
-def _unpickle(module: nn.Module, inner: Any, max_graphs: int, enabled: bool) -> StepGraphs:
-    graphs = StepGraphs(module, max_graphs)
+def _unpickle(module: nn.Module, inner: Any, max_graphs: int, enabled: bool, step_state: Any) -> StepGraphs:
+    graphs = StepGraphs(module, max_graphs, step_state)
     graphs.inner, graphs.enabled = inner, enabled
     return graphs
 
@@ -213,7 +222,9 @@ def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
 _HOOKED = "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
 
 
-def step_key(module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> tuple | None:
+def step_key(
+    module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, step_state: Hashable = None
+) -> tuple | None:
     """Everything the host decides a forward with (see the module docstring), or None when a hook on the
     module or below decides per call; raises TypeError for an argument that cannot be hashed."""
     arguments = tuple(
@@ -221,7 +232,7 @@ def step_key(module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> tup
     )
     hash(arguments)
     state = _module_state(module)
-    return None if state is None else (spec, arguments, state, _global_state())
+    return None if state is None else (spec, arguments, state, _global_state(), step_state)
 
 
 def _module_state(module: nn.Module) -> tuple | None:

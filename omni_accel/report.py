@@ -58,6 +58,8 @@ class ComponentReport:
             for reason, count in sorted(stats["eager"].items()):
                 out.append(f"  cuda graphs: {count} calls ran eagerly ({reason})")
         if self.runtime is not None:
+            if self.runtime.compiler is not None:
+                out.extend(f"  compiled: {line}" for line in self.runtime.compiler.summary())
             for reason, count in sorted(self.runtime.fallbacks.items()):
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)

@@ -134,7 +134,7 @@ class NativeContract:
         torch._dynamo.reset()
         counters = torch._dynamo.utils.counters
         counters.clear()
-        fast = self.accelerated(0, overrides, compile={"backend": "aot_eager"})
+        fast = self.accelerated(0, overrides, compile={"backend": "aot_eager"}, compile_in_background=False)
         inputs = self.make_inputs(fast, **shapes)
         expected = _run(self.make_module(0, **overrides), inputs)
         assert rel_err(_run(fast, inputs), expected) <= 1e-5

@@ -1,4 +1,7 @@
-"""compile=True: the native blocks trace without graph breaks and keep following the attention scope."""
+"""compile=True: the native blocks trace without graph breaks, keep following the attention scope, and
+compile beside the running pipeline (eager steps until the code is ready, switched in between steps)."""
+
+import threading
 
 import pytest
 import torch
@@ -17,7 +20,9 @@ def test_compiled_blocks_match_eager_and_follow_the_scope():
     torch._dynamo.reset()
     eager = _latents(omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0)))
     pipe = omni_accel.accelerate(
-        omni_accel.tiny_flux_pipeline(seed=0), compile={"backend": "aot_eager", "fullgraph": True}
+        omni_accel.tiny_flux_pipeline(seed=0),
+        compile={"backend": "aot_eager", "fullgraph": True},
+        compile_in_background=False,
     )
     got = _latents(pipe)
     assert ((got - eager).abs().max() / eager.abs().max()).item() <= 1e-5
@@ -50,7 +55,7 @@ def test_blocks_of_one_class_share_one_compiled_graph():
     counters = torch._dynamo.utils.counters
     counters.clear()
     pipe = omni_accel.tiny_flux_pipeline(seed=0, num_layers=3, num_single_layers=3)
-    omni_accel.accelerate(pipe, compile={"backend": "aot_eager"})
+    omni_accel.accelerate(pipe, compile={"backend": "aot_eager"}, compile_in_background=False)
     _latents(pipe)
     assert counters["stats"]["unique_graphs"] == 2  # one per block class
 
@@ -68,3 +73,123 @@ def test_diffusers_compile_repeated_blocks_after_accelerate():
     assert ((got - _latents(plain)).abs().max() / _latents(plain).abs().max()).item() <= 1e-5
     assert counters["stats"]["unique_graphs"] <= 4  # per block class: the prologue and the math
     assert all("_prepare" in reason for reason in counters["graph_break"])
+
+
+def _compiler(pipe):
+    return omni_accel.describe(pipe).components[0].runtime.compiler
+
+
+def _calls(compiler):
+    """(eager, compiled) calls per block function."""
+    return {fn.__name__: (v.eager_calls, v.compiled_calls) for fn, v in compiler._variants.items()}
+
+
+def test_background_compile_runs_eager_steps_then_switches_between_steps():
+    torch._dynamo.reset()
+    eager = _latents(omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0)))
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), compile=True
+    )  # inductor, in the background
+    compiler = _compiler(pipe)
+    finished_during_step = []
+
+    def wait_for_the_compile(pipe, step, timestep, kwargs):
+        compiler.wait()
+        finished_during_step.append(compiler.generation)
+        return kwargs
+
+    got = pipe(
+        **CALL, generator=torch.Generator().manual_seed(0), callback_on_step_end=wait_for_the_compile
+    ).images
+    # Step 1 ran the eager blocks (2 double, 2 single) while both functions compiled; the compile finished
+    # during the callback but is switched in only as step 2 starts; step 2 ran compiled throughout.
+    assert finished_during_step == [0, 1]
+    assert _calls(compiler) == {"double_block": (2, 2), "single_block": (2, 2)}
+    assert ((got - eager).abs().max() / eager.abs().max()).item() <= 1e-5
+    blocking = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), compile=True, compile_in_background=False
+    )
+    assert torch.equal(_latents(blocking), _latents(pipe))  # from now on all compiled: the same code
+    assert "double_block: 1 input shape(s) compiled, 6 calls ran compiled, 2 eagerly" in str(
+        omni_accel.describe(pipe)
+    )
+    assert "repeated blocks compiled (in the background" in str(omni_accel.describe(pipe))
+
+
+def test_no_switch_while_a_compile_is_in_flight():
+    """A step boundary with one function compiled and another still compiling switches in neither."""
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    release = threading.Event()
+    compiler = BlockCompiler({"backend": "aot_eager"})
+    real = compiler._compile
+
+    def slow_for_g(fn, *args):
+        if fn is g:
+            release.wait(60)
+        real(fn, *args)
+
+    compiler._compile = slow_for_g
+    x = torch.randn(4)
+    for _ in range(2):  # two steps: "a" runs f, "b" runs g
+        compiler.math(f, "a")(x)
+        compiler.math(g, "b")(x)
+        compiler._threads[0].join(60)  # f is compiled, g is not
+    assert compiler.generation == 0 and _calls(compiler) == {"f": (2, 0), "g": (2, 0)}
+    release.set()
+    compiler.wait()
+    assert torch.equal(compiler.math(f, "a")(x), f(x)) and torch.equal(compiler.math(g, "b")(x), g(x))
+    assert compiler.generation == 1 and _calls(compiler) == {"f": (2, 1), "g": (2, 1)}
+
+
+def test_a_new_shape_runs_eagerly_while_it_compiles():
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    compiler = BlockCompiler({"backend": "aot_eager"})
+    small, large = torch.randn(4), torch.randn(6)
+    for x in (small, small, large, large):
+        compiler.math(f, "a")(x)
+        compiler.wait()
+    assert _calls(compiler) == {"f": (2, 2)}  # each shape: eager once, compiled once
+    assert "2 input shape(s) compiled" in compiler.summary()[0]
+
+
+def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    compiler = BlockCompiler({"backend": "aot_eager"})
+    x = torch.randn(4)
+    compiler.math(breaks, "a")(x)
+    compiler.wait()
+    with pytest.raises(
+        RuntimeError, match="(?s)compiling breaks in the background failed .*compile_in_background=False"
+    ):
+        compiler.math(breaks, "a")(x)
+    assert torch.equal(compiler.math(breaks, "a")(x), breaks(x))  # no second error, no second compile
+    assert "compile failed, runs eagerly" in compiler.summary()[0]
+    assert _calls(compiler) == {"breaks": (2, 0)}
+
+
+def test_under_a_layout_the_compile_waits_for_the_first_call():
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    compiler = BlockCompiler({"backend": "aot_eager"})
+    compiler.math(f, "a", background=False)(torch.randn(4))
+    assert not compiler._threads and compiler.summary() == ["f: compiled at its first call per input shape"]
+
+
+def f(x):
+    return torch.sin(x) * 2
+
+
+def g(x):
+    return torch.cos(x) + 1
+
+
+def breaks(x):
+    torch._dynamo.graph_break()
+    return x + 1

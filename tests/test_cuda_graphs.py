@@ -166,6 +166,26 @@ def _gpu_pipeline(**options):
     return omni_accel.accelerate(pipe, cuda_graphs=True, **options)
 
 
+@pytest.mark.gpu
+def test_background_compile_is_captured_once_its_code_is_switched_in():
+    """Graphs key on the compiled code's generation: steps captured with the eager blocks are not replayed
+    after the switch; the compiled steps are captured anew and replay bitwise their eager launches."""
+    pipe = _gpu_pipeline(compile=True)
+    runtime = omni_accel.describe(pipe).components[0].runtime
+    call = {"prompt": "a cat", "num_inference_steps": 4, "output_type": "latent"}
+    eager = pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images
+    runtime.compiler.wait()
+    assert runtime.compiler.generation == 0  # finished, not yet switched in
+    before = omni_accel.describe(pipe).components[0].graphs.stats()["captures"]
+    compiled = pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images
+    assert runtime.compiler.generation == 1
+    calls = {fn.__name__: v.compiled_calls for fn, v in runtime.compiler._variants.items()}
+    assert all(calls.values()), calls  # the compiled code ran (warm-up and capture of the new key)
+    assert omni_accel.describe(pipe).components[0].graphs.stats()["captures"] == before + 1
+    torch.testing.assert_close(compiled, eager, rtol=0.05, atol=0.05)
+    _replays_match_eager(pipe)
+
+
 def _replays_match_eager(pipe, exact: bool = True, **call):
     """The pipeline's image with its graphs switched off (the same kernels, compiled ones included,
     launched one by one) and on: bitwise equal (``exact``), else equal to bf16 rounding."""
@@ -185,7 +205,7 @@ def _replays_match_eager(pipe, exact: bool = True, **call):
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
 def test_replayed_steps_are_bitwise_the_eager_steps(compiled):
-    pipe = _gpu_pipeline(compile=compiled)
+    pipe = _gpu_pipeline(compile=compiled, compile_in_background=False)
     _replays_match_eager(pipe)
     stats = omni_accel.describe(pipe).components[0].graphs.stats()
     assert stats["captures"] == 1 and stats["replays"] == 3, stats  # warm-up, capture + replay, two replays

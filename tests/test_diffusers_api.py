@@ -318,7 +318,7 @@ def test_compiled_blocks_take_new_lora_scales_and_hotswaps_without_recompiling()
     fast = omni_accel.tiny_flux_pipeline(seed=0)
     for pipe in (plain, fast):
         pipe.load_lora_weights(_lora(1), adapter_name="a")
-    omni_accel.accelerate(fast, compile={"backend": "aot_eager"})
+    omni_accel.accelerate(fast, compile={"backend": "aot_eager"}, compile_in_background=False)
     _same(plain, fast)
     counters.clear()
     steps = [

@@ -38,6 +38,7 @@ from ..layers.projection import LinearWeights, Unsupported, read_linear, read_pa
 from ..parallel.parallelize import Parallelized, ParallelPlan
 from ..parallel.tensor import TensorPlan
 from ..utils.logging import get_logger
+from .compiler import BlockCompiler
 
 logger = get_logger(__name__)
 
@@ -68,40 +69,44 @@ class NativeModel:
 
 @dataclass
 class NativeRuntime:
-    """What the native blocks of one accelerated transformer share: the attention selector, whether their
-    math is compiled, the parallel layout, and the count of calls that ran Diffusers' forward instead (by
-    reason)."""
+    """What the native blocks of one accelerated transformer share: the attention selector, how their
+    math is compiled (``compile_options`` None: not at all), the parallel layout, and the count of calls that
+    ran Diffusers' forward instead (by reason)."""
 
     selector: AttentionSelector
     compile_options: Mapping[str, Any] | None = None
     cache: ExactProjectionCache | None = None
+    compile_in_background: bool = True
     fallbacks: Counter = field(default_factory=Counter)
     layout: Parallelized | None = None
-    _compiled: dict = field(default_factory=dict)
+    compiler: BlockCompiler | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        options = self.compile_options
+        self.compiler = None if options is None else BlockCompiler(options, self.compile_in_background)
 
     @property
     def layout_index(self) -> int:
         return -1 if self.layout is None else self.layout.index
 
-    def math(self, fn: Callable) -> Callable:
-        """``fn`` itself, or its compiled version (one per function: every block of a class shares it)."""
-        if self.compile_options is None:
+    def math(self, fn: Callable, caller: str) -> Callable:
+        """``fn`` itself, or what runs it compiled (see ``compiler``), for the block named ``caller``."""
+        if self.compiler is None:
             return fn
-        compiled = self._compiled.get(fn)
-        if compiled is None:
-            logger.warning(  # shown by default: a long first call should not look like a hang
-                "compiling %s: its first call per input shape compiles (seconds to a minute; cached on disk)",
-                fn.__name__,
-            )
-            compiled = self._compiled[fn] = torch.compile(fn, **self.compile_options)
-        return compiled
+        return self.compiler.math(fn, caller, background=self.layout is None)
+
+    def begin_step(self) -> int:
+        """Called as a transformer step starts: switches in finished compiled code; returns its generation."""
+        return 0 if self.compiler is None else self.compiler.begin_step()
 
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
         # A copy keeps the provider choice and gets its own (empty) cache; compiled code is not copied.
-        return NativeRuntime(self.selector, self.compile_options, copy.deepcopy(self.cache, memo))
+        return NativeRuntime(
+            self.selector, self.compile_options, copy.deepcopy(self.cache, memo), self.compile_in_background
+        )
 
     def __reduce__(self):
-        return NativeRuntime, (self.selector, self.compile_options, self.cache)
+        return NativeRuntime, (self.selector, self.compile_options, self.cache, self.compile_in_background)
 
 
 class NativeBlock:

@@ -174,7 +174,7 @@ class _FluxNative(NativeBlock):
                 hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs
             )
         modulation, weights, norms, constants = prepared
-        math = self.omni_runtime.math(type(self).math)
+        math = self.omni_runtime.math(type(self).math, self.omni_name)
         return self._run(
             math,
             hidden_states,

@@ -232,7 +232,7 @@ class NativeWanTransformerBlock(_WanNative, WanTransformerBlock):
         if prepared is None:
             return super().forward(hidden_states, encoder_hidden_states, temb, rotary_emb)
         weights, norms, constants = prepared
-        math = self.omni_runtime.math(wan_block)
+        math = self.omni_runtime.math(wan_block, self.omni_name)
         table = self.scale_shift_table
         return math(hidden_states, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants)
 
@@ -262,7 +262,7 @@ class NativeWanVACETransformerBlock(_WanNative, WanVACETransformerBlock):
         if "proj_in" in weights:  # the first control block joins the video tokens, outside the math that
             # every control block shares (compiled: one graph for all of them)
             control_hidden_states = apply_one(control_hidden_states, weights["proj_in"]) + hidden_states
-        math = self.omni_runtime.math(wan_vace_block)
+        math = self.omni_runtime.math(wan_vace_block, self.omni_name)
         table = self.scale_shift_table
         return math(
             control_hidden_states, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants
