@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
         for start in ("empty_cache", "warm_cache"):
             command = [sys.executable, __file__, "--child", name, "--steps", str(args.steps)]
             command += ["--host"] if args.host else []
-            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{name} ({start}) failed:\n{done.stderr[-4000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
             result["ratio_to_warm_image"] = result["accelerate_to_first_image_s"] / result["warm_image_s"]
             results[f"{name}_{start}"] = result

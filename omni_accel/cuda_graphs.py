@@ -68,7 +68,7 @@ class StepGraphs:
         self, module: nn.Module, max_graphs: int = 4, step_state: Callable[[], Hashable] | None = None
     ) -> None:
         self.module = module
-        self.step_state = step_state  # called as each step starts; what it returns is part of the key
+        self.step_state = step_state  # called as each step starts: part of the key, or None to run eagerly
         self.inner = module.__dict__.get("forward")  # a hook's forward installed before us, if any
         self.max_graphs = max_graphs
         self.enabled = True
@@ -126,7 +126,9 @@ class StepGraphs:
         reason = _eager_reason(module, leaves)
         if reason is not None:
             return self._eager(reason, forward, args, kwargs)
-        state = self.step_state() if self.step_state is not None else None
+        state = self.step_state() if self.step_state is not None else ()
+        if state is None:
+            return self._eager("compiled blocks are being built in the background", forward, args, kwargs)
         try:
             key = step_key(module, leaves, spec, state)
         except TypeError:  # an unhashable argument: its value cannot key a graph
