@@ -89,10 +89,10 @@ def _block_calls(compiler) -> dict:
     """How many block calls of the first image ran compiled and eagerly (background compile)."""
     if compiler is None or not compiler.background:
         return {}
-    variants = compiler._variants.values()
+    functions = compiler._functions.values()
     return {
-        "first_image_compiled_block_calls": sum(v.compiled_calls for v in variants),
-        "first_image_eager_block_calls": sum(v.eager_calls for v in variants),
+        "first_image_compiled_block_calls": sum(f.compiled_calls for f in functions),
+        "first_image_eager_block_calls": sum(f.eager_calls for f in functions),
     }
 
 

@@ -1,6 +1,7 @@
 """compile=True: the native blocks trace without graph breaks, keep following the attention scope, and
 compile beside the running pipeline (eager steps until the code is ready, switched in between steps)."""
 
+import sys
 import threading
 
 import pytest
@@ -152,14 +153,15 @@ def test_no_switch_while_a_compile_is_in_flight():
     torch._dynamo.reset()
     release = threading.Event()
     compiler = BlockCompiler({"backend": "aot_eager"})
-    real = compiler._compile
+    real = compiler._build
 
-    def slow_for_g(fn, *args):
-        if fn is g:
+    def slow_for_g(function, args, state):
+        if function is compiler._functions.get(g):
             release.wait(60)
-        real(fn, *args)
+        real(function, args, state)
 
-    compiler._compile = slow_for_g
+    compiler._build = slow_for_g
+    interval = sys.getswitchinterval()
     x = torch.randn(4)
     for _ in range(2):  # two steps: "a" runs f, "b" runs g
         compiler.math(f, "a")(x)
@@ -167,8 +169,10 @@ def test_no_switch_while_a_compile_is_in_flight():
         compiler._threads[0].join(60)  # f is compiled, g is not
         assert compiler.begin_step() is None  # graphs: not now
     assert compiler.generation == 0 and _calls(compiler) == {"f": (2, 0), "g": (2, 0)}
+    assert sys.getswitchinterval() < interval  # the caller's eager ops get the GIL back quickly meanwhile
     release.set()
     compiler.wait()
+    assert sys.getswitchinterval() == interval
     assert torch.equal(compiler.math(f, "a")(x), f(x)) and torch.equal(compiler.math(g, "b")(x), g(x))
     assert compiler.generation == 1 and _calls(compiler) == {"f": (2, 1), "g": (2, 1)}
     assert compiler.begin_step() == 1
