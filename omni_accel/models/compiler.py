@@ -4,7 +4,8 @@ A compiled first call traces and compiles each block function, and the first ima
 of host work even with a warm on-disk cache (FLUX.1-dev on an H200: 8.4 s from ``accelerate`` to the first
 image against 3.8 s for a warm one, docs/PERFORMANCE.md). In the background mode (the default on one
 device) the first calls run the eager math, the same fused kernels, while a worker thread compiles each
-block function by calling it once with the first call's arguments (on the caller's stream, the result
+block function (from the second step on: compiling beside the first step's one-time work, such as loading
+kernels, slowed that step from ~1.5 to ~4.3 s) by calling it once with the first call's arguments (on the caller's stream, the result
 thrown away; block math never writes to its inputs). The compiled code is switched in at a step boundary
 once no compile is in flight, so the blocks of one step run one kind of code, and CUDA graphs are captured
 only from then on. Eager and compiled blocks agree to rounding, not bitwise: an image made while the switch
@@ -49,6 +50,7 @@ class _Function:
     """One block function: its compiled version and where the background compile of it stands."""
 
     compiled: Callable
+    queued: tuple | None = None  # a call's arguments, state and context: compiled from the next step on
     compiling: bool = False
     ready: bool = False  # compiled, switched in at the next step boundary
     active: bool = False  # the blocks call ``compiled``
@@ -87,18 +89,22 @@ class BlockCompiler:
 
         def eager_meanwhile(*args: Any) -> Any:
             function.eager_calls += 1
-            self._submit(fn, function, args)
+            if not (function.queued or function.compiling or function.ready or function.failed):
+                function.queued = (args, _CallerState.of(args), contextvars.copy_context())
             return fn(*args)
 
         return eager_meanwhile
 
     def begin_step(self) -> int | None:
-        """Switches in the code compiled since the last step once no compile is in flight; returns the
-        generation of the code the step runs, or None while a compile is in flight (CUDA graphs key on the
-        generation and do not capture meanwhile: a capture beside the worker's first run of the compiled
-        code, which tunes its kernels, is not safe)."""
-        if self._pending and not _capturing():
-            self._switch()
+        """Starts the compiles queued in the last step, switches in the code compiled since then once no
+        compile is in flight; returns the generation of the code the step runs, or None while a compile is
+        in flight (CUDA graphs key on the generation and do not capture meanwhile: the worker's first run
+        of the compiled code beside a capture fails with "operation not permitted when stream is
+        capturing", measured on an H200)."""
+        if not _capturing():
+            self._start_queued()
+            if self._pending:
+                self._switch()
         return None if any(f.compiling for f in self._functions.values()) else self.generation
 
     def wait(self, timeout: float | None = None) -> None:
@@ -162,23 +168,23 @@ class BlockCompiler:
                 "or compile=False."
             ) from error
 
-    def _submit(self, fn: Callable, function: _Function, args: tuple) -> None:
-        with self._lock:
-            if function.compiling or function.ready or function.failed or function.error is not None:
-                return
-            function.compiling = True
-        logger.warning(  # shown by default: says why the first steps are not yet compiled
-            "compiling %s in the background: its calls run eagerly until the code is ready (seconds; cached on "
-            "disk)",
-            fn.__name__,
-        )
-        thread = threading.Thread(
-            target=contextvars.copy_context().run,
-            args=(self._compile, fn, function, args, _CallerState.of(args)),
-            name=f"omni_accel-compile-{fn.__name__}",
-        )  # not a daemon: an interpreter exiting mid-compile waits for it instead of aborting
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
+    def _start_queued(self) -> None:
+        for fn, function in self._functions.items():
+            if function.queued is None:
+                continue
+            (args, state, context), function.queued, function.compiling = function.queued, None, True
+            logger.warning(  # shown by default: says why the first steps are not yet compiled
+                "compiling %s in the background: its calls run eagerly until the code is ready (seconds; "
+                "cached on disk)",
+                fn.__name__,
+            )
+            thread = threading.Thread(
+                target=context.run,
+                args=(self._compile, fn, function, args, state),
+                name=f"omni_accel-compile-{fn.__name__}",
+            )  # not a daemon: an interpreter exiting mid-compile waits for it instead of aborting
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
 
     def _compile(self, fn: Callable, function: _Function, args: tuple, state: _CallerState) -> None:
         try:
