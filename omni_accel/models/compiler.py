@@ -49,7 +49,7 @@ _saved_switch_interval: float | None = None
 class _Function:
     """One block function: its compiled version and where the background compile of it stands."""
 
-    compiled: Callable
+    compiled: Callable | None = None  # made by the worker (torch.compile imports the compiler stack, ~1 s)
     queued: tuple | None = None  # a call's arguments, state and context: compiled from the next step on
     compiling: bool = False
     ready: bool = False  # compiled, switched in at the next step boundary
@@ -77,8 +77,9 @@ class BlockCompiler:
     def math(self, fn: Callable, caller: str, *, background: bool = True) -> Callable:
         """What a block named ``caller`` runs for ``fn``. Blocks run in the same order every step, so a
         block at or before the last one seen starts a step: that is where finished code is switched in."""
-        function = self._functions.get(fn) or self._function(fn)
-        if not (self.background and background):
+        background = self.background and background
+        function = self._functions.get(fn) or self._function(fn, background)
+        if not background:
             return function.compiled
         ordinal = self._ordinals.setdefault(caller, len(self._ordinals))
         if ordinal <= self._last_ordinal:
@@ -132,20 +133,17 @@ class BlockCompiler:
             )
         return lines
 
-    def _function(self, fn: Callable) -> _Function:
+    def _function(self, fn: Callable, background: bool) -> _Function:
         with self._lock:
             if fn not in self._functions:
-                compiled = torch.compile(fn, **self.options)
-                function = _Function(compiled)
-                if self.background:
-                    function.compiled = _counted(compiled, function)
-                else:
+                function = self._functions[fn] = _Function()
+                if not background:
                     logger.warning(  # shown by default: a long first call should not look like a hang
                         "compiling %s: its first call per input shape compiles (seconds to a minute; cached on "
                         "disk)",
                         fn.__name__,
                     )
-                self._functions[fn] = function
+                    function.compiled = torch.compile(fn, **self.options)
             return self._functions[fn]
 
     def _switch(self) -> None:
@@ -189,21 +187,24 @@ class BlockCompiler:
     def _compile(self, fn: Callable, function: _Function, args: tuple, state: _CallerState) -> None:
         try:
             with _short_switch_interval():
-                self._build(function, args, state)
+                compiled = self._build(fn, args, state, self.options)
         except BaseException as exc:  # raised at the next step boundary, in the caller's thread
             with self._lock:
                 function.error, function.compiling, self._pending = exc, False, True
             return
         with self._lock:
+            function.compiled = _counted(compiled, function)
             function.ready, function.compiling, self._pending = True, False, True
         logger.info("%s compiled in the background; used from the next step", fn.__name__)
 
     @staticmethod
-    def _build(function: _Function, args: tuple, state: _CallerState) -> None:
-        """Compiles by calling the compiled function once, in the caller's state."""
+    def _build(fn: Callable, args: tuple, state: _CallerState, options: dict) -> Callable:
+        """``torch.compile(fn)``, compiled by calling it once in the caller's state."""
         with _COMPILING, contextlib.ExitStack() as stack:
             state.enter(stack)
-            function.compiled.__wrapped__(*args)
+            compiled = torch.compile(fn, **options)
+            compiled(*args)
+        return compiled
 
 
 @contextlib.contextmanager
@@ -228,7 +229,6 @@ def _counted(compiled: Callable, function: _Function) -> Callable:
         function.compiled_calls += 1
         return compiled(*args)
 
-    run.__wrapped__ = compiled
     return run
 
 
