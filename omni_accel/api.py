@@ -259,7 +259,7 @@ def _plan_swap(
         runtime=runtime,
         not_accelerated=limitations,
     )
-    graphs = cuda_graphs.StepGraphs(module, step_state=runtime.begin_step) if graphs_on else None
+    graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     report.graphs = graphs
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 

@@ -26,9 +26,9 @@ import copy
 import threading
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -52,6 +52,19 @@ def release_all() -> None:
         graphs.release()
 
 
+class StepHooks(Protocol):
+    """What the module's owner tells the graphs at each step (a native transformer's runtime)."""
+
+    def begin_step(self) -> Hashable:
+        """Called as each step starts; part of the step's key (the generation of compiled code)."""
+
+    def may_capture(self) -> bool:
+        """False while a capture would be unsafe (a background compile running beside it)."""
+
+    def before_replay(self) -> None:
+        """Called before each replay (starts background work that may run beside replays)."""
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -65,10 +78,13 @@ class StepGraphs:
     Diffusers hook registered later wraps it like any forward."""
 
     def __init__(
-        self, module: nn.Module, max_graphs: int = 4, step_state: Callable[[], Hashable] | None = None
+        self,
+        module: nn.Module,
+        max_graphs: int = 4,
+        hooks: StepHooks | None = None,
     ) -> None:
         self.module = module
-        self.step_state = step_state  # called as each step starts: part of the key, or None to run eagerly
+        self.hooks = hooks
         self.inner = module.__dict__.get("forward")  # a hook's forward installed before us, if any
         self.max_graphs = max_graphs
         self.enabled = True
@@ -106,14 +122,12 @@ class StepGraphs:
 
     def __deepcopy__(self, memo: dict) -> StepGraphs:
         # Graphs hold this module's pointers: a copy starts empty and captures its own.
-        twin = StepGraphs(
-            copy.deepcopy(self.module, memo), self.max_graphs, copy.deepcopy(self.step_state, memo)
-        )
+        twin = StepGraphs(copy.deepcopy(self.module, memo), self.max_graphs, copy.deepcopy(self.hooks, memo))
         twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
         return twin
 
     def __reduce__(self):
-        return _unpickle, (self.module, self.inner, self.max_graphs, self.enabled, self.step_state)
+        return _unpickle, (self.module, self.inner, self.max_graphs, self.enabled, self.hooks)
 
     def _forward(self) -> Any:
         return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
@@ -126,9 +140,7 @@ class StepGraphs:
         reason = _eager_reason(module, leaves)
         if reason is not None:
             return self._eager(reason, forward, args, kwargs)
-        state = self.step_state() if self.step_state is not None else ()
-        if state is None:
-            return self._eager("compiled blocks are being built in the background", forward, args, kwargs)
+        state = self.hooks.begin_step() if self.hooks is not None else None
         try:
             key = step_key(module, leaves, spec, state)
         except TypeError:  # an unhashable argument: its value cannot key a graph
@@ -149,6 +161,10 @@ class StepGraphs:
                         step_key(module, leaves, spec, state)
                     )  # after the first call's weight packing
                     return out
+                if self.hooks is not None and not self.hooks.may_capture():
+                    return self._eager(
+                        "compiled blocks are being built in the background", forward, args, kwargs
+                    )
                 graph = self._capture(key, forward, leaves, spec)
                 if graph is None:
                     return forward(*args, **kwargs)
@@ -185,6 +201,8 @@ class StepGraphs:
         return captured
 
     def _replay(self, graph: _Graph, leaves: list[Any]) -> Any:
+        if self.hooks is not None:
+            self.hooks.before_replay()
         for static, leaf in zip(graph.inputs, leaves, strict=True):
             if isinstance(leaf, torch.Tensor) and static is not leaf:
                 static.copy_(leaf)
@@ -201,8 +219,8 @@ class StepGraphs:
         }
 
 
-def _unpickle(module: nn.Module, inner: Any, max_graphs: int, enabled: bool, step_state: Any) -> StepGraphs:
-    graphs = StepGraphs(module, max_graphs, step_state)
+def _unpickle(module: nn.Module, inner: Any, max_graphs: int, enabled: bool, hooks: Any) -> StepGraphs:
+    graphs = StepGraphs(module, max_graphs, hooks)
     graphs.inner, graphs.enabled = inner, enabled
     return graphs
 

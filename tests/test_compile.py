@@ -171,7 +171,7 @@ def test_no_switch_while_a_compile_is_in_flight():
         assert len(compiler._threads) == (2 if step else 0)
         if step:
             compiler._threads[0].join(60)  # f is compiled, g is not
-            assert compiler.begin_step() is None  # graphs: not now
+            assert compiler.begin_step() == 0 and compiler.compiling  # graphs: replay, do not capture
     assert compiler.generation == 0 and _calls(compiler) == {"f": (3, 0), "g": (3, 0)}
     assert sys.getswitchinterval() < interval  # the caller's eager ops get the GIL back quickly meanwhile
     release.set()
@@ -179,7 +179,7 @@ def test_no_switch_while_a_compile_is_in_flight():
     assert sys.getswitchinterval() == interval
     assert torch.equal(compiler.math(f, "a")(x), f(x)) and torch.equal(compiler.math(g, "b")(x), g(x))
     assert compiler.generation == 1 and _calls(compiler) == {"f": (3, 1), "g": (3, 1)}
-    assert compiler.begin_step() == 1
+    assert compiler.begin_step() == 1 and not compiler.compiling
 
 
 def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():

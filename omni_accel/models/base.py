@@ -95,9 +95,16 @@ class NativeRuntime:
             return fn
         return self.compiler.math(fn, caller, background=self.layout is None)
 
+    # The CUDA graphs' StepHooks (see omni_accel.cuda_graphs): compiled code switched in between steps.
     def begin_step(self) -> int:
-        """Called as a transformer step starts: switches in finished compiled code; returns its generation."""
         return 0 if self.compiler is None else self.compiler.begin_step()
+
+    def may_capture(self) -> bool:
+        return self.compiler is None or not self.compiler.compiling
+
+    def before_replay(self) -> None:
+        if self.compiler is not None:
+            self.compiler.start_compiles()
 
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
         # A copy keeps the provider choice and gets its own (empty) cache; compiled code is not copied.

@@ -84,6 +84,7 @@ class BlockCompiler:
         ordinal = self._ordinals.setdefault(caller, len(self._ordinals))
         if ordinal <= self._last_ordinal:
             self.begin_step()
+            self.start_compiles()
         self._last_ordinal = ordinal
         if function.active:
             return function.compiled
@@ -96,17 +97,26 @@ class BlockCompiler:
 
         return eager_meanwhile
 
-    def begin_step(self) -> int | None:
-        """Starts the compiles queued in the last step, switches in the code compiled since then once no
-        compile is in flight; returns the generation of the code the step runs, or None while a compile is
-        in flight (CUDA graphs key on the generation and do not capture meanwhile: the worker's first run
-        of the compiled code beside a capture fails with "operation not permitted when stream is
-        capturing", measured on an H200)."""
+    def begin_step(self) -> int:
+        """Switches in the code compiled since the last step once no compile is in flight; returns the
+        generation of the code the step runs (CUDA graphs key on it)."""
+        if self._pending and not _capturing():
+            self._switch()
+        return self.generation
+
+    @property
+    def compiling(self) -> bool:
+        """A compile is running: CUDA graphs must not capture (the worker's first run of the compiled code
+        beside a capture failed with "operation not permitted when stream is capturing" on an H200)."""
+        return any(f.compiling for f in self._functions.values())
+
+    def start_compiles(self) -> None:
+        """Starts the compiles queued by earlier eager calls. Called at the start of an eager step, or
+        (with CUDA graphs) before a replay: the eager step captured before it then replays at full speed
+        while the worker compiles, where eager steps beside the worker ran 5-10x slower (their every
+        operator waits for the GIL)."""
         if not _capturing():
             self._start_queued()
-            if self._pending:
-                self._switch()
-        return None if any(f.compiling for f in self._functions.values()) else self.generation
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every compile started so far has finished (its code is used from the next step)."""
@@ -148,7 +158,7 @@ class BlockCompiler:
 
     def _switch(self) -> None:
         with self._lock:
-            if any(f.compiling for f in self._functions.values()):
+            if self.compiling:
                 return
             self._pending = False
             failed = [(fn, f.error) for fn, f in self._functions.items() if f.error is not None]
