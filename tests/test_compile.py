@@ -1,7 +1,6 @@
 """compile=True: the native blocks trace without graph breaks, keep following the attention scope, and
 compile beside the running pipeline (eager steps until the code is ready, switched in between steps)."""
 
-import sys
 import threading
 
 import pytest
@@ -163,7 +162,6 @@ def test_no_switch_while_a_compile_is_in_flight():
         return real(fn, *args)
 
     compiler._build = slow_for_g
-    interval = sys.getswitchinterval()
     x = torch.randn(4)
     for step in range(3):  # "a" runs f, "b" runs g; the compiles start at the second step
         compiler.math(f, "a")(x)
@@ -173,10 +171,8 @@ def test_no_switch_while_a_compile_is_in_flight():
             compiler._threads[0].join(60)  # f is compiled, g is not
             assert compiler.begin_step() == 0 and compiler.compiling  # graphs: replay, do not capture
     assert compiler.generation == 0 and _calls(compiler) == {"f": (3, 0), "g": (3, 0)}
-    assert sys.getswitchinterval() < interval  # the caller's eager ops get the GIL back quickly meanwhile
     release.set()
     compiler.wait()
-    assert sys.getswitchinterval() == interval
     assert torch.equal(compiler.math(f, "a")(x), f(x)) and torch.equal(compiler.math(g, "b")(x), g(x))
     assert compiler.generation == 1 and _calls(compiler) == {"f": (3, 1), "g": (3, 1)}
     assert compiler.begin_step() == 1 and not compiler.compiling

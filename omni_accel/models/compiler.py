@@ -1,17 +1,19 @@
 """``compile=True`` for the native blocks' math: compiled at the first call, or beside the running pipeline.
 
 A compiled first call traces and compiles each block function, and the first image waits for it: seconds
-of host work even with a warm on-disk cache (FLUX.1-dev on an H200: 8.4 s from ``accelerate`` to the first
-image against 3.8 s for a warm one, docs/PERFORMANCE.md). In the background mode (the default on one
-device) the first calls run the eager math, the same fused kernels, while a worker thread compiles each
-block function (from the second step on: compiling beside the first step's one-time work, such as loading
-kernels, slowed that step from ~1.5 to ~4.3 s) by calling it once with the first call's arguments (on the caller's stream, the result
-thrown away; block math never writes to its inputs). The compiled code is switched in at a step boundary
-once no compile is in flight, so the blocks of one step run one kind of code, and CUDA graphs are captured
-only from then on. Eager and compiled blocks agree to rounding, not bitwise: an image made while the switch
-happens is as accurate as either, but not bitwise the image of a run that switched at another step
-(``compile_in_background=False`` compiles at the first call, and every step runs compiled). Later input
-shapes recompile as torch.compile does, at their first call.
+of host work even with a warm on-disk cache (FLUX.1-dev on an H200: 8.6-10.7 s from ``accelerate`` to the
+first image against 3.5-3.8 s for a warm one, docs/PERFORMANCE.md). In the background mode (the default on
+one device) the first steps run the eager math, the same fused kernels, and a worker thread compiles each
+block function by calling it once with its first call's arguments (on the caller's stream, the result
+thrown away; block math never writes to its inputs). The compile starts after the first step (whose
+one-time work it slowed ~3x when beside it), and with CUDA graphs only once a step has been captured, so
+that it runs beside replays: eager steps beside it ran 5-10x slower, since each operator waits for the GIL.
+A capture never runs beside it (the worker's run of the compiled code then fails with "operation not
+permitted when stream is capturing"). The compiled code is switched in at a step boundary once no compile
+is in flight, so the blocks of one step run one kind of code. Eager and compiled blocks agree to rounding,
+not bitwise: an image made while the switch happens is as accurate as either, but not bitwise the image of
+a run that switched at another step (``compile_in_background=False`` compiles at the first call, and every
+step runs compiled). Later input shapes recompile as torch.compile does, at their first call.
 
 Under a parallel layout the ranks must run the same code at every step, so the compile waits (as in the
 first-call mode) whatever the option says.
@@ -21,9 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +36,6 @@ logger = get_logger(__name__)
 
 # One background compile at a time in the process: tracing keeps process-wide state (torch.fx's patcher).
 _COMPILING = threading.Lock()
-# PyTorch releases the GIL inside every operator, so each eager op of the calling thread waits to take it
-# back from the compiling thread, up to Python's switch interval (5 ms): eager steps beside a compile ran
-# ~10x slower on an H200 (1.3 s instead of 0.14 s for a FLUX step). While a compile is in flight the
-# interval is this short, which costs the compile little and the caller's ops microseconds.
-_SWITCH_INTERVAL_WHILE_COMPILING = 5e-5
-_in_flight = 0
-_in_flight_lock = threading.Lock()
-_saved_switch_interval: float | None = None
 
 
 @dataclass
@@ -196,8 +189,7 @@ class BlockCompiler:
 
     def _compile(self, fn: Callable, function: _Function, args: tuple, state: _CallerState) -> None:
         try:
-            with _short_switch_interval():
-                compiled = self._build(fn, args, state, self.options)
+            compiled = self._build(fn, args, state, self.options)
         except BaseException as exc:  # raised at the next step boundary, in the caller's thread
             with self._lock:
                 function.error, function.compiling, self._pending = exc, False, True
@@ -215,23 +207,6 @@ class BlockCompiler:
             compiled = torch.compile(fn, **options)
             compiled(*args)
         return compiled
-
-
-@contextlib.contextmanager
-def _short_switch_interval() -> Iterator[None]:
-    global _in_flight, _saved_switch_interval
-    with _in_flight_lock:
-        if _in_flight == 0:
-            _saved_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(_SWITCH_INTERVAL_WHILE_COMPILING)
-        _in_flight += 1
-    try:
-        yield
-    finally:
-        with _in_flight_lock:
-            _in_flight -= 1
-            if _in_flight == 0:
-                sys.setswitchinterval(_saved_switch_interval)
 
 
 def _counted(compiled: Callable, function: _Function) -> Callable:
