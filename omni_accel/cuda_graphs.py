@@ -157,9 +157,8 @@ class StepGraphs:
                     out = forward(*args, **kwargs)
                     if len(self.warmed) >= 64:
                         self.warmed.clear()
-                    self.warmed.add(
-                        step_key(module, leaves, spec, state)
-                    )  # after the first call's weight packing
+                    packed = step_key(module, leaves, spec, state)  # after the first call's weight packing
+                    self.warmed.add(packed)
                     return out
                 if self.hooks is not None and not self.hooks.may_capture():
                     return self._eager(

@@ -101,7 +101,7 @@ class BlockCompiler:
     def compiling(self) -> bool:
         """A compile is running: CUDA graphs must not capture (the worker's first run of the compiled code
         beside a capture failed with "operation not permitted when stream is capturing" on an H200)."""
-        return any(f.compiling for f in self._functions.values())
+        return any(f.compiling for f in list(self._functions.values()))
 
     def start_compiles(self) -> None:
         """Starts the compiles queued by earlier eager calls. Called at the start of an eager step, or
@@ -164,16 +164,17 @@ class BlockCompiler:
         if failed:
             fn, error = failed[0]
             raise RuntimeError(
-                f"compile=True: compiling {fn.__name__} in the background failed ({_reason(error)}). Its blocks "
-                "run eagerly from now on; pass compile_in_background=False to see the error at the first call, "
-                "or compile=False."
+                f"compile=True: {fn.__name__} in the background failed to compile, so its blocks run eagerly from "
+                "now on (pass compile_in_background=False to see the error at the first call, or compile=False): "
+                f"{_reason(error)}"
             ) from error
 
     def _start_queued(self) -> None:
-        for fn, function in self._functions.items():
-            if function.queued is None:
-                continue
-            (args, state, context), function.queued, function.compiling = function.queued, None, True
+        with self._lock:  # pipelines may be called from several threads
+            queued = [(fn, f, f.queued) for fn, f in self._functions.items() if f.queued is not None]
+            for _, function, _ in queued:
+                function.queued, function.compiling = None, True
+        for fn, function, (args, state, context) in queued:
             logger.warning(  # shown by default: says why the first steps are not yet compiled
                 "compiling %s in the background: its calls run eagerly until the code is ready (seconds; "
                 "cached on disk)",
