@@ -205,7 +205,7 @@ def test_under_a_layout_the_compile_waits_for_the_first_call():
     assert not compiler._threads and compiler.summary() == ["f: compiled at its first call per input shape"]
     compiler = BlockCompiler({"backend": "aot_eager"})
     compiler.math(f, "a", background=False)(torch.randn(4))  # a parallel layout
-    assert not compiler._threads
+    assert not compiler._threads and compiler.summary() == ["f: compiled at its first call per input shape"]
 
 
 def f(x):

@@ -42,7 +42,8 @@ _COMPILING = threading.Lock()
 class _Function:
     """One block function: its compiled version and where the background compile of it stands."""
 
-    compiled: Callable | None = None  # made by the worker (torch.compile imports the compiler stack, ~1 s)
+    at_first_call: bool = False  # compiled where first called (no background), as torch.compile does
+    compiled: Callable | None = None  # in the background made by the worker, off the steps' path
     queued: tuple | None = None  # a call's arguments, state and context: compiled from the next step on
     compiling: bool = False
     ready: bool = False  # compiled, switched in at the next step boundary
@@ -120,7 +121,7 @@ class BlockCompiler:
         """One line per block function, for ``describe``."""
         lines = []
         for fn, function in self._functions.items():
-            if not self.background:
+            if function.at_first_call:
                 lines.append(f"{fn.__name__}: compiled at its first call per input shape")
                 continue
             state = (
@@ -139,7 +140,7 @@ class BlockCompiler:
     def _function(self, fn: Callable, background: bool) -> _Function:
         with self._lock:
             if fn not in self._functions:
-                function = self._functions[fn] = _Function()
+                function = self._functions[fn] = _Function(at_first_call=not background)
                 if not background:
                     logger.warning(  # shown by default: a long first call should not look like a hang
                         "compiling %s: its first call per input shape compiles (seconds to a minute; cached on "
