@@ -6,7 +6,7 @@ first image against 3.5-3.8 s for a warm one, docs/PERFORMANCE.md). In the backg
 one device) the first steps run the eager math, the same fused kernels, and a worker thread compiles each
 block function by calling it once with its first call's arguments (on the caller's stream, the result
 thrown away; block math never writes to its inputs). The compile starts after the first step (whose
-one-time work it slowed ~3x when beside it), and with CUDA graphs only once a step has been captured, so
+one-time work it slowed 3-4x when beside it), and with CUDA graphs only once a step has been captured, so
 that it runs beside replays: eager steps beside it ran 5-10x slower, since each operator waits for the GIL.
 A capture never runs beside it (the worker's run of the compiled code then fails with "operation not
 permitted when stream is capturing"). The compiled code is switched in at a step boundary once no compile
