@@ -112,10 +112,10 @@ def _block_calls(compiler) -> dict:
     """How many block calls of the first image ran compiled and eagerly (background compile)."""
     if compiler is None or not compiler.background:
         return {}
-    functions = compiler._functions.values()
+    calls = compiler.calls().values()
     return {
-        "first_image_compiled_block_calls": sum(f.compiled_calls for f in functions),
-        "first_image_eager_block_calls": sum(f.eager_calls for f in functions),
+        "first_image_compiled_block_calls": sum(compiled for _, compiled in calls),
+        "first_image_eager_block_calls": sum(eager for eager, _ in calls),
     }
 
 

@@ -1,6 +1,7 @@
 """compile=True: the native blocks trace without graph breaks, keep following the attention scope, and
 compile beside the running pipeline (eager steps until the code is ready, switched in between steps)."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -80,11 +81,6 @@ def _compiler(pipe):
     return omni_accel.describe(pipe).components[0].runtime.compiler
 
 
-def _calls(compiler):
-    """(eager, compiled) calls per block function."""
-    return {fn.__name__: (f.eager_calls, f.compiled_calls) for fn, f in compiler._functions.items()}
-
-
 def test_background_compile_runs_eager_steps_then_switches_between_steps():
     torch._dynamo.reset()
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), compile=True)  # inductor
@@ -103,7 +99,7 @@ def test_background_compile_runs_eager_steps_then_switches_between_steps():
     # Step 1 ran the eager blocks (2 double, 2 single) alone; step 2 too, while both functions compiled; the
     # compile finished during its callback but is switched in only as step 3 starts, which ran compiled.
     assert generations == [0, 0, 1]
-    assert _calls(compiler) == {"double_block": (4, 2), "single_block": (4, 2)}
+    assert compiler.calls() == {"double_block": (4, 2), "single_block": (4, 2)}
     eager = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
     eager = eager(**call, generator=torch.Generator().manual_seed(0)).images
     assert ((got - eager).abs().max() / eager.abs().max()).item() <= 1e-5
@@ -116,7 +112,20 @@ def test_background_compile_runs_eager_steps_then_switches_between_steps():
     assert "repeated blocks compiled (in the background" in report
 
 
-def test_block_math_never_writes_to_its_inputs():
+def _tensors(value):
+    """Every tensor in ``value``, inside containers and dataclasses (the weights of a LinearWeights) too."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if dataclasses.is_dataclass(value):
+        value = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def test_block_math_never_writes_to_its_inputs(monkeypatch):
     """The background compile runs the compiled math once on the caller's arguments and throws the result
     away, which is harmless only because the math is pure."""
     from omni_accel.models.base import NativeRuntime
@@ -128,7 +137,7 @@ def test_block_math_never_writes_to_its_inputs():
         math = real(runtime, fn, caller)
 
         def run(*args):
-            leaves = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+            leaves = _tensors(args)
             before = [t.clone() for t in leaves]
             out = math(*args)
             assert all(torch.equal(a, b) for a, b in zip(before, leaves, strict=True)), fn.__name__
@@ -137,13 +146,10 @@ def test_block_math_never_writes_to_its_inputs():
 
         return run
 
-    NativeRuntime.math = checking
-    try:
-        _latents(omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0)))
-        vace = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, vace=True))
-        vace(**vace_call(vace), generator=torch.Generator().manual_seed(0))
-    finally:
-        NativeRuntime.math = real
+    monkeypatch.setattr(NativeRuntime, "math", checking)
+    _latents(omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0)))
+    vace = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, vace=True))
+    vace(**vace_call(vace), generator=torch.Generator().manual_seed(0))
     assert checked == {"double_block", "single_block", "wan_block", "wan_vace_block"}
 
 
@@ -170,11 +176,11 @@ def test_no_switch_while_a_compile_is_in_flight():
         if step:
             compiler._threads[0].join(60)  # f is compiled, g is not
             assert compiler.begin_step() == 0 and compiler.compiling  # graphs: replay, do not capture
-    assert compiler.generation == 0 and _calls(compiler) == {"f": (3, 0), "g": (3, 0)}
+    assert compiler.generation == 0 and compiler.calls() == {"f": (3, 0), "g": (3, 0)}
     release.set()
     compiler.wait()
     assert torch.equal(compiler.math(f, "a")(x), f(x)) and torch.equal(compiler.math(g, "b")(x), g(x))
-    assert compiler.generation == 1 and _calls(compiler) == {"f": (3, 1), "g": (3, 1)}
+    assert compiler.generation == 1 and compiler.calls() == {"f": (3, 1), "g": (3, 1)}
     assert compiler.begin_step() == 1 and not compiler.compiling
 
 
@@ -193,7 +199,7 @@ def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():
         compiler.math(breaks, "a")(x)
     assert torch.equal(compiler.math(breaks, "a")(x), breaks(x))  # no second error, no second compile
     assert "compile failed, runs eagerly" in compiler.summary()[0]
-    assert _calls(compiler) == {"breaks": (3, 0)}
+    assert compiler.calls() == {"breaks": (3, 0)}
 
 
 def test_under_a_layout_the_compile_waits_for_the_first_call():

@@ -117,6 +117,10 @@ class BlockCompiler:
         for thread in list(self._threads):
             thread.join(timeout)
 
+    def calls(self) -> dict[str, tuple[int, int]]:
+        """Per block function, its calls that ran eagerly and compiled (background mode)."""
+        return {fn.__name__: (f.eager_calls, f.compiled_calls) for fn, f in list(self._functions.items())}
+
     def summary(self) -> list[str]:
         """One line per block function, for ``describe``."""
         lines = []
