@@ -88,6 +88,7 @@ def child(name: str, steps: int, host: bool) -> dict:
     calls_of_the_first_image = _block_calls(compiler)
     if compiler is not None:
         compiler.wait()  # a warm image is a compiled one
+    windows = _compile_windows(compiler, start)
     image()  # switches the compiled code in, captures its graphs
     warm = min(image(), image())
     result = {
@@ -98,6 +99,7 @@ def child(name: str, steps: int, host: bool) -> dict:
         "modules_imported_by_the_first_call": len(set(sys.modules) - modules_before),
         **calls_of_the_first_image,
         "first_image_host_step_ends_s": host_step_ends,
+        **windows,
     }
     if options.get("compile"):
         result.update(_compile_phases())
@@ -117,6 +119,14 @@ def _block_calls(compiler) -> dict:
         "first_image_compiled_block_calls": sum(compiled for _, compiled in calls),
         "first_image_eager_block_calls": sum(eager for eager, _ in calls),
     }
+
+
+def _compile_windows(compiler, start: float) -> dict:
+    """When each block function's background compile started and ended, in seconds from ``accelerate``."""
+    if compiler is None or not compiler.background:
+        return {}
+    windows = compiler.windows().items()
+    return {"compile_windows_s": {name: [round(t - start, 2) for t in window] for name, window in windows}}
 
 
 def _compile_phases() -> dict:

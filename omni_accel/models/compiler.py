@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ class _Function:
     failed: str | None = None  # after the error was raised: runs eagerly, described
     eager_calls: int = 0
     compiled_calls: int = 0
+    window: tuple[float, float] | None = None  # perf_counter() at the start and end of its background compile
 
 
 class BlockCompiler:
@@ -121,6 +123,11 @@ class BlockCompiler:
         """Per block function, its calls that ran eagerly and compiled (background mode)."""
         return {fn.__name__: (f.eager_calls, f.compiled_calls) for fn, f in list(self._functions.items())}
 
+    def windows(self) -> dict[str, tuple[float, float]]:
+        """Per block function compiled in the background, ``time.perf_counter()`` at its compile's start
+        and end."""
+        return {fn.__name__: f.window for fn, f in list(self._functions.items()) if f.window is not None}
+
     def summary(self) -> list[str]:
         """One line per block function, for ``describe``."""
         lines = []
@@ -135,9 +142,10 @@ class BlockCompiler:
                 state = "compiled, switched in at the next step"
             if function.failed:
                 state = f"compile failed, runs eagerly: {function.failed}"
+            took = f" in {function.window[1] - function.window[0]:.1f} s" if function.window else ""
             lines.append(
-                f"{fn.__name__}: {state} in the background ({function.eager_calls} calls ran eagerly before, "
-                f"{function.compiled_calls} compiled)"
+                f"{fn.__name__}: {state} in the background{took} ({function.eager_calls} calls ran eagerly "
+                f"before, {function.compiled_calls} compiled)"
             )
         return lines
 
@@ -194,6 +202,7 @@ class BlockCompiler:
             thread.start()
 
     def _compile(self, fn: Callable, function: _Function, args: tuple, state: _CallerState) -> None:
+        start = time.perf_counter()
         try:
             compiled = self._build(fn, args, state, self.options)
         except BaseException as exc:  # raised at the next step boundary, in the caller's thread
@@ -201,6 +210,7 @@ class BlockCompiler:
                 function.error, function.compiling, self._pending = exc, False, True
             return
         with self._lock:
+            function.window = (start, time.perf_counter())
             function.compiled = _counted(compiled, function)
             function.ready, function.compiling, self._pending = True, False, True
         logger.info("%s compiled in the background; used from the next step", fn.__name__)
