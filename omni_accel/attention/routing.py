@@ -1,6 +1,7 @@
 """Routing Diffusers' own attention calls through our providers, for transformers without a native port.
 
-A patched call site (see ``omni_accel.patches``) asks ``route`` first. Outside an accelerated transformer's
+A patched call site (see ``omni_accel.patches``) asks ``route`` first. A key-padding mask is served by
+dropping the padded keys (``key_padding``), so the call resolves as an unmasked one. Outside an accelerated transformer's
 forward, or for a call our providers do not model (causal, dropout, GQA, an explicit Diffusers backend or
 context-parallel config), ``route`` returns None and the original function runs unchanged.
 """
@@ -12,6 +13,7 @@ import contextvars
 import torch
 
 from .base import AttentionRequest
+from .key_padding import attend_kept, kept_keys
 from .selection import AttentionSelector
 
 _ACTIVE: contextvars.ContextVar[AttentionSelector | None] = contextvars.ContextVar(
@@ -66,6 +68,11 @@ def route(
     if unsupported:
         selector.note_unrouted(role, unsupported)
         return None
+    kept = kept_keys(attn_mask, query.shape[0], key.shape[1])
+    if kept is not None:  # a key-padding mask: the padded keys dropped, an unmasked kernel
+        selector.note_served_without_mask(role)
+        provider = selector.resolve(role, category, AttentionRequest.for_call(query, key)).provider
+        return attend_kept(query, key, value, kept, lambda q, k, v: provider.forward(q, k, v, scale=scale))
     request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None)
     provider = selector.resolve(role, category, request).provider
     return provider.forward(query, key, value, attn_mask=attn_mask, scale=scale)

@@ -1,0 +1,114 @@
+"""Key-padding masks served by dropping the padded keys: the same attention as the dense mask."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rel_err
+
+import omni_accel
+from omni_accel.attention import key_padding, routing
+from omni_accel.attention.key_padding import attend_kept, kept_keys
+
+
+def _bshd(batch=2, tokens=9, heads=2, head_dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, tokens, heads, head_dim, generator=g) for _ in range(3)]
+
+
+def _dense(q, k, v, mask):
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def _unmasked(q, k, v):
+    return _dense(q, k, v, None)
+
+
+def test_dropped_keys_give_the_dense_masks_attention():
+    q, k, v = _bshd()
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., 3:5] = False  # padded text in the middle of the joint sequence
+    mask[1, ..., 0] = False
+    kept = kept_keys(mask, batch=2, kv_len=9)
+    assert [t.tolist() for t in kept.per_sample] == [[0, 1, 2, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]]
+    got = attend_kept(q, k, v, kept, _unmasked)
+    assert rel_err(got, _dense(q, k, v, mask)) <= 1e-6
+
+    one_mask_for_the_batch = mask[:1]
+    kept = kept_keys(one_mask_for_the_batch, batch=2, kv_len=9)
+    got = attend_kept(q, k, v, kept, _unmasked)
+    assert rel_err(got, _dense(q, k, v, one_mask_for_the_batch)) <= 1e-6
+
+    mixed = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mixed[1, ..., 7:] = False  # the first sample keeps every key
+    kept = kept_keys(mixed, batch=2, kv_len=9)
+    assert kept.per_sample[0] is None and not kept.all_kept
+    assert rel_err(attend_kept(q, k, v, kept, _unmasked), _dense(q, k, v, mixed)) <= 1e-6
+
+
+def test_a_mask_keeping_every_key_is_dropped_whole():
+    q, k, v = _bshd()
+    calls = []
+    kept = kept_keys(torch.ones(1, 1, 1, 9, dtype=torch.bool), batch=2, kv_len=9)
+    assert kept.all_kept
+    attend_kept(q, k, v, kept, lambda *args: calls.append(args) or _unmasked(*args))
+    assert len(calls) == 1 and calls[0][1].shape[0] == 2  # one call for the whole batch
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.ones(1, 1, 9, 9, dtype=torch.bool),  # differs per query
+        torch.ones(1, 2, 1, 9, dtype=torch.bool),  # differs per head
+        torch.zeros(1, 1, 1, 9),  # additive float mask
+        torch.ones(1, 9, dtype=torch.bool),  # 2-D: broadcast over queries, not samples
+        torch.ones(3, 1, 1, 9, dtype=torch.bool),  # batch of 3 for 2 samples
+    ],
+)
+def test_other_masks_keep_the_dense_path(mask):
+    assert kept_keys(mask, batch=2, kv_len=9) is None
+
+
+def test_a_sample_without_keys_keeps_the_dense_path():
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1] = False
+    assert kept_keys(mask, batch=2, kv_len=9) is None
+
+
+def test_a_mask_is_read_once_until_it_changes(monkeypatch):
+    reads = []
+    read = key_padding._read
+    monkeypatch.setattr(key_padding, "_read", lambda rows: reads.append(rows) or read(rows))
+    mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+    mask[..., 2] = False
+    first = kept_keys(mask, batch=1, kv_len=9)
+    assert kept_keys(mask, batch=1, kv_len=9) == first
+    assert len(reads) == 1
+    mask[..., 3] = False  # in place: a new version
+    assert kept_keys(mask, batch=1, kv_len=9).per_sample[0].tolist() == [0, 1, 4, 5, 6, 7, 8]
+    assert len(reads) == 2
+    assert kept_keys(mask.clone(), batch=1, kv_len=9) is not None and len(reads) == 3  # another tensor
+
+
+def test_routed_qwenimage_with_padded_prompts_matches_diffusers(monkeypatch):
+    """Two prompts of different lengths: the shorter one's text is padded, and every joint attention call
+    carries a key-padding mask."""
+    call = dict(
+        prompt=["a cat", "a photograph of a very small cat sitting on a wooden table"],
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        output_type="latent",
+    )
+    pipe = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    expected = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    omni_accel.accelerate(pipe)
+    dropped = []
+    attend = routing.attend_kept
+    monkeypatch.setattr(routing, "attend_kept", lambda *a: dropped.append(not a[3].all_kept) or attend(*a))
+    got = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    assert dropped and all(dropped)  # every joint call had padded keys, and dropped them
+    assert rel_err(got, expected) <= 1e-5
+    report = str(omni_accel.describe(pipe))
+    assert "qwenimage.joint: key-padding mask served by dropping the padded keys" in report
+    omni_accel.restore(pipe)
