@@ -8,6 +8,7 @@ from conftest import rel_err
 import omni_accel
 from omni_accel.attention import key_padding, routing
 from omni_accel.attention.key_padding import attend_kept, kept_keys
+from omni_accel.attention.selection import AttentionSelector
 
 
 def _bshd(batch=2, tokens=9, heads=2, head_dim=8, seed=0):
@@ -24,24 +25,30 @@ def _unmasked(q, k, v):
     return _dense(q, k, v, None)
 
 
+def _kept(mask, batch=2, kv_len=9):
+    """``kept_keys`` as a model passing one mask to every block meets it: read when it comes back."""
+    assert kept_keys(mask, batch, kv_len) is None  # the first sighting runs the dense mask
+    return kept_keys(mask, batch, kv_len)
+
+
 def test_dropped_keys_give_the_dense_masks_attention():
     q, k, v = _bshd()
     mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     mask[0, ..., 3:5] = False  # padded text in the middle of the joint sequence
     mask[1, ..., 0] = False
-    kept = kept_keys(mask, batch=2, kv_len=9)
+    kept = _kept(mask)
     assert [t.tolist() for t in kept.per_sample] == [[0, 1, 2, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]]
     got = attend_kept(q, k, v, kept, _unmasked)
     assert rel_err(got, _dense(q, k, v, mask)) <= 1e-6
 
     one_mask_for_the_batch = mask[:1]
-    kept = kept_keys(one_mask_for_the_batch, batch=2, kv_len=9)
+    kept = _kept(one_mask_for_the_batch)
     got = attend_kept(q, k, v, kept, _unmasked)
     assert rel_err(got, _dense(q, k, v, one_mask_for_the_batch)) <= 1e-6
 
     mixed = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     mixed[1, ..., 7:] = False  # the first sample keeps every key
-    kept = kept_keys(mixed, batch=2, kv_len=9)
+    kept = _kept(mixed)
     assert kept.per_sample[0] is None and not kept.all_kept
     assert rel_err(attend_kept(q, k, v, kept, _unmasked), _dense(q, k, v, mixed)) <= 1e-6
 
@@ -49,7 +56,7 @@ def test_dropped_keys_give_the_dense_masks_attention():
 def test_a_mask_keeping_every_key_is_dropped_whole():
     q, k, v = _bshd()
     calls = []
-    kept = kept_keys(torch.ones(1, 1, 1, 9, dtype=torch.bool), batch=2, kv_len=9)
+    kept = _kept(torch.ones(1, 1, 1, 9, dtype=torch.bool))
     assert kept.all_kept
     attend_kept(q, k, v, kept, lambda *args: calls.append(args) or _unmasked(*args))
     assert len(calls) == 1 and calls[0][1].shape[0] == 2  # one call for the whole batch
@@ -67,32 +74,52 @@ def test_a_mask_keeping_every_key_is_dropped_whole():
 )
 def test_other_masks_keep_the_dense_path(mask):
     assert kept_keys(mask, batch=2, kv_len=9) is None
+    assert kept_keys(mask, batch=2, kv_len=9) is None
 
 
 def test_a_sample_without_keys_keeps_the_dense_path():
     mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     mask[1] = False
-    assert kept_keys(mask, batch=2, kv_len=9) is None
+    assert _kept(mask) is None
 
 
-def test_a_mask_is_read_once_until_it_changes(monkeypatch):
+def test_a_mask_is_read_when_it_comes_back_and_once(monkeypatch):
     reads = []
     read = key_padding._read
     monkeypatch.setattr(key_padding, "_read", lambda rows: reads.append(rows) or read(rows))
     mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
     mask[..., 2] = False
+    assert kept_keys(mask, batch=1, kv_len=9) is None and not reads  # seen once: no host read
     first = kept_keys(mask, batch=1, kv_len=9)
-    assert kept_keys(mask, batch=1, kv_len=9) == first
-    assert len(reads) == 1
-    mask[..., 3] = False  # in place: a new version
+    assert first.per_sample[0].tolist() == [0, 1, 3, 4, 5, 6, 7, 8] and len(reads) == 1
+    assert kept_keys(mask, batch=1, kv_len=9).per_sample[0] is first.per_sample[0] and len(reads) == 1
+    mask[..., 3] = False  # in place: a new version, seen for the first time
+    assert kept_keys(mask, batch=1, kv_len=9) is None
     assert kept_keys(mask, batch=1, kv_len=9).per_sample[0].tolist() == [0, 1, 4, 5, 6, 7, 8]
     assert len(reads) == 2
-    assert kept_keys(mask.clone(), batch=1, kv_len=9) is not None and len(reads) == 3  # another tensor
+    assert kept_keys(mask.clone(), batch=1, kv_len=9) is None and len(reads) == 2  # another tensor
+
+
+def test_routed_attention_drops_the_keys_of_a_mask_passed_to_every_block():
+    """What a model building its mask once per forward meets: every call after the first drops the padded
+    keys, and every output is the dense mask's."""
+    q, k, v = _bshd()
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., 3:5] = False
+    selector = AttentionSelector()
+    token = routing.enter_selector(selector)
+    try:
+        for _ in range(3):
+            got = routing.route(q, k, v, attn_mask=mask, scale=None, unsupported=None)
+            assert rel_err(got, _dense(q, k, v, mask)) <= 1e-6
+    finally:
+        routing.leave_selector(token)
+    assert selector.served_without_mask == {"diffusers.attention": 2}
 
 
 def test_routed_qwenimage_with_padded_prompts_matches_diffusers(monkeypatch):
     """Two prompts of different lengths: the shorter one's text is padded, and every joint attention call
-    carries a key-padding mask."""
+    carries a key-padding mask, a new one in every block: each runs with the dense mask, no host read."""
     call = dict(
         prompt=["a cat", "a photograph of a very small cat sitting on a wooden table"],
         height=32,
@@ -103,12 +130,11 @@ def test_routed_qwenimage_with_padded_prompts_matches_diffusers(monkeypatch):
     pipe = omni_accel.tiny_qwenimage_pipeline(seed=0)
     expected = pipe(**call, generator=torch.Generator().manual_seed(0)).images
     omni_accel.accelerate(pipe)
-    dropped = []
-    attend = routing.attend_kept
-    monkeypatch.setattr(routing, "attend_kept", lambda *a: dropped.append(not a[3].all_kept) or attend(*a))
+    monkeypatch.setattr(key_padding, "_read", lambda rows: pytest.fail("a mask seen once was read"))
     got = pipe(**call, generator=torch.Generator().manual_seed(0)).images
-    assert dropped and all(dropped)  # every joint call had padded keys, and dropped them
     assert rel_err(got, expected) <= 1e-5
-    report = str(omni_accel.describe(pipe))
-    assert "qwenimage.joint: key-padding mask served by dropping the padded keys" in report
+    component = omni_accel.describe(pipe).components[0]
+    assert [request for _, request, *_ in component.selector.decisions()] == [
+        "float32, cpu, head_dim=16, masked"
+    ]
     omni_accel.restore(pipe)

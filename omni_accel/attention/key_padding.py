@@ -3,11 +3,17 @@
 A boolean mask that only says which keys exist (``[B, 1, 1, S_k]``, the same for every head and query: a
 padded text prompt joined with image tokens) gives every padded key a weight of exactly zero, so attention
 over the kept keys alone is the same function, and unmasked it runs the fastest kernel for the shape
-(Qwen-Image at 1024x1024 with 212 of 512 text tokens padded, one H200: cuDNN 0.61 ms over the kept keys,
-gathers included, against 0.81 ms for the dense mask, the kernel plain Diffusers runs;
-``benchmarks/masked_attention.py``). Which keys a mask keeps is read on the host: one synchronisation per
-mask tensor (a mask passed again unchanged is not read again), so it is skipped where the host may not wait
-(compilation, CUDA graph capture) and the dense mask is used there.
+(Qwen-Image's shape at 1024x1024 with 212 of 512 text tokens padded, one H200: cuDNN 0.54-0.61 ms over the
+kept keys, gathers included, against 0.81 ms for the dense mask, the kernel plain Diffusers runs;
+``benchmarks/masked_attention.py``).
+
+Which keys a mask keeps must be read on the host, and that synchronisation costs more than the kernel
+saves when it happens at every call (Qwen-Image, which builds a new mask in every block: 213.6 against
+200.1 ms per forward). No kernel takes the count on the device at speed (cuDNN's ragged call: 65 ms). So a
+mask is read only when the same tensor comes back unchanged (models that build it once per forward and pass
+it to every block): the first call runs with the dense mask, the mask is read at the second, and the rest
+drop the padded keys, one synchronisation per forward. Never where the host may not wait (compilation, CUDA
+graph capture).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-_LAST = threading.local()  # the last mask read in this thread, and what it kept
+_LAST = threading.local()  # the last mask seen in this thread: (weak reference, version, what it keeps)
 
 
 @dataclass(frozen=True)
@@ -33,20 +39,23 @@ class KeptKeys:
 
 
 def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int) -> KeptKeys | None:
-    """What a key-padding ``mask`` keeps for a ``batch`` of queries over ``kv_len`` keys, or None when the
-    mask is not one (another dtype or shape), when a sample keeps no key (left to the dense mask: what a
-    kernel does then is its own convention), or when the host must not synchronise."""
+    """What a key-padding ``mask`` keeps for a ``batch`` of queries over ``kv_len`` keys, or None (use the
+    dense mask) when the mask is not one (another dtype or shape), is seen for the first time (see the
+    module docstring), keeps no key of a sample (what a kernel does then is its own convention), or when
+    the host must not synchronise."""
     if not _is_key_padding(mask, kv_len) or mask.shape[0] not in (1, batch):
         return None
     if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     last = getattr(_LAST, "entry", None)
-    if last is not None and last[0]() is mask and last[1] == mask._version:
-        kept = last[2]
-    else:
-        kept = _read(mask.reshape(mask.shape[0], kv_len))
-        _LAST.entry = (weakref.ref(mask), mask._version, kept)
+    if last is None or last[0]() is not mask or last[1] != mask._version:
+        _LAST.entry = (weakref.ref(mask), mask._version, None)  # read if it comes back
+        return None
+    kept = last[2]
     if kept is None:
+        kept = _read(mask.reshape(mask.shape[0], kv_len))
+        _LAST.entry = (last[0], last[1], kept)
+    if kept is _KEEPS_NO_KEY_OF_A_SAMPLE:
         return None
     return KeptKeys(kept.per_sample * batch if len(kept.per_sample) == 1 else kept.per_sample)
 
@@ -61,10 +70,13 @@ def _is_key_padding(mask: torch.Tensor | None, kv_len: int) -> bool:
     )
 
 
-def _read(rows: torch.Tensor) -> KeptKeys | None:
+_KEEPS_NO_KEY_OF_A_SAMPLE = KeptKeys(())
+
+
+def _read(rows: torch.Tensor) -> KeptKeys:
     counts = rows.sum(dim=1).tolist()  # the one synchronisation
     if min(counts) == 0:
-        return None
+        return _KEEPS_NO_KEY_OF_A_SAMPLE
     kv_len = rows.shape[1]
     per_sample = []
     for row, count in zip(rows, counts, strict=True):

@@ -1,9 +1,10 @@
 """Routing Diffusers' own attention calls through our providers, for transformers without a native port.
 
-A patched call site (see ``omni_accel.patches``) asks ``route`` first. A key-padding mask is served by
-dropping the padded keys (``key_padding``), so the call resolves as an unmasked one. Outside an accelerated transformer's
+A patched call site (see ``omni_accel.patches``) asks ``route`` first. Outside an accelerated transformer's
 forward, or for a call our providers do not model (causal, dropout, GQA, an explicit Diffusers backend or
-context-parallel config), ``route`` returns None and the original function runs unchanged.
+context-parallel config), ``route`` returns None and the original function runs unchanged. A key-padding
+mask that a model passes to every block is served by dropping the padded keys (``key_padding``): those
+calls resolve as unmasked ones.
 """
 
 from __future__ import annotations
