@@ -138,3 +138,27 @@ def test_routed_qwenimage_with_padded_prompts_matches_diffusers(monkeypatch):
         "float32, cpu, head_dim=16, masked"
     ]
     omni_accel.restore(pipe)
+
+
+@pytest.mark.gpu
+def test_dropped_keys_on_the_gpu_are_as_accurate_as_the_dense_mask():
+    """bf16 on CUDA: the unmasked kernel over the kept keys is no farther from a float32 reference than
+    the dense mask's kernel (PyTorch's dispatch, what Diffusers runs)."""
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 700, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)
+    )
+    mask = torch.ones(1, 1, 1, 700, dtype=torch.bool, device="cuda")
+    mask[..., 100:180] = False
+    reference = _dense(q.float(), k.float(), v.float(), mask)
+    dense = _dense(q, k, v, mask)
+    selector = AttentionSelector()
+    token = routing.enter_selector(selector)
+    try:
+        outputs = [routing.route(q, k, v, attn_mask=mask, scale=None, unsupported=None) for _ in range(2)]
+    finally:
+        routing.leave_selector(token)
+    assert torch.equal(outputs[0], dense)  # the first sighting: the dense mask, through the same dispatch
+    assert selector.served_without_mask == {"diffusers.attention": 1}
+    dense_err = (dense.float() - reference).abs().max().item()
+    assert (outputs[1].float() - reference).abs().max().item() <= 2 * dense_err
