@@ -237,35 +237,40 @@ def apply_linear(x: torch.Tensor, weights: LinearWeights) -> tuple[torch.Tensor,
     return tuple(_add_adapters(x, part, terms) for part, terms in zip(parts, weights.adapters, strict=True))
 
 
+# Row chunks an input-split projection is summed in: each chunk's all-reduce runs beside the next chunk's
+# GEMM, so only the last one's is left exposed.
+REDUCE_CHUNKS = 2
+
+
 def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
     """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
     summed over the ranks. Only the first rank holds the bias (``read_linear``): its GEMM adds it in the
     epilogue, so the sum has it once without a broadcast add over the whole output after the collective."""
     (terms,) = weights.adapters
-    halves = not terms and x.shape[:-1].numel() > 1 and not torch.is_autocast_enabled(x.device.type)
-    if not halves or torch.compiler.is_compiling():  # the compiler schedules its own overlap
+    rows = x.shape[:-1].numel()
+    chunked = not terms and rows >= REDUCE_CHUNKS > 1 and not torch.is_autocast_enabled(x.device.type)
+    if not chunked or torch.compiler.is_compiling():  # the compiler schedules its own overlap
         partial = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
         y = all_reduce_sum(partial, weights.reduce)
     else:
-        y = _summed_in_halves(x, weights.weight, weights.bias, weights.reduce)
+        y = _summed_in_chunks(x, weights.weight, weights.bias, weights.reduce)
     for term in terms:
         if term.up_bias is not None:
             y = y + term.up_bias * term.scale
     return y
 
 
-def _summed_in_halves(
+def _summed_in_chunks(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` summed over the ranks in two halves of the rows, so the first half's
-    all-reduce runs while the second half's GEMM does and only half of the communication is left exposed.
-    The sums are the ones a single all-reduce would make. (Not under autocast: a GEMM into ``out`` is not
-    cast.)"""
+    """``x @ weight.T (+ bias)`` summed over the ranks in ``REDUCE_CHUNKS`` chunks of the rows, each chunk's
+    all-reduce running while the next chunk's GEMM does. The sums are the ones a single all-reduce would
+    make. (Not under autocast: a GEMM into ``out`` is not cast.)"""
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty(rows.shape[0], weight.shape[0])
-    half = (rows.shape[0] + 1) // 2
+    bounds = [rows.shape[0] * i // REDUCE_CHUNKS for i in range(REDUCE_CHUNKS + 1)]
     transfers = []
-    for part in (slice(0, half), slice(half, rows.shape[0])):
+    for part in map(slice, bounds[:-1], bounds[1:]):
         if bias is None:
             torch.mm(rows[part], weight.t(), out=out[part])
         else:
