@@ -2,8 +2,6 @@
 the library's choices changed while that layout is built and timed. Benchmarks only.
 
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
-    reduce_in_one     tensor parallelism: each input-split projection summed by one all-reduce
-    reduce_in_four    ... in four row chunks (each chunk's all-reduce beside the next chunk's GEMM)
 """
 
 from __future__ import annotations
@@ -11,7 +9,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import omni_accel.layers.projection as projection
 import omni_accel.parallel.sequence as sequence
 
 
@@ -33,21 +30,7 @@ def _three_stages() -> Iterator[None]:
         sequence.head_stages = original
 
 
-@contextlib.contextmanager
-def _reduce_chunks(chunks: int) -> Iterator[None]:
-    original = projection.REDUCE_CHUNKS
-    projection.REDUCE_CHUNKS = chunks
-    try:
-        yield
-    finally:
-        projection.REDUCE_CHUNKS = original
-
-
-VARIANTS = {
-    "three_stages": _three_stages,
-    "reduce_in_one": lambda: _reduce_chunks(1),
-    "reduce_in_four": lambda: _reduce_chunks(4),
-}
+VARIANTS = {"three_stages": _three_stages}
 
 
 def split(name: str) -> tuple[str, contextlib.AbstractContextManager]:

@@ -237,48 +237,19 @@ def apply_linear(x: torch.Tensor, weights: LinearWeights) -> tuple[torch.Tensor,
     return tuple(_add_adapters(x, part, terms) for part, terms in zip(parts, weights.adapters, strict=True))
 
 
-# Row chunks an input-split projection is summed in: each chunk's all-reduce runs beside the next chunk's
-# GEMM, so only the last one's is left exposed.
-REDUCE_CHUNKS = 2
-
-
 def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
     """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
-    summed over the ranks. Only the first rank holds the bias (``read_linear``): its GEMM adds it in the
-    epilogue, so the sum has it once without a broadcast add over the whole output after the collective."""
+    summed over the ranks by one all-reduce. (Summing row chunks, each chunk's all-reduce beside the next
+    chunk's GEMM, was slower on two H200s: 84.3-85.6 against 80.4-80.9 ms per FLUX step for two chunks.)
+    Only the first rank holds the bias (``read_linear``): its GEMM adds it in the epilogue, so the sum has
+    it once without a broadcast add over the whole output after the collective."""
     (terms,) = weights.adapters
-    rows = x.shape[:-1].numel()
-    chunked = not terms and rows >= REDUCE_CHUNKS > 1 and not torch.is_autocast_enabled(x.device.type)
-    if not chunked or torch.compiler.is_compiling():  # the compiler schedules its own overlap
-        partial = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
-        y = all_reduce_sum(partial, weights.reduce)
-    else:
-        y = _summed_in_chunks(x, weights.weight, weights.bias, weights.reduce)
+    partial = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
+    y = all_reduce_sum(partial, weights.reduce)
     for term in terms:
         if term.up_bias is not None:
             y = y + term.up_bias * term.scale
     return y
-
-
-def _summed_in_chunks(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` summed over the ranks in ``REDUCE_CHUNKS`` chunks of the rows, each chunk's
-    all-reduce running while the next chunk's GEMM does. The sums are the ones a single all-reduce would
-    make. (Not under autocast: a GEMM into ``out`` is not cast.)"""
-    rows = x.reshape(-1, x.shape[-1])
-    out = rows.new_empty(rows.shape[0], weight.shape[0])
-    bounds = [rows.shape[0] * i // REDUCE_CHUNKS for i in range(REDUCE_CHUNKS + 1)]
-    transfers = []
-    for part in map(slice, bounds[:-1], bounds[1:]):
-        if bias is None:
-            torch.mm(rows[part], weight.t(), out=out[part])
-        else:
-            torch.addmm(bias, rows[part], weight.t(), out=out[part])
-        transfers.append(dist.all_reduce(out[part], group=group, async_op=True))
-    for transfer in transfers:
-        transfer.wait()
-    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _add_adapters(
