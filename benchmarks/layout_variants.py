@@ -2,6 +2,7 @@
 the library's choices changed while that layout is built and timed. Benchmarks only.
 
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
+    one_stage         Ulysses attention in one stage (every head's transfers, then the kernel)
 """
 
 from __future__ import annotations
@@ -30,7 +31,17 @@ def _three_stages() -> Iterator[None]:
         sequence.head_stages = original
 
 
-VARIANTS = {"three_stages": _three_stages}
+@contextlib.contextmanager
+def _one_stage() -> Iterator[None]:
+    original = sequence.head_stages
+    sequence.head_stages = lambda heads, degree: [(0, heads)]
+    try:
+        yield
+    finally:
+        sequence.head_stages = original
+
+
+VARIANTS = {"three_stages": _three_stages, "one_stage": _one_stage}
 
 
 def split(name: str) -> tuple[str, contextlib.AbstractContextManager]:
