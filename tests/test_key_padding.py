@@ -43,8 +43,10 @@ def test_dropped_keys_give_the_dense_masks_attention():
 
     one_mask_for_the_batch = mask[:1]
     kept = _kept(one_mask_for_the_batch)
-    got = attend_kept(q, k, v, kept, _unmasked)
+    calls = []
+    got = attend_kept(q, k, v, kept, lambda *args: calls.append(args) or _unmasked(*args))
     assert rel_err(got, _dense(q, k, v, one_mask_for_the_batch)) <= 1e-6
+    assert len(calls) == 1 and calls[0][1].shape[:2] == (2, 7)  # the whole batch over the 7 kept keys
 
     mixed = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     mixed[1, ..., 7:] = False  # the first sample keeps every key

@@ -29,7 +29,8 @@ _LAST = threading.local()  # the last mask seen in this thread: (weak reference,
 
 @dataclass(frozen=True)
 class KeptKeys:
-    """Per sample, the indices of the keys a mask keeps, or None where it keeps them all."""
+    """Per sample (or once for every sample: a mask of one row), the indices of the keys a mask keeps, or
+    None where it keeps them all."""
 
     per_sample: tuple[torch.Tensor | None, ...]
 
@@ -55,9 +56,7 @@ def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int) -> KeptKeys | 
     if kept is None:
         kept = _read(mask.reshape(mask.shape[0], kv_len))
         _LAST.entry = (last[0], last[1], kept)
-    if kept is _KEEPS_NO_KEY_OF_A_SAMPLE:
-        return None
-    return KeptKeys(kept.per_sample * batch if len(kept.per_sample) == 1 else kept.per_sample)
+    return None if kept is _KEEPS_NO_KEY_OF_A_SAMPLE else kept
 
 
 def _is_key_padding(mask: torch.Tensor | None, kv_len: int) -> bool:
@@ -89,10 +88,13 @@ def _read(rows: torch.Tensor) -> KeptKeys:
 def attend_kept(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kept: KeptKeys, attend
 ) -> torch.Tensor:
-    """``attend(q, k, v)`` (unmasked, BSHD) over the kept keys of each sample; samples that keep the same
-    keys go together (all of them, when no key is padded)."""
+    """``attend(q, k, v)`` (unmasked, BSHD) over the kept keys of each sample: one call for the batch when
+    every sample keeps the same keys, else one per sample."""
     if kept.all_kept:
         return attend(query, key, value)
+    if len(kept.per_sample) == 1:
+        (index,) = kept.per_sample
+        return attend(query, key.index_select(1, index), value.index_select(1, index))
     outputs = []
     for sample, index in enumerate(kept.per_sample):
         q, k, v = (t[sample : sample + 1] for t in (query, key, value))

@@ -53,7 +53,8 @@ class _Function:
     failed: str | None = None  # after the error was raised: runs eagerly, described
     eager_calls: int = 0
     compiled_calls: int = 0
-    window: tuple[float, float] | None = None  # perf_counter() at the start and end of its background compile
+    # perf_counter() when its worker started (it may first wait for another function's compile) and ended
+    window: tuple[float, float] | None = None
 
 
 class BlockCompiler:
@@ -124,8 +125,8 @@ class BlockCompiler:
         return {fn.__name__: (f.eager_calls, f.compiled_calls) for fn, f in list(self._functions.items())}
 
     def windows(self) -> dict[str, tuple[float, float]]:
-        """Per block function compiled in the background, ``time.perf_counter()`` at its compile's start
-        and end."""
+        """Per block function compiled in the background, ``time.perf_counter()`` when its worker started
+        (compiles run one at a time: it may first wait for another) and when its compiled code was ready."""
         return {fn.__name__: f.window for fn, f in list(self._functions.items()) if f.window is not None}
 
     def summary(self) -> list[str]:
