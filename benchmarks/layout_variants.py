@@ -3,15 +3,12 @@ the library's choices changed while that layout is built and timed. Benchmarks o
 
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
     one_stage         Ulysses attention in one stage (every head's transfers, then the kernel)
-    ring_waits        ring attention waits for each K/V transfer before its kernel (no overlap)
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-
-import torch.distributed as dist
 
 import omni_accel.parallel.sequence as sequence
 
@@ -44,24 +41,7 @@ def _one_stage() -> Iterator[None]:
         sequence.head_stages = original
 
 
-@contextlib.contextmanager
-def _ring_waits() -> Iterator[None]:
-    original = dist.batch_isend_irecv
-
-    def waited(ops):
-        requests = original(ops)
-        for request in requests:
-            request.wait()
-        return requests
-
-    dist.batch_isend_irecv = waited
-    try:
-        yield
-    finally:
-        dist.batch_isend_irecv = original
-
-
-VARIANTS = {"three_stages": _three_stages, "one_stage": _one_stage, "ring_waits": _ring_waits}
+VARIANTS = {"three_stages": _three_stages, "one_stage": _one_stage}
 
 
 def split(name: str) -> tuple[str, contextlib.AbstractContextManager]:
