@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 
 import torch
 import torch.nn.functional as F
-from timing import timed, write_json
+from timing import median_ms, write_json
 
 # Per model, a block's GEMMs as (name, input features, output features), and the token counts to run them
 # at: one GPU, a rank under ulysses=2, and the neighbouring aligned counts.
@@ -39,9 +38,7 @@ TOKENS = {"flux": (4096, 4608, 2048, 2304), "wan": (32760, 16380, 16376, 16384)}
 
 
 def _ms(fn, calls: int) -> float:
-    for _ in range(3):
-        fn()
-    return statistics.median(timed(fn, "cuda")[1] for _ in range(calls))
+    return median_ms(fn, "cuda", warmup=3, runs=calls)["median_ms"]
 
 
 @torch.no_grad()

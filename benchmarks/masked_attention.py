@@ -10,11 +10,10 @@ sync). Median ms of warm calls and the largest difference from a float32 referen
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
-from timing import timed, write_json
+from timing import median_ms, write_json
 
 BACKENDS = {
     "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
@@ -24,9 +23,7 @@ BACKENDS = {
 
 
 def _ms(fn, calls: int) -> float:
-    for _ in range(3):
-        fn()
-    return statistics.median(timed(fn, "cuda")[1] for _ in range(calls))
+    return median_ms(fn, "cuda", warmup=3, runs=calls)["median_ms"]
 
 
 def _pinned(backend, q, k, v, mask):
