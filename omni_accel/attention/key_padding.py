@@ -4,12 +4,12 @@ A boolean mask that only says which keys exist (``[B, 1, 1, S_k]``, the same for
 padded text prompt joined with image tokens) gives every padded key a weight of exactly zero, so attention
 over the kept keys alone is the same function, and unmasked it runs the fastest kernel for the shape
 (Qwen-Image's shape at 1024x1024 with 212 of 512 text tokens padded, one H200: cuDNN 0.54-0.61 ms over the
-kept keys, gathers included, against 0.81 ms for the dense mask, the kernel plain Diffusers runs;
+kept keys, gathers included, against 0.69-0.81 ms for the dense mask, the kernel plain Diffusers runs;
 ``benchmarks/masked_attention.py``).
 
 Which keys a mask keeps must be read on the host, and that synchronisation costs more than the kernel
 saves when it happens at every call (Qwen-Image, which builds a new mask in every block: 213.6 against
-200.1 ms per forward). No kernel takes the count on the device at speed (cuDNN's ragged call: 65 ms). So a
+200.1 ms per forward). No kernel takes the count on the device at speed (cuDNN's ragged call: 38-66 ms). So a
 mask is read only when the same tensor comes back unchanged (models that build it once per forward and pass
 it to every block): the first call runs with the dense mask, the mask is read at the second, and the rest
 drop the padded keys, one synchronisation per forward. Never where the host may not wait (compilation, CUDA
