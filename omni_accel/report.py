@@ -39,9 +39,10 @@ class ComponentReport:
                 out.append(f"  attention {label}: {role} [{request}] -> {provider} ({reason})")
             for (role, reason), count in sorted(self.selector.unrouted.items()):
                 out.append(f"  attention left to Diffusers: {role}: {reason} ({count} calls)")
-            for (role, how), count in sorted(self.selector.served_without_mask.items()):
+            for role, count in sorted(self.selector.served_without_mask.items()):
                 out.append(
-                    f"  attention {role}: key-padding mask served without a dense mask, {how} ({count} calls)"
+                    f"  attention {role}: key-padding mask served by dropping the padded keys, unmasked kernel "
+                    f"({count} calls)"
                 )
         if self.cache is not None:
             stats = self.cache.stats()

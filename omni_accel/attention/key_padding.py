@@ -1,27 +1,23 @@
-"""Key-padding masks served without a dense mask, exactly: every padded key has a weight of exactly zero.
+"""Key-padding masks served without a dense mask: the padded keys are dropped and an unmasked kernel runs.
 
 A boolean mask that only says which keys exist (``[B, 1, 1, S_k]``, the same for every head and query: a
-padded text prompt joined with image tokens) can be served two ways, both faster than the dense mask
-(Qwen-Image's shape at 1024x1024 with 212 of 512 text tokens padded, one H200, ``benchmarks/
-masked_attention.py``: 0.69-0.81 ms for the dense mask, the kernel plain Diffusers runs):
+padded text prompt joined with image tokens) gives every padded key a weight of exactly zero, so attention
+over the kept keys alone is the same function, and unmasked it runs the fastest kernel for the shape
+(Qwen-Image's shape at 1024x1024 with 212 of 512 text tokens padded, one H200: cuDNN 0.54-0.61 ms over the
+kept keys, gathers included, against 0.69-0.81 ms for the dense mask, the kernel plain Diffusers runs;
+``benchmarks/masked_attention.py``).
 
-* ``padded_on_device``: the kept keys sorted first on the device and their count per sample handed to
-  cuDNN's padded-batch call (``nvidia-cudnn-frontend``'s ``torch.ops.cudnn.sdpa_fwd`` with ``seq_len_kv``),
-  which skips the rest. No host synchronisation. Used where the unmasked call would run cuDNN anyway.
-* ``kept_keys`` + ``attend_kept``: the kept keys' indices read on the host, the padded keys dropped, and
-  any unmasked provider runs (cuDNN 0.54-0.61 ms, gathers included). The read is a synchronisation, which
-  cost more than the kernel saves when it happened at every call (Qwen-Image builds a new mask in every
-  block: 213.6 against 200.1 ms per forward), so a mask is read only when the same tensor comes back
-  unchanged (models that build it once per forward and pass it to every block): the first call runs with
-  the dense mask, the mask is read at the second, the rest drop the padded keys. Never where the host may
-  not wait (compilation, CUDA graph capture). PyTorch's own ragged cuDNN call takes the count on the
-  device too, but ran 38-66 ms.
+Which keys a mask keeps must be read on the host, and that synchronisation costs more than the kernel
+saves when it happens at every call (Qwen-Image, which builds a new mask in every block: 213.6 against
+200.1 ms per forward). No kernel takes the count on the device at speed (cuDNN's ragged call: 38-66 ms). So a
+mask is read only when the same tensor comes back unchanged (models that build it once per forward and pass
+it to every block): the first call runs with the dense mask, the mask is read at the second, and the rest
+drop the padded keys, one synchronisation per forward. Never where the host may not wait (compilation, CUDA
+graph capture).
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -48,7 +44,7 @@ def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int) -> KeptKeys | 
     dense mask) when the mask is not one (another dtype or shape), is seen for the first time (see the
     module docstring), keeps no key of a sample (what a kernel does then is its own convention), or when
     the host must not synchronise."""
-    if not is_key_padding(mask, kv_len) or mask.shape[0] not in (1, batch):
+    if not _is_key_padding(mask, kv_len) or mask.shape[0] not in (1, batch):
         return None
     if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
@@ -63,7 +59,7 @@ def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int) -> KeptKeys | 
     return None if kept is _KEEPS_NO_KEY_OF_A_SAMPLE else kept
 
 
-def is_key_padding(mask: torch.Tensor | None, kv_len: int) -> bool:
+def _is_key_padding(mask: torch.Tensor | None, kv_len: int) -> bool:
     return (
         mask is not None
         and mask.dtype == torch.bool
@@ -106,41 +102,3 @@ def attend_kept(
             k, v = k.index_select(1, index), v.index_select(1, index)
         outputs.append(attend(q, k, v))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-
-def padded_on_device(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None
-) -> torch.Tensor | None:
-    """Attention over BSHD tensors with a key-padding ``mask`` through cuDNN's padded-batch call, or None
-    where that call is not available (see the module docstring). A sample that keeps no key gets what
-    cuDNN gives for an empty sequence (the dense mask's kernels disagree there too)."""
-    if not (padded_call_available() and mask.is_cuda and mask.shape[0] in (1, query.shape[0])):
-        return None
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-        return None
-    rows = mask.reshape(mask.shape[0], -1)
-    order = rows.logical_not().to(torch.uint8).argsort(dim=1, stable=True)  # kept keys first, in order
-    if rows.shape[0] == 1:
-        key, value = key.index_select(1, order[0]), value.index_select(1, order[0])
-    else:
-        index = order[:, :, None, None].expand(-1, -1, *key.shape[2:])
-        key, value = key.gather(1, index), value.gather(1, index)
-    batch = query.shape[0]
-    kept = rows.sum(dim=1, dtype=torch.int32).expand(batch).contiguous()
-    queries = torch.full((batch,), query.shape[1], dtype=torch.int32, device=query.device)
-    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out, _ = torch.ops.cudnn.sdpa_fwd(q, k, v, scale, seq_len_q=queries, seq_len_kv=kept, return_lse=False)
-    return out.transpose(1, 2)
-
-
-@functools.cache
-def padded_call_available() -> bool:
-    """``torch.ops.cudnn.sdpa_fwd`` registered (importing ``cudnn.sdpa_torch`` registers it)."""
-    try:
-        import cudnn
-
-        cudnn.sdpa_torch  # noqa: B018  (the lazy export registers the op)
-    except Exception:  # not installed, or a build that cannot load here
-        return False
-    return hasattr(torch.ops.cudnn, "sdpa_fwd")

@@ -3,8 +3,8 @@
 A patched call site (see ``omni_accel.patches``) asks ``route`` first. Outside an accelerated transformer's
 forward, or for a call our providers do not model (causal, dropout, GQA, an explicit Diffusers backend or
 context-parallel config), ``route`` returns None and the original function runs unchanged. A key-padding
-mask is served without the dense mask where that is exact and faster (``key_padding``): those calls
-resolve as unmasked ones.
+mask that a model passes to every block is served by dropping the padded keys (``key_padding``): those
+calls resolve as unmasked ones.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import contextvars
 import torch
 
 from .base import AttentionRequest
-from .key_padding import attend_kept, is_key_padding, kept_keys, padded_call_available, padded_on_device
+from .key_padding import attend_kept, kept_keys
 from .selection import AttentionSelector
 
 _ACTIVE: contextvars.ContextVar[AttentionSelector | None] = contextvars.ContextVar(
@@ -69,36 +69,11 @@ def route(
     if unsupported:
         selector.note_unrouted(role, unsupported)
         return None
-    if is_key_padding(attn_mask, key.shape[1]):
-        out = _without_dense_mask(selector, role, category, query, key, value, attn_mask, scale)
-        if out is not None:
-            return out
+    kept = kept_keys(attn_mask, query.shape[0], key.shape[1])
+    if kept is not None:  # a key-padding mask: the padded keys dropped, an unmasked kernel
+        selector.note_served_without_mask(role)
+        provider = selector.resolve(role, category, AttentionRequest.for_call(query, key)).provider
+        return attend_kept(query, key, value, kept, lambda q, k, v: provider.forward(q, k, v, scale=scale))
     request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None)
     provider = selector.resolve(role, category, request).provider
     return provider.forward(query, key, value, attn_mask=attn_mask, scale=scale)
-
-
-def _without_dense_mask(
-    selector: AttentionSelector,
-    role: str,
-    category: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float | None,
-) -> torch.Tensor | None:
-    """A key-padding mask served without the dense mask (see ``key_padding``), or None."""
-    unmasked = AttentionRequest.for_call(query, key)
-    cudnn_padded = query.is_cuda and padded_call_available()
-    if cudnn_padded and selector.resolve(role, category, unmasked).name == "sdpa_cudnn":
-        out = padded_on_device(query, key, value, mask, scale)  # the unmasked call would run cuDNN
-        if out is not None:
-            selector.note_served_without_mask(role, "cuDNN's padded call")
-            return out
-    kept = kept_keys(mask, query.shape[0], key.shape[1])
-    if kept is None:
-        return None
-    selector.note_served_without_mask(role, "padded keys dropped")
-    provider = selector.resolve(role, category, unmasked).provider
-    return attend_kept(query, key, value, kept, lambda q, k, v: provider.forward(q, k, v, scale=scale))

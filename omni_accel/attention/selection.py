@@ -152,8 +152,7 @@ class AttentionSelector:
         self.config = config or AttentionConfig()
         self._cache: dict[tuple, Resolution] = {}
         self.unrouted: dict[tuple[str, str], int] = {}
-        # (role, how) -> calls whose key-padding mask was served without the dense mask
-        self.served_without_mask: dict[tuple[str, str], int] = {}
+        self.served_without_mask: dict[str, int] = {}  # role -> calls whose key-padding mask was dropped
         # A number compiled graphs can carry to find this selector (see layers.attention).
         self.index = len(_ALL_SELECTORS)
         _ALL_SELECTORS.append(weakref.ref(self))
@@ -178,9 +177,9 @@ class AttentionSelector:
         if count == 1:
             logger.warning("attention %s runs Diffusers' own kernel: %s", role, reason)
 
-    def note_served_without_mask(self, role: str, how: str) -> None:
-        """Counts a call whose key-padding mask was served without the dense mask, and how."""
-        self.served_without_mask[(role, how)] = self.served_without_mask.get((role, how), 0) + 1
+    def note_served_without_mask(self, role: str) -> None:
+        """Counts a call whose key-padding mask was served by dropping the padded keys."""
+        self.served_without_mask[role] = self.served_without_mask.get(role, 0) + 1
 
     def decisions(self) -> list[tuple[str, str, str, str]]:
         """(role, request, provider, reason) for every distinct call seen so far; choices made under an
