@@ -1,8 +1,8 @@
 """A key-padding mask (Qwen-Image's padded text, joined with the image tokens) at the model's attention
 shape: the kernel PyTorch's SDPA dispatch runs with the dense mask (what plain Diffusers gets), each SDPA
 kernel pinned with the mask, and the ways to serve the mask without one (the padded keys dropped, then an
-unmasked kernel; FlashAttention's variable-length call with the valid key count on the device, no host
-sync). Median ms of warm calls and the largest difference from a float32 reference.
+unmasked kernel; FlashAttention's variable-length call and cuDNN's ragged and padded calls with the valid
+key count on the device, no host sync). Median ms of warm calls and the largest difference from a float32 reference.
 
     python benchmarks/masked_attention.py --out masked_attention.json
 """
@@ -60,6 +60,22 @@ def _cudnn_varlen(q, k, v, mask, contiguous=False):
     return out.transpose(0, 1).unsqueeze(0)
 
 
+def _cudnn_padded(q, k, v, mask):
+    """Valid keys first (a stable device-side sort), then cuDNN's padded-batch call from
+    nvidia-cudnn-frontend (``torch.ops.cudnn.sdpa_fwd`` with per-sample ``seq_len_kv`` on the device), no
+    host sync. (A library version of this was written and kept out until measured: commit 8515bd7.)"""
+    import cudnn
+
+    cudnn.sdpa_torch  # noqa: B018  (the lazy export registers the op)
+    order = torch.argsort((~mask).to(torch.int8), stable=True)
+    k, v = k.index_select(2, order), v.index_select(2, order)
+    lengths = [torch.full((1,), n, device=q.device, dtype=torch.int32) for n in (q.shape[2], mask.sum())]
+    scale = q.shape[-1] ** -0.5
+    return torch.ops.cudnn.sdpa_fwd(
+        q, k, v, scale, seq_len_q=lengths[0], seq_len_kv=lengths[1], return_lse=False
+    )[0]
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,13 +109,14 @@ def main(argv: list[str] | None = None) -> dict:
         "flash varlen, valid keys first (no sync)": lambda: _flash_varlen(q, k, v, mask),
         "cudnn varlen, valid keys first (no sync)": lambda: _cudnn_varlen(q, k, v, mask),
         "cudnn varlen, contiguous inputs": lambda: _cudnn_varlen(q, k, v, mask, contiguous=True),
+        "cudnn-frontend padded call, valid keys first (no sync)": lambda: _cudnn_padded(q, k, v, mask),
     }
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
     outputs = {}
     for name, fn in variants.items():
         try:
             outputs[name] = out = fn()
-        except RuntimeError as exc:
+        except Exception as exc:  # a kernel or package that refuses: recorded, the others still run
             results[name] = {"error": str(exc).splitlines()[0][:200]}
         else:
             error = (out.float() - reference).abs().max().item()
