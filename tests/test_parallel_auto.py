@@ -10,7 +10,13 @@ from omni_accel.parallel.auto import choose_layout
 @pytest.mark.parametrize(
     "world, heads, cfg, sequence, expected",
     [
-        (2, 24, False, True, ParallelConfig(ulysses=2)),  # FLUX: the fastest measured two-rank layout
+        (
+            2,
+            24,
+            False,
+            True,
+            ParallelConfig(ulysses=2),
+        ),  # FLUX: within 2 % of the fastest measured two-rank layout
         (2, 40, True, True, ParallelConfig(cfg=2)),  # Wan with guidance: one branch per rank
         (2, 40, False, True, ParallelConfig(ulysses=2)),
         (4, 40, True, True, ParallelConfig(ulysses=2, cfg=2)),
