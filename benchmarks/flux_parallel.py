@@ -32,7 +32,7 @@ _ONE_GPU = {"plain": "1gpu", "true_cfg": "1gpu_true_cfg", "lora": "1gpu_lora"}
 
 def _kind(layout_name: str) -> str:
     """Which one-GPU run a layout compares with: same calls (true CFG or not), same adapters."""
-    base = layout_name.partition("+")[0]
+    base = layout_name.partition(" #")[0].partition("+")[0]
     return next((kind for kind in ("true_cfg", "lora") if base.endswith(kind)), "plain")
 
 
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
         key = _kind(name)
         oracle.setdefault(key, latents)  # the first layout run of each kind is the reference
         result["rel_err_vs_1gpu"] = rel_err(latents, oracle[key].float())
+        runs = sum(1 for done in results if done.partition(" #")[0] == name)
+        name = name if not runs else f"{name} #{runs + 1}"  # a layout named again: an A/B repeat
         results[name] = result
         if omni_accel.is_main_process():
             print(f"{name:20s} {json.dumps(result)}", flush=True)
