@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import rel_err
+from diffusers import DiffusionPipeline, HunyuanVideoTransformer3DModel
 
 import omni_accel
 from omni_accel.attention import key_padding, routing
@@ -164,3 +165,44 @@ def test_dropped_keys_on_the_gpu_are_as_accurate_as_the_dense_mask():
     assert selector.served_without_mask == {"diffusers.attention": 1}
     dense_err = (dense.float() - reference).abs().max().item()
     assert (outputs[1].float() - reference).abs().max().item() <= 2 * dense_err
+
+
+class _Holder(DiffusionPipeline):
+    def __init__(self, transformer) -> None:
+        super().__init__()
+        self.register_modules(transformer=transformer)
+
+
+def test_routed_hunyuan_video_drops_the_padded_keys_of_its_per_forward_mask():
+    """HunyuanVideo (routed generically: its module calls ``dispatch_attention_fn``) builds one
+    ``[B, 1, 1, N]`` mask per forward and passes it to every block: from the second block on the padded text
+    keys are dropped, and the output is Diffusers' with the dense mask."""
+    config = dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+        num_single_layers=2, num_refiner_layers=1, text_embed_dim=16, pooled_projection_dim=8,
+        rope_axes_dim=(4, 6, 6),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = HunyuanVideoTransformer3DModel(**config).eval()
+    routed = HunyuanVideoTransformer3DModel(**config).eval()
+    routed.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(1)
+    text_mask = torch.ones(2, 7, dtype=torch.long)
+    text_mask[0, 4:] = 0  # the first prompt is shorter: 3 padded text tokens
+    inputs = dict(
+        hidden_states=torch.randn(2, 4, 1, 8, 8, generator=g),
+        timestep=torch.tensor([500.0, 500.0]),
+        encoder_hidden_states=torch.randn(2, 7, 16, generator=g),
+        encoder_attention_mask=text_mask,
+        pooled_projections=torch.randn(2, 8, generator=g),
+        guidance=torch.tensor([3500.0, 3500.0]),
+        return_dict=False,
+    )
+    with torch.no_grad():
+        expected = plain(**inputs)[0]
+        pipe = omni_accel.accelerate(_Holder(routed))
+        got = pipe.transformer(**inputs)[0]
+    assert rel_err(got, expected) <= 1e-5
+    calls = omni_accel.describe(pipe).components[0].selector.served_without_mask
+    assert calls == {"generic.attn": 3}, calls  # 4 blocks: the first with the dense mask, then dropped
+    omni_accel.restore(pipe)
