@@ -31,29 +31,37 @@ def _pinned(backend, q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _flash_varlen(q, k, v, mask):
-    """Valid keys first (a stable device-side sort), then FlashAttention over the first ``seqused_k``."""
+def _valid_keys_first(k, v, mask):
+    """K and V (BHSD) with the valid keys first, by a stable device-side sort, and their count (int32, on
+    the device): what the variable-length calls below take without a host sync."""
     order = torch.argsort((~mask).to(torch.int8), stable=True)
-    heads_first = (q, k.index_select(2, order), v.index_select(2, order))
-    thd = [t[0].transpose(0, 1) for t in heads_first]  # [tokens, heads, head size], batch of one
+    return k.index_select(2, order), v.index_select(2, order), mask.sum().to(torch.int32).reshape(1)
+
+
+def _thd(*bhsd):
+    """[tokens, heads, head size] views of a batch of one."""
+    return [t[0].transpose(0, 1) for t in bhsd]
+
+
+def _flash_varlen(q, k, v, mask):
+    """FlashAttention over the first ``seqused_k`` keys."""
+    k, v, valid = _valid_keys_first(k, v, mask)
+    thd = _thd(q, k, v)
     cu_q = torch.tensor([0, thd[0].shape[0]], device=q.device, dtype=torch.int32)
     cu_k = torch.tensor([0, thd[1].shape[0]], device=q.device, dtype=torch.int32)
-    used = mask.sum().to(torch.int32).reshape(1)
     out = torch.ops.aten._flash_attention_forward(
-        *thd, cu_q, cu_k, thd[0].shape[0], thd[1].shape[0], 0.0, False, False, seqused_k=used
+        *thd, cu_q, cu_k, thd[0].shape[0], thd[1].shape[0], 0.0, False, False, seqused_k=valid
     )[0]
     return out.transpose(0, 1).unsqueeze(0)
 
 
 def _cudnn_varlen(q, k, v, mask, contiguous=False):
-    """Valid keys first (a stable device-side sort), then cuDNN's ragged call told on the device how many
-    keys are valid (``cum_seq_k``), no host sync."""
-    order = torch.argsort((~mask).to(torch.int8), stable=True)
-    heads_first = (q, k.index_select(2, order), v.index_select(2, order))
-    thd = [t[0].transpose(0, 1) for t in heads_first]
+    """PyTorch's ragged cuDNN call, told how many keys are valid by ``cum_seq_k``."""
+    k, v, valid = _valid_keys_first(k, v, mask)
+    thd = _thd(q, k, v)
     thd = [t.contiguous() for t in thd] if contiguous else thd
     cu_q = torch.tensor([0, thd[0].shape[0]], device=q.device, dtype=torch.int32)
-    cu_k = torch.stack([mask.new_zeros((), dtype=torch.int32), mask.sum().to(torch.int32)])
+    cu_k = torch.cat([valid.new_zeros(1), valid])
     out = torch.ops.aten._cudnn_attention_forward(
         *thd, None, cu_q, cu_k, thd[0].shape[0], thd[1].shape[0], False, 0.0, False, False
     )[0]
@@ -61,19 +69,15 @@ def _cudnn_varlen(q, k, v, mask, contiguous=False):
 
 
 def _cudnn_padded(q, k, v, mask):
-    """Valid keys first (a stable device-side sort), then cuDNN's padded-batch call from
-    nvidia-cudnn-frontend (``torch.ops.cudnn.sdpa_fwd`` with per-sample ``seq_len_kv`` on the device), no
-    host sync. (A library version of this was written and kept out until measured: commit 8515bd7.)"""
+    """nvidia-cudnn-frontend's padded-batch call (``torch.ops.cudnn.sdpa_fwd`` with per-sample
+    ``seq_len_kv``). (A library version of this was written and kept out until measured: commit 8515bd7.)"""
     import cudnn
 
     cudnn.sdpa_torch  # noqa: B018  (the lazy export registers the op)
-    order = torch.argsort((~mask).to(torch.int8), stable=True)
-    k, v = k.index_select(2, order), v.index_select(2, order)
-    lengths = [torch.full((1,), n, device=q.device, dtype=torch.int32) for n in (q.shape[2], mask.sum())]
+    k, v, valid = _valid_keys_first(k, v, mask)
+    queries = torch.full((1,), q.shape[2], device=q.device, dtype=torch.int32)
     scale = q.shape[-1] ** -0.5
-    return torch.ops.cudnn.sdpa_fwd(
-        q, k, v, scale, seq_len_q=lengths[0], seq_len_kv=lengths[1], return_lse=False
-    )[0]
+    return torch.ops.cudnn.sdpa_fwd(q, k, v, scale, seq_len_q=queries, seq_len_kv=valid, return_lse=False)[0]
 
 
 @torch.no_grad()
