@@ -3,6 +3,7 @@ the library's choices changed while that layout is built and timed. Benchmarks o
 
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
     one_stage         Ulysses attention in one stage (every head's transfers, then the kernel)
+    nccl_exchange     Ulysses' exchanges by NCCL's all-to-all in two head stages, not by peer writes
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import omni_accel.parallel.peer_exchange as peer_exchange
 import omni_accel.parallel.sequence as sequence
 
 
@@ -41,7 +43,16 @@ def _one_stage() -> Iterator[None]:
         sequence.head_stages = original
 
 
-VARIANTS = {"three_stages": _three_stages, "one_stage": _one_stage}
+@contextlib.contextmanager
+def _nccl_exchange() -> Iterator[None]:
+    peer_exchange.ENABLED = False
+    try:
+        yield
+    finally:
+        peer_exchange.ENABLED = True
+
+
+VARIANTS = {"three_stages": _three_stages, "one_stage": _one_stage, "nccl_exchange": _nccl_exchange}
 
 
 def split(name: str) -> tuple[str, contextlib.AbstractContextManager]:

@@ -261,6 +261,8 @@ def _plan_swap(
     )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     report.graphs = graphs
+    if parallel is not None and parallel.config.ulysses > 1:
+        report.ulysses_group = parallel.group("ulysses")
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 
 

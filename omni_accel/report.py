@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
 from .cuda_graphs import StepGraphs
 from .models.base import NativeRuntime
 from .parallel.cfg import CfgParallel
+from .parallel.peer_exchange import describe_exchange
 
 
 @dataclass
@@ -24,6 +26,7 @@ class ComponentReport:
     cfg: CfgParallel | None = None
     runtime: NativeRuntime | None = None
     graphs: StepGraphs | None = None
+    ulysses_group: Any = None  # the process group of a Ulysses layout's exchanges
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
 
@@ -55,6 +58,8 @@ class ComponentReport:
                 f"  cfg parallel: {self.cfg.split_calls} batch-split calls, {self.cfg.paired_calls} paired "
                 f"cond/uncond calls, {self.cfg.replicated_calls} calls computed on both ranks (batch of one)"
             )
+        if self.ulysses_group is not None:
+            out.append(f"  ulysses exchanges: {describe_exchange(self.ulysses_group)}")
         if self.graphs is not None:
             stats = self.graphs.stats()
             out.append(

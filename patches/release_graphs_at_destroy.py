@@ -1,4 +1,5 @@
-"""Frees the accelerated transformers' step graphs before ``torch.distributed.destroy_process_group``.
+"""Frees the accelerated transformers' step graphs (and the Ulysses peer buffers) before
+``torch.distributed.destroy_process_group``.
 
 An NCCL operation captured in a CUDA graph stays pending on its communicator for as long as the graph
 lives, and destroying the group waits for pending operations: a script that ends with
@@ -19,11 +20,13 @@ _ORIGINAL = "_omni_accel_original_destroy_process_group"
 
 def apply(module: ModuleType) -> None:
     from omni_accel.cuda_graphs import release_all
+    from omni_accel.parallel.peer_exchange import forget_groups
 
     original = module.destroy_process_group
 
     def destroy_process_group(*args, **kwargs):
         release_all()
+        forget_groups()  # the Ulysses peer buffers, which the graphs used and their groups map
         return original(*args, **kwargs)
 
     destroy_process_group.__wrapped__ = original

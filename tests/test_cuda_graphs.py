@@ -20,6 +20,7 @@ import omni_accel
 from omni_accel import ParallelConfig
 from omni_accel.cuda_graphs import step_key
 from omni_accel.models.tiny_pipelines import tiny_flux_pipeline, tiny_sd3_pipeline
+from omni_accel.parallel import peer_exchange, sequence
 
 
 def _bare(transformer) -> FluxPipeline:
@@ -248,6 +249,7 @@ def _parallel_replays(rank: int, world: int) -> None:
         (ParallelConfig(tp=2), {}),
         (ParallelConfig(tp=2), {"compile": True}),  # functional collectives inside compiled blocks
         (ParallelConfig(ulysses=2), {}),
+        (ParallelConfig(ulysses=2), {"compile": True}),  # peer writes inside a compiled block's attention
         (ParallelConfig(ring=2), {}),
         (ParallelConfig(cfg=2), {}),
         ("auto", {}),  # the layout arrives at the first call, around graphs installed before it
@@ -259,6 +261,33 @@ def _parallel_replays(rank: int, world: int) -> None:
         _replays_match_eager(pipe, height=48, width=32)
         stats = omni_accel.describe(pipe).components[0].graphs.stats()
         assert stats["eager"] == {} and stats["captures"] == 2, (layout, stats)
+    _peer_writes_move_what_nccl_moves()
+
+
+def _peer_writes_move_what_nccl_moves() -> None:
+    """Ulysses' exchanges by peer writes into symmetric memory against NCCL's all-to-all in one head
+    stage (the same kernel calls on the same bytes): bitwise equal, even and uneven sequence slices."""
+    images = []
+    for peer_writes in (True, False):
+        peer_exchange.ENABLED = peer_writes
+        original_stages = sequence.head_stages
+        sequence.head_stages = lambda heads, degree: [(0, heads)]
+        try:
+            pipe = _gpu_pipeline(parallel=ParallelConfig(ulysses=2))
+            call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+            images.append(
+                [
+                    pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
+                    for size in ({}, {"height": 48, "width": 32})
+                ]
+            )
+            report = str(omni_accel.describe(pipe))
+        finally:
+            peer_exchange.ENABLED = True
+            sequence.head_stages = original_stages
+        how = "into its peers' symmetric memory" if peer_writes else "peer writes switched off"
+        assert how in report, report
+    assert all(torch.equal(a, b) for a, b in zip(*images, strict=True))
 
 
 @pytest.mark.gpu

@@ -261,7 +261,7 @@ def _two_ranks(rank: int, world: int) -> None:
     ):
         _check(layout, oracle)
     # heads not divisible by the Ulysses degree, uneven text (13) and image (60) lengths over the ranks
-    _check(ParallelConfig(ulysses=2), _oracle(heads=3), heads=3)
+    _check(ParallelConfig(ulysses=2), _oracle(heads=3), heads=3, expect="ulysses exchanges: gloo all-to-all")
     _check(ParallelConfig(ring=2), _oracle(heads=3), heads=3)
     # true CFG: the pipeline calls the transformer twice per step; cfg=2 pairs the calls
     true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)

@@ -6,7 +6,10 @@ size; a check that fails reports its traceback and the rest still run.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import itertools
+import os
 import queue
 import time
 import traceback
@@ -19,8 +22,10 @@ import torch.multiprocessing as mp
 
 from omni_accel.attention.merge import merge_partials
 from omni_accel.attention.providers.sdpa import SdpaMathProvider
+from omni_accel.parallel import sequence
 from omni_accel.parallel.config import ParallelConfig
 from omni_accel.parallel.mesh import init_parallel
+from omni_accel.parallel.peer_exchange import PeerBuffers
 from omni_accel.parallel.sequence import (
     SequenceParallel,
     gather,
@@ -69,6 +74,50 @@ def check_attention(
     assert err <= TOLERANCE, f"relative error {err:.2e}"
 
 
+@contextlib.contextmanager
+def peer_writes_over_files(directory: str):
+    """Ulysses' exchanges by peer writes, each rank's buffers shared files every rank maps: on CPU, the same
+    writes into peers' memory and barriers the GPUs' symmetric memory carries."""
+    original, made = sequence.peer_buffers, {}
+
+    def peer_buffers(group):
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+        if group.group_name not in made:
+            made[group.group_name] = _file_backed_peers(group, directory)
+        return made[group.group_name]
+
+    sequence.peer_buffers = peer_buffers
+    try:
+        yield made
+    finally:
+        sequence.peer_buffers = original
+
+
+def _file_backed_peers(group, directory: str) -> PeerBuffers:
+    rank, world, slots = dist.get_rank(group), dist.get_world_size(group), itertools.count()
+
+    def allocate(numel: int, dtype: torch.dtype):
+        slot = next(slots)
+        paths = [os.path.join(directory, f"{group.group_name}-{slot}-{r}") for r in range(world)]
+        with open(paths[rank], "wb") as file:
+            file.truncate(numel * dtype.itemsize)
+        dist.barrier(group=group)
+        buffers = [torch.from_file(path, shared=True, size=numel, dtype=dtype) for path in paths]
+        return buffers, lambda: dist.barrier(group=group)
+
+    return PeerBuffers(rank, world, allocate)
+
+
+def check_peer_writes(groups: dict, directory: str, **case) -> None:
+    """Ulysses by peer writes on ``case``; the output is this rank's buffer until the next call, so a
+    second call with other inputs must not disturb a copy taken of the first."""
+    with peer_writes_over_files(directory) as made:
+        check_attention(groups, **case)
+        check_attention(groups, **{**case, "q_len": case["q_len"] + 3})
+    assert made, "the peer-write path was not taken"
+
+
 def check_shard_gather(group, length: int) -> None:
     x = torch.arange(2 * length * 3, dtype=torch.float32).view(2, length, 3)
     sizes = split_sizes(length, dist.get_world_size(group))
@@ -102,11 +151,16 @@ FOUR_RANK_CASES = [
 ]
 
 
-def two_rank_checks() -> list:
+def two_rank_checks(directory: str) -> list:
     world = dist.group.WORLD
     checks = [(f"shard/gather length {n}", partial(check_shard_gather, world, n)) for n in (5, 1)]
     for scheme, groups in (("ulysses", dict(ulysses_group=world)), ("ring", dict(ring_group=world))):
         checks += [(f"{scheme} {case}", partial(check_attention, groups, **case)) for case in TWO_RANK_CASES]
+    ulysses = dict(ulysses_group=world)
+    checks += [
+        (f"ulysses by peer writes {case}", partial(check_peer_writes, ulysses, directory, **case))
+        for case in TWO_RANK_CASES
+    ]
     return checks
 
 
@@ -120,18 +174,28 @@ def check_group_timeouts(groups: dict, timeout_s: float) -> None:
             assert group._get_backend(torch.device("cpu")).options._timeout == want
 
 
-def four_rank_checks() -> list:
+def four_rank_checks(directory: str) -> list:
     schemes = {}
     for name, degrees in (("ulysses2 x ring2", (2, 2)), ("ulysses4", (4, 1)), ("ring4", (1, 4))):
         state = init_parallel(ParallelConfig(ulysses=degrees[0], ring=degrees[1], timeout_s=123))
         schemes[name] = dict(ulysses_group=state.group("ulysses"), ring_group=state.group("ring"))
-    return [
-        (f"{name} timeouts", partial(check_group_timeouts, groups, 123)) for name, groups in schemes.items()
-    ] + [
-        (f"{name} {case}", partial(check_attention, groups, **case))
-        for name, groups in schemes.items()
+    peer_writes = [
+        (f"{name} by peer writes {case}", partial(check_peer_writes, schemes[name], directory, **case))
+        for name in ("ulysses2 x ring2", "ulysses4")
         for case in FOUR_RANK_CASES
     ]
+    return (
+        peer_writes
+        + [
+            (f"{name} timeouts", partial(check_group_timeouts, groups, 123))
+            for name, groups in schemes.items()
+        ]
+        + [
+            (f"{name} {case}", partial(check_attention, groups, **case))
+            for name, groups in schemes.items()
+            for case in FOUR_RANK_CASES
+        ]
+    )
 
 
 CHECKS = {2: two_rank_checks, 4: four_rank_checks}
@@ -148,7 +212,7 @@ def worker(rank: int, world: int, init_file: str, results) -> None:
             world_size=world,
             timeout=datetime.timedelta(seconds=DEFAULT_GROUP_TIMEOUT_S),
         )
-        for name, check in CHECKS[world]():
+        for name, check in CHECKS[world](os.path.dirname(init_file)):
             ran += 1
             try:
                 check()

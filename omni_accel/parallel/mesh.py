@@ -20,6 +20,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..cuda_graphs import release_all
 from .config import ParallelConfig
+from .peer_exchange import forget_groups
 
 _DIMS = ("cfg", "ring", "ulysses", "tp")
 
@@ -75,10 +76,11 @@ def _leave_the_group_we_started() -> None:
     thread in ``take_gil`` -> ``PyThread_exit_thread`` while freeing an all-gather's outputs). A rank that
     exits within a few milliseconds of its last collective hit it: 3 of 23 runs with nothing done here,
     1 in 100 (and 1 in 15) with the group destroyed but no pause. Step graphs holding NCCL operations are
-    freed first (destroying the group waits for them)."""
+    freed first (destroying the group waits for them), and the Ulysses peer buffers with them."""
     if dist.is_initialized():
         time.sleep(_WORKERS_FINISH_S)  # releases the GIL to a worker waiting for it
         release_all()
+        forget_groups()
         dist.destroy_process_group()
 
 

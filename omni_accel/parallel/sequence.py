@@ -16,6 +16,10 @@ adjacent slices, so after their all-to-all each holds one contiguous chunk of th
 the ring rotates those chunks. Put the Ulysses group on the fastest links (inside a node), since its
 all-to-all is the bandwidth-heavy exchange.
 
+Between the GPUs of one machine Ulysses' exchanges are peer writes into symmetric memory (``peer_exchange``);
+elsewhere (other backends, CPU) they are the group's all-to-all, in two head stages so one stage's transfers
+run beside the other's kernel.
+
 Everything is exact for non-causal attention without a mask: shards may be uneven or empty, and the head
 count need not divide the Ulysses degree (heads are split unevenly, see ``_exchange``). This is inference
 code: the collectives are not differentiable.
@@ -32,6 +36,7 @@ import torch.distributed as dist
 
 from ..attention.merge import merge_partials
 from .copies import copy_rows_
+from .peer_exchange import peer_buffers, ulysses_by_peer_writes
 
 Attend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -308,6 +313,19 @@ class SequenceParallel:
         chunk = self._chunk(self.sizes)
         kv_sizes = self._sizes(kv=True)
         kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
+        peers = peer_buffers(group)
+        if peers is not None:
+            heads = split_sizes(q.shape[_HEADS], _size(group))
+            return ulysses_by_peer_writes(
+                peers,
+                q,
+                k,
+                v,
+                chunk,
+                kv_chunk,
+                heads,
+                lambda *qkv: ring_attention(*qkv, attend, ring, ring_blocks),
+            )
         # Every stage's inputs are posted first: the communication stream runs them back to back while the
         # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
         stages = []
