@@ -20,7 +20,7 @@ import omni_accel
 from omni_accel import ParallelConfig
 from omni_accel.cuda_graphs import step_key
 from omni_accel.models.tiny_pipelines import tiny_flux_pipeline, tiny_sd3_pipeline
-from omni_accel.parallel import peer_exchange, sequence
+from omni_accel.parallel import peer_exchange
 
 
 def _bare(transformer) -> FluxPipeline:
@@ -265,26 +265,25 @@ def _parallel_replays(rank: int, world: int) -> None:
 
 
 def _peer_writes_move_what_nccl_moves() -> None:
-    """Ulysses' exchanges by peer writes into symmetric memory against NCCL's all-to-all in one head
-    stage (the same kernel calls on the same bytes): bitwise equal, even and uneven sequence slices."""
+    """Ulysses' exchanges by peer writes into symmetric memory (the copy engine's for the second head
+    stage) against NCCL's all-to-all: the same kernel calls on the same bytes, so bitwise equal, on even
+    and uneven sequence slices."""
     images = []
     for peer_writes in (True, False):
         peer_exchange.ENABLED = peer_writes
-        original_stages = sequence.head_stages
-        sequence.head_stages = lambda heads, degree: [(0, heads)]
         try:
             pipe = _gpu_pipeline(parallel=ParallelConfig(ulysses=2))
             call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+            sizes = ({}, {"height": 48, "width": 32})
             images.append(
                 [
                     pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
-                    for size in ({}, {"height": 48, "width": 32})
+                    for size in sizes
                 ]
             )
             report = str(omni_accel.describe(pipe))
         finally:
             peer_exchange.ENABLED = True
-            sequence.head_stages = original_stages
         how = "into its peers' symmetric memory" if peer_writes else "peer writes switched off"
         assert how in report, report
     assert all(torch.equal(a, b) for a, b in zip(*images, strict=True))

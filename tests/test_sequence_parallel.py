@@ -110,8 +110,7 @@ def _file_backed_peers(group, directory: str) -> PeerBuffers:
 
 
 def check_peer_writes(groups: dict, directory: str, **case) -> None:
-    """Ulysses by peer writes on ``case``; the output is this rank's buffer until the next call, so a
-    second call with other inputs must not disturb a copy taken of the first."""
+    """Ulysses by peer writes on ``case``, then on a longer sequence (the buffers grow)."""
     with peer_writes_over_files(directory) as made:
         check_attention(groups, **case)
         check_attention(groups, **{**case, "q_len": case["q_len"] + 3})

@@ -35,8 +35,10 @@ class PeerBuffers:
     ``allocate(numel, dtype)`` returns ``(every rank's buffer, barrier)``; the CUDA version maps symmetric
     memory, tests pass one over shared files."""
 
-    def __init__(self, rank: int, world: int, allocate: Callable) -> None:
-        self.rank, self.world, self._allocate = rank, world, allocate
+    def __init__(
+        self, rank: int, world: int, allocate: Callable, side: torch.cuda.Stream | None = None
+    ) -> None:
+        self.rank, self.world, self._allocate, self._side = rank, world, allocate, side
         self._slots: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         self._kept: list[list[torch.Tensor]] = []  # outgrown buffers a captured graph may still use
         self._barrier: Callable[[], None] | None = None
@@ -57,6 +59,25 @@ class PeerBuffers:
             self._slots[(slot, dtype)] = buffers
             self._barrier = self._barrier or barrier
         return [buffer[: math.prod(shape)].view(shape) for buffer, shape in zip(buffers, shapes, strict=True)]
+
+    def copy_beside(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        """``dst.copy_(src)`` for contiguous pairs, by the copy engine on a side stream after the work
+        enqueued so far, so they run beside the kernels enqueued next; ``wait`` joins them. (Without a side
+        stream, on CPU, at once.) The tensors are held until then, so their memory is not reused early."""
+        if self._side is None:
+            for dst, src in copies:
+                dst.copy_(src)
+            return None
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            for dst, src in copies:
+                dst.copy_(src)
+            return self._side.record_event(), copies
+
+    def wait(self, sent) -> None:
+        """The current stream waits for transfers ``copy_beside`` started."""
+        if sent is not None:
+            torch.cuda.current_stream().wait_event(sent[0])
 
     def barrier(self) -> None:
         """Returns (on the stream) once every rank has called it: their earlier writes have landed."""
@@ -100,7 +121,8 @@ def _try_peer_buffers(group: dist.ProcessGroup) -> PeerBuffers | None:
     if backend != "nccl" or not torch.cuda.is_available():
         _WHY_NOT[group.group_name] = "they need NCCL ranks on CUDA"
         return None
-    peers = PeerBuffers(dist.get_rank(group), dist.get_world_size(group), _symmetric_allocator(group))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peers = PeerBuffers(rank, world, _symmetric_allocator(group), side=torch.cuda.Stream())
     try:
         peers.views("probe", [(1,)] * peers.world, torch.int32)
     except Exception as exc:  # no symmetric memory here (no peer access, an older driver, several hosts)
@@ -122,7 +144,10 @@ def describe_exchange(group: dist.ProcessGroup | None) -> str:
     if name not in _BY_GROUP:
         return "decided at the first attention call"
     if _BY_GROUP[name] is not None:
-        return "each rank writes its pieces into its peers' symmetric memory, one barrier per exchange"
+        return (
+            "each rank writes its pieces into its peers' symmetric memory (the first head stage by the packing "
+            "copy, later stages and outputs by the copy engine beside the kernel), a barrier per stage"
+        )
     return f"{dist.get_backend(group)} all-to-all in two head stages (no peer writes: {_WHY_NOT[name]})"
 
 
@@ -132,10 +157,6 @@ def forget_groups() -> None:
     _WHY_NOT.clear()
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    return [sum(sizes[:i]) for i in range(len(sizes))]
-
-
 def ulysses_by_peer_writes(
     peers: PeerBuffers,
     q: torch.Tensor,
@@ -143,38 +164,124 @@ def ulysses_by_peer_writes(
     v: torch.Tensor,
     sizes: Sequence[int],
     kv_sizes: Sequence[int],
-    heads: Sequence[int],
+    stages: Sequence[tuple[int, Sequence[int]]],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Ulysses attention of BSHD slices (``sizes[i]`` query and ``kv_sizes[i]`` K/V tokens on rank ``i``,
-    which attends over ``heads[i]`` consecutive heads): each rank's heads gathered over the whole sequence in its buffers, ``attend`` there, the output sent
-    back by sequence slice. The result is this rank's output buffer, valid until the group's next call.
+    """Ulysses attention of BSHD slices (``sizes[i]`` query and ``kv_sizes[i]`` K/V tokens on rank ``i``)
+    in pipeline stages: ``(first head, heads of each rank)`` per stage. Each rank gathers its heads of a
+    stage over the whole sequence in its buffers, attends there, and sends each rank its tokens back.
 
-    Order per rank: write Q/K/V pieces, barrier, attend, write output pieces, barrier. A peer writes into
-    this rank's Q/K/V buffers for the next call only after the second barrier, which this rank reaches
-    after its kernel has read them; and into its output buffer only after the next call's first barrier,
-    which this rank reaches after the caller has enqueued its use of this output."""
+    The first stage's pieces are written by the packing copy itself (SM stores into the peers' memory);
+    the later stages' are packed here and sent by the copy engine beside the kernel of the stage before,
+    as is every output but the last stage's. A barrier precedes each stage's kernel and the unpacking of
+    the outputs. A peer writes into this rank's buffers for the next call only after a barrier this rank
+    reaches once it has used what they hold (the last one for the inputs, the next call's first for the
+    outputs), so the buffers need no handshake of their own."""
     me, world = peers.rank, peers.world
-    head_at = _offsets(heads)
-
-    def gather_heads(slot: str, t: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-        batch, _, _, dim = t.shape
-        joined = peers.views(slot, [(batch, sum(lengths), heads[j], dim) for j in range(world)], t.dtype)
-        at = sum(lengths[:me])
-        for j in range(world):
-            _write(joined[j].narrow(_SEQ, at, lengths[me]), t.narrow(_HEADS, head_at[j], heads[j]))
-        return joined[me]
-
-    q, k, v = gather_heads("q", q, sizes), gather_heads("k", k, kv_sizes), gather_heads("v", v, kv_sizes)
+    beside = q.shape[0] == 1  # a batch of one keeps every piece contiguous, as the copy engine wants
+    gathered, sends = [], []
+    for index, (first, heads) in enumerate(stages):
+        later = beside and index > 0
+        copies, stage = [], []
+        for name, t, lengths in (("q", q, sizes), ("k", k, kv_sizes), ("v", v, kv_sizes)):
+            stage.append(
+                _gather_heads(peers, f"{name}{index}", t, first, heads, lengths, copies if later else None)
+            )
+        gathered.append(stage)
+        sends.append(peers.copy_beside(copies) if copies else None)
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    returns = []
+    for index, (first, heads) in enumerate(stages):
+        peers.wait(sends[index])
+        peers.barrier()
+        o = attend(*gathered[index])
+        later = beside and index < len(stages) - 1
+        returns.append(_scatter_tokens(peers, f"out{index}", o, out, first, heads, sizes, later))
+    for sent in returns:
+        peers.wait(sent)
     peers.barrier()
-    out = attend(q, k, v)
-    shapes = [(out.shape[0], sizes[j], sum(heads), out.shape[-1]) for j in range(world)]
-    outputs = peers.views("out", shapes, out.dtype)
-    seq_at = _offsets(sizes)
+    for index, (first, heads) in enumerate(stages):
+        received = _received(peers, f"out{index}", out, heads, sizes)[me]
+        for i in range(world):
+            if i != me:
+                _write(out.narrow(_HEADS, first + sum(heads[:i]), heads[i]), received[i])
+    return out
+
+
+def _gather_heads(
+    peers: PeerBuffers,
+    slot: str,
+    t: torch.Tensor,
+    first: int,
+    heads: Sequence[int],
+    lengths: Sequence[int],
+    copies: list | None,
+) -> torch.Tensor:
+    """Writes this rank's tokens of rank ``j``'s heads into rank ``j``'s buffer (``[B, all tokens, heads[j],
+    D]``); returns this rank's. With ``copies``, the peers' pieces are packed here and their transfers
+    appended to ``copies`` for the copy engine."""
+    me, world = peers.rank, peers.world
+    batch, _, _, dim = t.shape
+    joined = peers.views(slot, [(batch, sum(lengths), heads[j], dim) for j in range(world)], t.dtype)
+    at = sum(lengths[:me])
     for j in range(world):
-        _write(outputs[j].narrow(_HEADS, head_at[me], heads[me]), out.narrow(_SEQ, seq_at[j], sizes[j]))
-    peers.barrier()
-    return outputs[me]
+        piece = t.narrow(_HEADS, first + sum(heads[:j]), heads[j])
+        dst = joined[j].narrow(_SEQ, at, lengths[me])
+        if copies is not None and j != me and piece.numel():
+            copies.append((dst, _packed(piece)))
+        else:
+            _write(dst, piece)
+    return joined[me]
+
+
+def _received(
+    peers: PeerBuffers, slot: str, out: torch.Tensor, heads: Sequence[int], sizes: Sequence[int]
+) -> list[list[torch.Tensor]]:
+    """Every rank's output buffer of a stage, split by the rank whose heads each piece holds: on rank
+    ``j``, piece ``i`` is ``[B, sizes[j], heads[i], Dv]``."""
+    batch, dim = out.shape[0], out.shape[-1]
+    flat = peers.views(slot, [(batch * size * sum(heads) * dim,) for size in sizes], out.dtype)
+    return [
+        [
+            part.view(batch, size, count, dim)
+            for part, count in zip(buffer.split([batch * size * h * dim for h in heads]), heads, strict=True)
+        ]
+        for buffer, size in zip(flat, sizes, strict=True)
+    ]
+
+
+def _scatter_tokens(
+    peers: PeerBuffers,
+    slot: str,
+    o: torch.Tensor,
+    out: torch.Tensor,
+    first: int,
+    heads: Sequence[int],
+    sizes: Sequence[int],
+    beside: bool,
+):
+    """Sends rank ``j`` its tokens of this rank's heads of a stage (``o`` holds every token); this rank's
+    own go straight into ``out``. Returns the copy engine's transfers in flight, if ``beside``."""
+    me, world = peers.rank, peers.world
+    buffers = _received(peers, slot, out, heads, sizes)
+    at = [sum(sizes[:j]) for j in range(world)]
+    copies = []
+    for j in range(world):
+        piece = o.narrow(_SEQ, at[j], sizes[j])
+        if j == me:
+            _write(out.narrow(_HEADS, first + sum(heads[:me]), heads[me]), piece)
+        elif beside and piece.numel():
+            copies.append((buffers[j][me], _packed(piece)))
+        else:
+            _write(buffers[j][me], piece)
+    return peers.copy_beside(copies) if copies else None
+
+
+def _packed(piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` contiguous, as the copy engine moves it."""
+    if piece.is_contiguous():
+        return piece
+    return copy_rows_(torch.empty(piece.shape, dtype=piece.dtype, device=piece.device), piece)
 
 
 def _write(dst: torch.Tensor, src: torch.Tensor) -> None:

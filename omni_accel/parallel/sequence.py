@@ -315,17 +315,15 @@ class SequenceParallel:
         kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
         peers = peer_buffers(group)
         if peers is not None:
-            heads = split_sizes(q.shape[_HEADS], _size(group))
-            return ulysses_by_peer_writes(
-                peers,
-                q,
-                k,
-                v,
-                chunk,
-                kv_chunk,
-                heads,
-                lambda *qkv: ring_attention(*qkv, attend, ring, ring_blocks),
-            )
+            stages = [
+                (first, split_sizes(count, peers.world))
+                for first, count in head_stages(q.shape[_HEADS], peers.world)
+            ]
+
+            def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return ring_attention(q, k, v, attend, ring, ring_blocks)
+
+            return ulysses_by_peer_writes(peers, q, k, v, chunk, kv_chunk, stages, around_ring)
         # Every stage's inputs are posted first: the communication stream runs them back to back while the
         # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
         stages = []
