@@ -18,12 +18,15 @@ from timing import timed, write_json
 
 from omni_accel.attention import get_provider
 
-# (batch, tokens, heads, head size): one GPU, and one rank's share of the heads under ulysses=2.
+# (batch, tokens, heads, head size): one GPU, one rank's share of the heads under ulysses=2, and one of
+# its two head stages.
 SHAPES = {
     "flux_1024": (1, 4608, 24, 128),
     "flux_1024_ulysses2": (1, 4608, 12, 128),
+    "flux_1024_ulysses2_stage": (1, 4608, 6, 128),  # one of Ulysses' two head stages
     "wan14b_480p_81f": (1, 32760, 40, 128),
     "wan14b_480p_81f_ulysses2": (1, 32760, 20, 128),
+    "wan14b_480p_81f_ulysses2_stage": (1, 32760, 10, 128),
 }
 PROVIDERS = ("sdpa_cudnn", "sdpa_flash", "sdpa", "flashinfer")
 
