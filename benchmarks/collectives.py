@@ -2,7 +2,8 @@
 shapes on two GPUs (or one Wan 14B Ulysses stage at 480p, 81 frames): the Ulysses all-to-all (even and
 uneven splits; NCCL, and the same exchange through symmetric memory: each rank writes its pieces straight
 into the peers' buffers, by the copy engine or by an SM copy kernel, then a barrier), the same bytes by
-all-gather, a ring P2P transfer of K/V, and the TP all-reduce; eager and replayed from a CUDA graph.
+all-gather, a ring P2P transfer of K/V, and the TP all-reduce (NCCL, and PyTorch's symmetric-memory one-
+and two-shot all-reduces); eager and replayed from a CUDA graph.
 
     torchrun --nproc-per-node 2 benchmarks/collectives.py
     torchrun --nproc-per-node 2 benchmarks/collectives.py --shape wan
@@ -72,6 +73,21 @@ def _symmetric_all_to_all(x: torch.Tensor, copy_engine: bool):
     return exchange
 
 
+def _symmetric_all_reduce(x: torch.Tensor, op: str):
+    """PyTorch's all-reduce of a symmetric-memory tensor in place (``two_shot``: each rank sums a slice
+    and writes it to every rank) or into another tensor (``one_shot``: each rank reads every rank's whole)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
+    symm_mem.rendezvous(buffer, dist.group.WORLD)
+    buffer.copy_(x)
+    name = dist.group.WORLD.group_name
+    if op == "two_shot":
+        return lambda: torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", name)
+    out = torch.empty_like(x)
+    return lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", name, out)
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -111,6 +127,12 @@ def main() -> None:
         except Exception as exc:  # not every build or machine has it: say so, keep the other cases
             if omni_accel.is_main_process():
                 print(f"{name}: unavailable ({type(exc).__name__}: {exc})")
+    for op in ("two_shot", "one_shot"):
+        try:
+            cases[f"all_reduce (TP, symmetric memory, {op})"] = _symmetric_all_reduce(gathered, op)
+        except Exception as exc:
+            if omni_accel.is_main_process():
+                print(f"{op} all-reduce: unavailable ({type(exc).__name__}: {exc})")
     megabytes = x.numel() * x.element_size() / 1e6
     for name, fn in cases.items():
         try:
