@@ -2,6 +2,7 @@
 the library's choices changed while that layout is built and timed. Benchmarks only.
 
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
+    four_stages       Ulysses attention in four equal head stages
     one_stage         Ulysses attention in one stage (every head's transfers, then the kernel)
     nccl_exchange     Ulysses' exchanges by NCCL's all-to-all in two head stages, not by peer writes
 """
@@ -34,6 +35,23 @@ def _three_stages() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _four_stages() -> Iterator[None]:
+    original = sequence.head_stages
+
+    def stages(heads: int, degree: int) -> list[tuple[int, int]]:
+        if heads < 4 * degree:
+            return original(heads, degree)
+        counts = sequence.split_sizes(heads, 4)
+        return [(sum(counts[:i]), count) for i, count in enumerate(counts)]
+
+    sequence.head_stages = stages
+    try:
+        yield
+    finally:
+        sequence.head_stages = original
+
+
+@contextlib.contextmanager
 def _one_stage() -> Iterator[None]:
     original = sequence.head_stages
     sequence.head_stages = lambda heads, degree: [(0, heads)]
@@ -52,7 +70,12 @@ def _nccl_exchange() -> Iterator[None]:
         peer_exchange.ENABLED = True
 
 
-VARIANTS = {"three_stages": _three_stages, "one_stage": _one_stage, "nccl_exchange": _nccl_exchange}
+VARIANTS = {
+    "three_stages": _three_stages,
+    "four_stages": _four_stages,
+    "one_stage": _one_stage,
+    "nccl_exchange": _nccl_exchange,
+}
 
 
 def split(name: str) -> tuple[str, contextlib.AbstractContextManager]:
