@@ -1,15 +1,16 @@
 """Ulysses' all-to-alls between the GPUs of one machine without NCCL: every rank writes each peer's piece
-straight into that peer's buffer, then one barrier says every piece has landed.
+straight into that peer's buffer, and barriers say when the pieces have landed.
 
-The buffers are symmetric memory (``torch.distributed._symmetric_memory``: each rank maps its peers'), so
-the copy that packs a piece anyway (``copy_rows_``) is the transfer, as NVLink stores, and no
-communication kernel runs beside the compute. NCCL's all-to-alls, posted on a side stream to overlap the
-attention kernel, took SMs from it and held them waiting for the slower peer (docs/PARALLELISM.md).
+The buffers are symmetric memory (``torch.distributed._symmetric_memory``: each rank maps its peers'). The
+first head stage's pieces are written by the packing copy itself (``copy_rows_``, as NVLink stores); the
+later stages' pieces and every output but the last stage's are moved by the copy engine on a side stream
+beside the attention kernel (no SM). No communication kernel runs beside compute: NCCL's all-to-alls, posted on a side stream to
+overlap the kernel, took SMs from it and held them waiting for the slower peer (docs/PARALLELISM.md).
 
-One buffer per slot serves every attention call of a group without a handshake of its own: a peer writes
-the next call's pieces only after passing a barrier this rank reaches after it has used the previous
-call's (see ``ulysses_by_peer_writes``). Buffers grow when a call needs more and are never freed while
-the group lives: captured CUDA graphs hold their addresses.
+One buffer per slot serves every attention call of a group without a handshake of its own (see
+``ulysses_by_peer_writes`` for the order that makes it safe). Buffers grow when a call needs more and are
+never freed while the group lives, because captured CUDA graphs hold their addresses: per rank ~56 MB for
+FLUX at 1024x1024, ~0.7 GB for Wan 14B at 480p and 81 frames.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def describe_exchange(group: dist.ProcessGroup | None) -> str:
         return "no exchange (one rank)"
     name = group.group_name
     if not ENABLED:
-        return f"{dist.get_backend(group)} all-to-all in two head stages (peer writes switched off)"
+        return f"{dist.get_backend(group)} all-to-all in head stages (peer writes switched off)"
     if name not in _BY_GROUP:
         return "decided at the first attention call"
     if _BY_GROUP[name] is not None:
@@ -148,7 +149,7 @@ def describe_exchange(group: dist.ProcessGroup | None) -> str:
             "each rank writes its pieces into its peers' symmetric memory (the first head stage by the packing "
             "copy, later stages and outputs by the copy engine beside the kernel), a barrier per stage"
         )
-    return f"{dist.get_backend(group)} all-to-all in two head stages (no peer writes: {_WHY_NOT[name]})"
+    return f"{dist.get_backend(group)} all-to-all in head stages (no peer writes: {_WHY_NOT[name]})"
 
 
 def forget_groups() -> None:
