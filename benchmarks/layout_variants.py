@@ -17,64 +17,43 @@ import omni_accel.parallel.sequence as sequence
 
 
 @contextlib.contextmanager
-def _three_stages() -> Iterator[None]:
+def _patched(module, name: str, value) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _stages_of(counts_for):
+    """A ``head_stages`` that splits the heads by ``counts_for(heads, degree)``, or as the library does
+    where that returns None."""
     original = sequence.head_stages
 
     def stages(heads: int, degree: int) -> list[tuple[int, int]]:
-        quarter = heads // 4 // degree * degree
-        if degree == 1 or quarter < degree:
+        counts = counts_for(heads, degree)
+        if counts is None:
             return original(heads, degree)
-        counts = [quarter, heads - 2 * quarter, quarter]
         return [(sum(counts[:i]), count) for i, count in enumerate(counts)]
 
-    sequence.head_stages = stages
-    try:
-        yield
-    finally:
-        sequence.head_stages = original
+    return stages
 
 
-@contextlib.contextmanager
-def _four_stages() -> Iterator[None]:
-    original = sequence.head_stages
-
-    def stages(heads: int, degree: int) -> list[tuple[int, int]]:
-        if heads < 4 * degree:
-            return original(heads, degree)
-        counts = sequence.split_sizes(heads, 4)
-        return [(sum(counts[:i]), count) for i, count in enumerate(counts)]
-
-    sequence.head_stages = stages
-    try:
-        yield
-    finally:
-        sequence.head_stages = original
+def _three(heads: int, degree: int) -> list[int] | None:
+    quarter = heads // 4 // degree * degree
+    return None if degree == 1 or quarter < degree else [quarter, heads - 2 * quarter, quarter]
 
 
-@contextlib.contextmanager
-def _one_stage() -> Iterator[None]:
-    original = sequence.head_stages
-    sequence.head_stages = lambda heads, degree: [(0, heads)]
-    try:
-        yield
-    finally:
-        sequence.head_stages = original
-
-
-@contextlib.contextmanager
-def _nccl_exchange() -> Iterator[None]:
-    peer_exchange.ENABLED = False
-    try:
-        yield
-    finally:
-        peer_exchange.ENABLED = True
+def _four(heads: int, degree: int) -> list[int] | None:
+    return None if heads < 4 * degree else sequence.split_sizes(heads, 4)
 
 
 VARIANTS = {
-    "three_stages": _three_stages,
-    "four_stages": _four_stages,
-    "one_stage": _one_stage,
-    "nccl_exchange": _nccl_exchange,
+    "three_stages": lambda: _patched(sequence, "head_stages", _stages_of(_three)),
+    "four_stages": lambda: _patched(sequence, "head_stages", _stages_of(_four)),
+    "one_stage": lambda: _patched(sequence, "head_stages", lambda heads, degree: [(0, heads)]),
+    "nccl_exchange": lambda: _patched(peer_exchange, "ENABLED", False),
 }
 
 
