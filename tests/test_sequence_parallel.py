@@ -311,3 +311,18 @@ def test_plan_refuses_what_it_cannot_serve():
         SequenceParallel.plan(4).attention(q, k, v, attend)
     with pytest.raises(ValueError, match="heads"):
         SequenceParallel.plan(5).attention(q, k[:, :, :1], v[:, :, :1], attend)
+
+
+def test_peer_writes_follow_their_environment_switch(monkeypatch):
+    """``OMNI_ACCEL_PEER_WRITES=0`` sends a group that has peer buffers back to the all-to-all."""
+    from types import SimpleNamespace
+
+    from omni_accel.parallel import peer_exchange
+
+    group, made = SimpleNamespace(group_name="two GPUs"), object()
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(peer_exchange, "_try_peer_buffers", lambda group: made)
+    monkeypatch.setattr(peer_exchange, "_BY_GROUP", {})
+    assert peer_exchange.peer_buffers(group) is made
+    monkeypatch.setenv(peer_exchange.SWITCH, "0")
+    assert peer_exchange.peer_buffers(group) is None

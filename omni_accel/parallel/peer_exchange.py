@@ -16,6 +16,7 @@ FLUX at 1024x1024, ~0.7 GB for Wan 14B at 480p and 81 frames.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,6 +29,7 @@ logger = get_logger(__name__)
 
 _SEQ, _HEADS = 1, 2
 ENABLED = True  # benchmarks flip it for an A/B against NCCL's all-to-all
+SWITCH = "OMNI_ACCEL_PEER_WRITES"  # "0" in the environment: NCCL's all-to-all everywhere (a debugging aid)
 
 
 class PeerBuffers:
@@ -108,12 +110,16 @@ _WHY_NOT: dict[str, str] = {}
 def peer_buffers(group: dist.ProcessGroup | None) -> PeerBuffers | None:
     """The peer buffers of ``group``, or None where its ranks cannot write each other's memory (not CUDA,
     not NCCL, symmetric memory unavailable): then NCCL's all-to-all carries the exchange."""
-    if not ENABLED or group is None or dist.get_world_size(group) == 1:
+    if not switched_on() or group is None or dist.get_world_size(group) == 1:
         return None
     name = group.group_name
     if name not in _BY_GROUP:
         _BY_GROUP[name] = _try_peer_buffers(group)
     return _BY_GROUP[name]
+
+
+def switched_on() -> bool:
+    return ENABLED and os.environ.get(SWITCH, "1") != "0"
 
 
 def _try_peer_buffers(group: dist.ProcessGroup) -> PeerBuffers | None:
@@ -140,7 +146,7 @@ def describe_exchange(group: dist.ProcessGroup | None) -> str:
     if group is None or dist.get_world_size(group) == 1:
         return "no exchange (one rank)"
     name = group.group_name
-    if not ENABLED:
+    if not switched_on():
         return f"{dist.get_backend(group)} all-to-all in head stages (peer writes switched off)"
     if name not in _BY_GROUP:
         return "decided at the first attention call"
