@@ -4,7 +4,9 @@ the library's choices changed while that layout is built and timed. Benchmarks o
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
     four_stages       Ulysses attention in four equal head stages
     one_stage         Ulysses attention in one stage (every head's transfers, then the kernel)
-    nccl_exchange     Ulysses' exchanges by NCCL's all-to-all in two head stages, not by peer writes
+    nccl_exchange     Ulysses' and tensor parallelism's exchanges by NCCL's all-to-all, not by peer writes
+    replicated_tokens tensor parallelism with every token on every rank (all-reduces after the row-split
+                      projections, the norms and gates on every token), as before the token split
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import omni_accel.parallel.parallelize as parallelize
 import omni_accel.parallel.peer_exchange as peer_exchange
 import omni_accel.parallel.sequence as sequence
+from omni_accel.parallel.sequence_hooks import SequenceState
 
 
 @contextlib.contextmanager
@@ -54,6 +58,9 @@ VARIANTS = {
     "four_stages": lambda: _patched(sequence, "head_stages", _stages_of(_four)),
     "one_stage": lambda: _patched(sequence, "head_stages", lambda heads, degree: [(0, heads)]),
     "nccl_exchange": lambda: _patched(peer_exchange, "ENABLED", False),
+    "replicated_tokens": lambda: _patched(
+        parallelize, "SequenceState", lambda ulysses, ring, tp: SequenceState(ulysses, ring)
+    ),
 }
 
 

@@ -10,7 +10,8 @@ from .cache.projection import ExactProjectionCache
 from .cuda_graphs import StepGraphs
 from .models.base import NativeRuntime
 from .parallel.cfg import CfgParallel
-from .parallel.peer_exchange import describe_exchange
+from .parallel.sequence import describe_ulysses
+from .parallel.token_rows import describe_rows
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ComponentReport:
     runtime: NativeRuntime | None = None
     graphs: StepGraphs | None = None
     ulysses_group: Any = None  # the process group of a Ulysses layout's exchanges
+    tp_rows_group: Any = None  # the TP group over which the tokens are split between projections
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
 
@@ -59,7 +61,12 @@ class ComponentReport:
                 f"cond/uncond calls, {self.cfg.replicated_calls} calls computed on both ranks (batch of one)"
             )
         if self.ulysses_group is not None:
-            out.append(f"  ulysses exchanges: {describe_exchange(self.ulysses_group)}")
+            out.append(f"  ulysses exchanges: {describe_ulysses(self.ulysses_group)}")
+        if self.tp_rows_group is not None:
+            out.append(
+                "  tensor parallel tokens: each rank norms and modulates its share of the tokens; gathered before "
+                f"the column-split projections, summed after the row-split ones: {describe_rows(self.tp_rows_group)}"
+            )
         if self.graphs is not None:
             stats = self.graphs.stats()
             out.append(

@@ -265,28 +265,32 @@ def _parallel_replays(rank: int, world: int) -> None:
 
 
 def _peer_writes_move_what_nccl_moves() -> None:
-    """Ulysses' exchanges by peer writes into symmetric memory (the copy engine's for the second head
-    stage) against NCCL's all-to-all: the same kernel calls on the same bytes, so bitwise equal, on even
-    and uneven sequence slices."""
-    images = []
-    for peer_writes in (True, False):
-        peer_exchange.ENABLED = peer_writes
-        try:
-            pipe = _gpu_pipeline(parallel=ParallelConfig(ulysses=2))
-            call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
-            sizes = ({}, {"height": 48, "width": 32})
-            images.append(
-                [
-                    pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
-                    for size in sizes
-                ]
-            )
-            report = str(omni_accel.describe(pipe))
-        finally:
-            peer_exchange.ENABLED = True
-        how = "into its peers' symmetric memory" if peer_writes else "peer writes switched off"
-        assert how in report, report
-    assert all(torch.equal(a, b) for a, b in zip(*images, strict=True))
+    """Ulysses' exchanges (the copy engine's for the second head stage) and tensor parallelism's token
+    gathers and sums by peer writes into symmetric memory, against NCCL's all-to-all: the same kernel calls
+    on the same bytes, so bitwise equal, on even and uneven sequence slices."""
+    for layout, line in (
+        (ParallelConfig(ulysses=2), "ulysses exchanges"),
+        (ParallelConfig(tp=2), "tensor parallel"),
+    ):
+        images = []
+        for peer_writes in (True, False):
+            peer_exchange.ENABLED = peer_writes
+            try:
+                pipe = _gpu_pipeline(parallel=layout)
+                call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+                sizes = ({}, {"height": 48, "width": 32})
+                images.append(
+                    [
+                        pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
+                        for size in sizes
+                    ]
+                )
+                report = str(omni_accel.describe(pipe))
+            finally:
+                peer_exchange.ENABLED = True
+            how = "into its peers' symmetric memory" if peer_writes else "peer writes switched off"
+            assert any(line in row and how in row for row in report.splitlines()), report
+        assert all(torch.equal(a, b) for a, b in zip(*images, strict=True)), layout
 
 
 @pytest.mark.gpu

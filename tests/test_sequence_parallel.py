@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from omni_accel.attention.merge import merge_partials
 from omni_accel.attention.providers.sdpa import SdpaMathProvider
-from omni_accel.parallel import sequence
+from omni_accel.parallel import sequence, token_rows
 from omni_accel.parallel.config import ParallelConfig
 from omni_accel.parallel.mesh import init_parallel
 from omni_accel.parallel.peer_exchange import PeerBuffers
@@ -32,6 +32,7 @@ from omni_accel.parallel.sequence import (
     shard,
     split_sizes,
 )
+from omni_accel.parallel.token_rows import Rows, gather_rows, sum_rows
 
 PROVIDER = SdpaMathProvider()
 TOLERANCE = 1e-5
@@ -78,7 +79,8 @@ def check_attention(
 def peer_writes_over_files(directory: str):
     """Ulysses' exchanges by peer writes, each rank's buffers shared files every rank maps: on CPU, the same
     writes into peers' memory and barriers the GPUs' symmetric memory carries."""
-    original, made = sequence.peer_buffers, {}
+    users = (sequence, token_rows)
+    originals, made = [module.peer_buffers for module in users], {}
 
     def peer_buffers(group):
         if group is None or dist.get_world_size(group) == 1:
@@ -87,11 +89,13 @@ def peer_writes_over_files(directory: str):
             made[group.group_name] = _file_backed_peers(group, directory)
         return made[group.group_name]
 
-    sequence.peer_buffers = peer_buffers
+    for module in users:
+        module.peer_buffers = peer_buffers
     try:
         yield made
     finally:
-        sequence.peer_buffers = original
+        for module, original in zip(users, originals, strict=True):
+            module.peer_buffers = original
 
 
 def _file_backed_peers(group, directory: str) -> PeerBuffers:
@@ -123,6 +127,43 @@ def check_shard_gather(group, length: int) -> None:
     local = shard(x, 1, group)
     assert local.shape[1] == sizes[dist.get_rank(group)]
     assert torch.equal(gather(local, 1, group, sizes), x)
+
+
+def check_token_rows(group, lengths: tuple[int, ...], batch: int, directory: str | None = None) -> None:
+    """Tensor parallelism's token exchanges for a tensor of segments of ``lengths`` tokens (each split over
+    ``group``): the gather gives the full tensor, the sum each rank's tokens of every rank's partial sums
+    added in rank order (bitwise); by peer writes over files when ``directory`` is given."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    rows = Rows(f"case{len(lengths)}", group.group_name, tuple(tuple(split_sizes(n, world)) for n in lengths))
+    full = torch.randn(batch, sum(lengths), 3, 4, generator=torch.Generator().manual_seed(0))
+    segments = full.split(list(lengths), dim=1)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(
+            [
+                shard(part, 1, group, sizes)
+                for part, sizes in zip(t.split(list(lengths), 1), rows.sizes, strict=True)
+            ],
+            dim=1,
+        )
+
+    partials = [torch.randn(full.shape, generator=torch.Generator().manual_seed(1 + r)) for r in range(world)]
+    expected = partials[0] + partials[1]
+    for partial_sum in partials[2:]:
+        expected += partial_sum
+    with peer_writes_over_files(directory) if directory else contextlib.nullcontext() as made:
+        for _ in range(2):  # a second round reuses the buffers
+            assert torch.equal(gather_rows(local(full), rows), torch.cat(segments, dim=1))
+            assert torch.equal(sum_rows(partials[me], rows), local(expected))
+    assert directory is None or made, "the peer-write path was not taken"
+
+
+TOKEN_ROW_CASES = [
+    dict(lengths=(6,), batch=1),
+    dict(lengths=(7,), batch=2),
+    dict(lengths=(3, 9), batch=1),
+    dict(lengths=(1, 5), batch=2),
+]
 
 
 # Cases run under every scheme; together they cover uneven and empty shards, heads that do not divide the
@@ -160,6 +201,11 @@ def two_rank_checks(directory: str) -> list:
         (f"ulysses by peer writes {case}", partial(check_peer_writes, ulysses, directory, **case))
         for case in TWO_RANK_CASES
     ]
+    for where in (None, directory):
+        checks += [
+            (f"token rows {case} {where}", partial(check_token_rows, world, directory=where, **case))
+            for case in TOKEN_ROW_CASES
+        ]
     return checks
 
 
@@ -183,8 +229,19 @@ def four_rank_checks(directory: str) -> list:
         for name in ("ulysses2 x ring2", "ulysses4")
         for case in FOUR_RANK_CASES
     ]
+    tp = init_parallel(ParallelConfig(tp=2, ulysses=2)).group("tp")
+    token_rows_checks = [
+        (
+            f"tp2 x ulysses2: token rows {case} {where}",
+            partial(check_token_rows, group, directory=where, **case),
+        )
+        for group in (tp, dist.group.WORLD)
+        for where in (None, directory)
+        for case in TOKEN_ROW_CASES
+    ]
     return (
         peer_writes
+        + token_rows_checks
         + [
             (f"{name} timeouts", partial(check_group_timeouts, groups, 123))
             for name, groups in schemes.items()

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..parallel.token_rows import Rows
 from .fused import gelu_tanh
 from .projection import LinearWeights, apply_one
 
@@ -15,7 +16,9 @@ def feed_forward(
     up: LinearWeights,
     down: LinearWeights,
     activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh,
+    rows: Rows | None = None,
 ) -> torch.Tensor:
     """``down(activation(up(x)))``; under tensor parallelism ``up`` splits its outputs and ``down`` its
-    inputs, so the activation runs on the local slice and one all-reduce ends the MLP."""
-    return apply_one(activation(apply_one(x, up)), down)
+    inputs, so the activation runs on the local slice and one all-reduce (with the tokens split, ``rows``:
+    a gather before and a reduce-scatter after) frames the MLP."""
+    return apply_one(activation(apply_one(x, up, rows)), down, rows)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.comm import all_gather_dim, all_reduce_sum
+from ..parallel.token_rows import Rows, gather_rows, linear_of_gathered, sum_rows
 
 _PACK_LOCK = threading.Lock()
 
@@ -224,28 +225,39 @@ def pack(bases: Sequence[nn.Linear]) -> None:
             start += param.shape[0]
 
 
-def apply_linear(x: torch.Tensor, weights: LinearWeights) -> tuple[torch.Tensor, ...]:
-    """``x`` through the (packed) projection: one output per packed linear, adapters added as peft does."""
+def apply_linear(
+    x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None
+) -> tuple[torch.Tensor, ...]:
+    """``x`` through the (packed) projection: one output per packed linear, adapters added as peft does.
+    ``rows``: under tensor parallelism with the tokens split (``parallel/token_rows.py``), which tokens this
+    rank holds of ``x`` (a column-split projection gathers every rank's first) or of the output (a row-split
+    one sums its partial sums of them over the ranks)."""
     if weights.reduce is not None:
-        return (_summed_over_ranks(x, weights),)
+        return (_summed_over_ranks(x, weights, rows),)
     if weights.gather is not None:  # this rank's slice of the outputs, then every rank's
         (terms,) = weights.adapters
         local = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms)
         return (all_gather_dim(local, -1, weights.gather),)
-    y = F.linear(x, weights.weight, weights.bias)
+    if rows is None:
+        y = F.linear(x, weights.weight, weights.bias)
+    elif any(weights.adapters):  # the adapters read the gathered tokens too
+        x = gather_rows(x, rows)
+        y = F.linear(x, weights.weight, weights.bias)
+    else:
+        y = linear_of_gathered(x, weights.weight, weights.bias, rows)
     parts = y.split(weights.sizes, dim=-1) if len(weights.sizes) > 1 else (y,)
     return tuple(_add_adapters(x, part, terms) for part, terms in zip(parts, weights.adapters, strict=True))
 
 
-def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
+def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights, rows: Rows | None) -> torch.Tensor:
     """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
-    summed over the ranks by one all-reduce. (Summing row chunks, each chunk's all-reduce beside the next
-    chunk's GEMM, was slower on two H200s: 84.3-85.6 against 80.4-80.9 ms per FLUX step for two chunks.)
-    Only the first rank holds the bias (``read_linear``): its GEMM adds it in the epilogue, so the sum has
-    it once without a broadcast add over the whole output after the collective."""
+    summed over the ranks by one all-reduce, or for this rank's ``rows`` only. (Summing row chunks, each
+    chunk's all-reduce beside the next chunk's GEMM, was slower on two H200s: 84.3-85.6 against 80.4-80.9 ms
+    per FLUX step for two chunks.) Only the first rank holds the bias (``read_linear``): its GEMM adds it in
+    the epilogue, so the sum has it once without a broadcast add over the whole output after the collective."""
     (terms,) = weights.adapters
     partial = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
-    y = all_reduce_sum(partial, weights.reduce)
+    y = all_reduce_sum(partial, weights.reduce) if rows is None else sum_rows(partial, rows)
     for term in terms:
         if term.up_bias is not None:
             y = y + term.up_bias * term.scale
@@ -286,7 +298,7 @@ def _rows_to_accumulate_into(
     return rows if rows.data_ptr() == result.data_ptr() else None  # a view, not a copy
 
 
-def apply_one(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
+def apply_one(x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None) -> torch.Tensor:
     """``apply_linear`` for a projection that is not packed."""
-    (out,) = apply_linear(x, weights)
+    (out,) = apply_linear(x, weights, rows)
     return out

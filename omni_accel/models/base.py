@@ -37,6 +37,7 @@ from ..layers.attention import AttentionSite
 from ..layers.projection import LinearWeights, Unsupported, read_linear, read_packed
 from ..parallel.parallelize import Parallelized, ParallelPlan
 from ..parallel.tensor import TensorPlan
+from ..parallel.token_rows import Rows
 from ..utils.logging import get_logger
 from .compiler import BlockCompiler
 
@@ -88,6 +89,10 @@ class NativeRuntime:
     @property
     def layout_index(self) -> int:
         return -1 if self.layout is None else self.layout.index
+
+    def rows(self, *streams: str) -> Rows | None:
+        """How this rank's tokens of ``streams`` sit in its tensor-parallel group (None: not split)."""
+        return None if self.layout is None else self.layout.rows(*streams)
 
     def math(self, fn: Callable, caller: str) -> Callable:
         """``fn`` itself, or what runs it compiled (see ``compiler``), for the block named ``caller``."""

@@ -24,6 +24,7 @@ from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate, q
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
+from ..parallel.token_rows import Rows
 from .base import NativeBlock, NativeModel
 
 _FP16_MAX = 65504.0
@@ -73,6 +74,8 @@ class BlockConstants:
     site: AttentionSite
     selector: int  # AttentionSelector.index
     layout: int  # Parallelized.index, -1 on one rank
+    image_rows: Rows | None  # the image and text tokens this rank holds in its TP group (None: all)
+    text_rows: Rows | None
 
 
 def double_block(
@@ -88,20 +91,20 @@ def double_block(
     """Diffusers' FluxTransformerBlock.forward over packed projections, its elementwise steps fused."""
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=1)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=1)
-    eps, head_dim = c.eps, c.head_dim
-    iq, ik, iv = apply_linear(norm_modulate(img, i_shift, i_scale, eps), w["img_qkv"])
-    tq, tk, tv = apply_linear(norm_modulate(txt, t_shift, t_scale, eps), w["txt_qkv"])
+    eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
+    iq, ik, iv = apply_linear(norm_modulate(img, i_shift, i_scale, eps), w["img_qkv"], i_rows)
+    tq, tk, tv = apply_linear(norm_modulate(txt, t_shift, t_scale, eps), w["txt_qkv"], t_rows)
     q = qk_norm_rope([(tq, norms["added_q"]), (iq, norms["q"])], head_dim, c.qk_eps, rope)
     k = qk_norm_rope([(tk, norms["added_k"]), (ik, norms["k"])], head_dim, c.qk_eps, rope)
     v = torch.cat([_heads(tv, head_dim), _heads(iv, head_dim)], dim=1)
     out = attention(q, k, v, c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
-    txt_attn, img_attn = out.split_with_sizes([txt.shape[1], img.shape[1]], dim=1)
+    txt_attn, img_attn = out.split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
 
-    img = gated_residual(img, i_gate, apply_one(img_attn.contiguous(), w["img_out"]))
-    ff = feed_forward(norm_modulate(img, i_shift2, i_scale2, eps), w["img_up"], w["img_down"])
+    img = gated_residual(img, i_gate, apply_one(img_attn.contiguous(), w["img_out"], i_rows))
+    ff = feed_forward(norm_modulate(img, i_shift2, i_scale2, eps), w["img_up"], w["img_down"], rows=i_rows)
     img = gated_residual(img, i_gate2, ff)
-    txt = gated_residual(txt, t_gate, apply_one(txt_attn.contiguous(), w["txt_out"]))
-    ff = feed_forward(norm_modulate(txt, t_shift2, t_scale2, eps), w["txt_up"], w["txt_down"])
+    txt = gated_residual(txt, t_gate, apply_one(txt_attn.contiguous(), w["txt_out"], t_rows))
+    ff = feed_forward(norm_modulate(txt, t_shift2, t_scale2, eps), w["txt_up"], w["txt_down"], rows=t_rows)
     txt = gated_residual(txt, t_gate2, ff)
     return _clip_fp16(txt), img
 
@@ -118,11 +121,12 @@ def single_block(
     one GEMM, its elementwise steps fused and the MLP's GELU written next to the attention output (the
     output projection's input) instead of concatenated to it."""
     shift, scale, gate = mod.chunk(3, dim=1)
-    q, k, v, mlp = apply_linear(norm_modulate(x, shift, scale, c.eps), w["qkv_mlp"])
+    rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
+    q, k, v, mlp = apply_linear(norm_modulate(x, shift, scale, c.eps), w["qkv_mlp"], rows)
     q = qk_norm_rope([(q, norms["q"])], c.head_dim, c.qk_eps, rope)
     k = qk_norm_rope([(k, norms["k"])], c.head_dim, c.qk_eps, rope)
     out = attention(q, k, _heads(v, c.head_dim), c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
-    x = gated_residual(x, gate, apply_one(concat_gelu(out, mlp), w["out"]))
+    x = gated_residual(x, gate, apply_one(concat_gelu(out, mlp), w["out"], rows))
     return _clip_fp16(x)
 
 
@@ -206,6 +210,8 @@ class _FluxNative(NativeBlock):
             type(self).site,
             runtime.selector.index,
             runtime.layout_index,
+            runtime.rows("image"),
+            runtime.rows("text"),
         )
         return modulation, weights, self._norms(), constants
 
@@ -299,11 +305,11 @@ FLUX = NativeModel(
         sequence=SequencePlan(
             inputs={
                 "hidden_states": Split("image", 1),
-                "img_ids": Split("image", -2),  # [tokens, 3] (or Diffusers' deprecated [1, tokens, 3])
+                "img_ids": Split("image", -2, positions=True),  # [tokens, 3] (or deprecated [1, tokens, 3])
                 "controlnet_block_samples": Split("image", 1),
                 "controlnet_single_block_samples": Split("image", 1),
                 "encoder_hidden_states": Split("text", 1),
-                "txt_ids": Split("text", -2),
+                "txt_ids": Split("text", -2, positions=True),
             },
             output=("proj_out", Split("image", 1)),
         ),

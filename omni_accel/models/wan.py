@@ -23,6 +23,7 @@ from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.comm import all_reduce_sum
 from ..parallel.tensor import shard_of
+from ..parallel.token_rows import Rows
 from ..parallel.vae import SAME_SIZE_CONVS, Bands, SplitLayer, register_row_split, whole_attention
 from .base import NativeBlock, NativeModel
 
@@ -41,6 +42,7 @@ class BlockConstants:
     layout: int
     tp_group: Any = None  # the heads are split over this group: the QK norms reduce across it
     inner_dim: int = 0  # all heads' width (the QK norms' size)
+    rows: Rows | None = None  # the video tokens this rank holds in its TP group (None: all)
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -82,7 +84,7 @@ def wan_block(
 
     # Self-attention.
     h = norm_modulate(x, shift, scale, c.eps)
-    q, k, v = apply_linear(h, w["qkv"])
+    q, k, v = apply_linear(h, w["qkv"], c.rows)
     if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
         q = qk_norm_rope([(q, norms["q"])], c.head_dim, c.qk_eps, rope, across_heads=True)
         k = qk_norm_rope([(k, norms["k"])], c.head_dim, c.qk_eps, rope, across_heads=True)
@@ -90,12 +92,12 @@ def wan_block(
         q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
         k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
     out = attention(q, k, _heads(v, c.head_dim), SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
-    x = gated_residual(x, gate, apply_one(out, w["out"]))
+    x = gated_residual(x, gate, apply_one(out, w["out"], c.rows))
 
     # Cross-attention over the text (and, for I2V, the image tokens before it). Under sequence parallelism
     # each rank's queries attend to the whole text, which every rank holds: no layout, no communication.
     h = x if norms["cross_norm"] is None else _affine_norm(x, norms, c.eps)
-    q = _heads(_qk_norm(apply_one(h, w["q2"]), norms["q2"], c), c.head_dim)
+    q = _heads(_qk_norm(apply_one(h, w["q2"], c.rows), norms["q2"], c), c.head_dim)
     image = None
     if "added_kv" in w:
         image, context = context[:, : context.shape[1] - _TEXT_TOKENS], context[:, -_TEXT_TOKENS:]
@@ -107,10 +109,10 @@ def wan_block(
         k_img = _heads(_qk_norm(k_img, norms["added_k"], c), c.head_dim)
         image_out = attention(q, k_img, _heads(v_img, c.head_dim), CROSS, c.selector).flatten(2, 3).type_as(q)
         out = out + image_out
-    x = x + apply_one(out, w["out2"])
+    x = x + apply_one(out, w["out2"], c.rows)
 
     # Feed-forward.
-    ff = feed_forward(norm_modulate(x, c_shift, c_scale, c.eps), w["up"], w["down"])
+    ff = feed_forward(norm_modulate(x, c_shift, c_scale, c.eps), w["up"], w["down"], rows=c.rows)
     return gated_residual(x, c_gate, ff)
 
 
@@ -216,6 +218,7 @@ class _WanNative(NativeBlock):
             runtime.layout_index,
             None if shard is None else shard.group,
             attn1.inner_dim,
+            runtime.rows("video"),
         )
         return weights, norms, constants
 
@@ -309,7 +312,7 @@ def _wan_model(name: str, blocks: dict, first_blocks: dict, batched: tuple[str, 
                 # The video tokens are made inside the model: split the RoPE tables, the per-token timestep
                 # embeddings (Wan 2.2 TI2V; per-sample ones stay whole) and the first blocks' tokens.
                 submodule_outputs={
-                    "rope": {0: Split("video", 1), 1: Split("video", 1)},
+                    "rope": {0: Split("video", 1, positions=True), 1: Split("video", 1, positions=True)},
                     "condition_embedder": {0: Split("video", 1, ndim=3), 1: Split("video", 1, ndim=3)},
                 },
                 submodule_inputs={

@@ -28,6 +28,34 @@ def register(module: nn.Module, hook: ModelHook, name: str) -> Callable[[], None
     return lambda: registry.remove_hook(name, recurse=False)
 
 
+class SubmoduleHooks:
+    """Layout hooks on submodules of ``root`` by path, kept on whichever module holds the path: peft swaps
+    a linear for its LoRA wrapper (``load_lora_weights``) and back (``unload_lora_weights``), which would
+    leave a hook on a module no longer called, or inside the wrapper, under the adapter's own output."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self._placed: list[list] = []  # [path, hook, name, module, undo]
+
+    def add(self, path: str, hook: ModelHook, name: str) -> None:
+        module = self.root.get_submodule(path)
+        self._placed.append([path, hook, name, module, register(module, hook, name)])
+
+    def follow(self) -> None:
+        """Moves each hook to the module now at its path (called before every forward of ``root``)."""
+        for placed in self._placed:
+            path, hook, name, module, undo = placed
+            now = self.root.get_submodule(path)
+            if now is not module:
+                undo()
+                placed[3:] = [now, register(now, hook, name)]
+
+    def remove(self) -> None:
+        for *_, undo in self._placed:
+            undo()
+        self._placed.clear()
+
+
 @functools.cache
 def _forward_signature(cls: type) -> inspect.Signature:
     return inspect.signature(cls.forward)

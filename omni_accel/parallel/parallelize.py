@@ -2,6 +2,7 @@
 
 1. tensor parallelism: shard the planned linears of every repeated block in place (``tensor.py``);
 2. sequence parallelism: split the sequence inputs and gather the output (hooks, ``sequence_hooks.py``);
+   under tensor parallelism the same hooks split the tokens over the TP group too (``token_rows.py``);
 3. CFG parallelism: split the guidance batch or pair the cond/uncond calls (a hook, ``cfg.py``), outermost.
 
 A model declares what these steps need as data (``ParallelPlan``); parallel/ never imports models/.
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from .cfg import CfgParallel, SplitGuidance
-from .hooks import register
+from .hooks import SubmoduleHooks, register
 from .mesh import ParallelState
 from .sequence import SequenceParallel
 from .sequence_hooks import (
@@ -31,6 +32,7 @@ from .sequence_hooks import (
     SplitSequence,
 )
 from .tensor import TensorPlan, apply_tensor_parallel, plan_shards
+from .token_rows import Rows
 
 _HOOK_PREFIX = "omni_accel."
 
@@ -71,6 +73,10 @@ class Parallelized:
     def __post_init__(self) -> None:
         self.index = len(_LAYOUTS)
         _LAYOUTS.append(weakref.ref(self))
+
+    def rows(self, *streams: str) -> Rows | None:
+        """How this rank's tokens of ``streams`` sit in its TP group (None: not split over one)."""
+        return None if self.sequence is None else self.sequence.rows(*streams)
 
     def revert(self) -> None:
         for step in reversed(self.undo):
@@ -119,20 +125,19 @@ def parallelize(
             for block in getattr(transformer, list_name)
         ]
         layout.undo.append(apply_tensor_parallel(blocks, state.group("tp")))
-    if config.sequence_parallel > 1:
-        layout.sequence = sequence = SequenceState(state.group("ulysses"), state.group("ring"))
-        seq, at = plan.sequence, transformer.get_submodule
-        hooks = [(transformer, SplitSequence(seq, sequence), "sp_split")]
-        hooks += [
-            (at(path), SplitInputs(s, sequence), "sp_split") for path, s in seq.submodule_inputs.items()
-        ]
-        hooks += [
-            (at(path), SplitOutputs(s, sequence), "sp_split") for path, s in seq.submodule_outputs.items()
-        ]
+    if config.sequence_parallel > 1 or (config.tp > 1 and plan.sequence is not None):
+        tp = state.group("tp")
+        layout.sequence = sequence = SequenceState(state.group("ulysses"), state.group("ring"), tp)
+        seq, submodules = plan.sequence, SubmoduleHooks(transformer)
+        for path, splits in seq.submodule_inputs.items():
+            submodules.add(path, SplitInputs(splits, sequence), _HOOK_PREFIX + "sp_split")
+        for path, splits in seq.submodule_outputs.items():
+            submodules.add(path, SplitOutputs(splits, sequence), _HOOK_PREFIX + "sp_split")
         path, split = seq.output
-        hooks.append((at(path), GatherSequence(split, sequence), "sp_gather"))
-        for module, hook, name in hooks:
-            layout.undo.append(register(module, hook, _HOOK_PREFIX + name))
+        submodules.add(path, GatherSequence(split, sequence), _HOOK_PREFIX + "sp_gather")
+        layout.undo.append(submodules.remove)
+        hook = SplitSequence(seq, sequence, submodules)
+        layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "sp_split"))
     if config.cfg > 1:
         layout.cfg = CfgParallel(state.group("cfg"), plan.batched_inputs)
         hook = SplitGuidance(layout.cfg, plan.output_like, output_class)

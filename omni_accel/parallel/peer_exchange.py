@@ -1,5 +1,6 @@
 """Ulysses' all-to-alls between the GPUs of one machine without NCCL: every rank writes each peer's piece
-straight into that peer's buffer, and barriers say when the pieces have landed.
+straight into that peer's buffer, and barriers say when the pieces have landed. (Tensor parallelism's token
+exchanges, ``token_rows.py``, use the same buffers.)
 
 The buffers are symmetric memory (``torch.distributed._symmetric_memory``: each rank maps its peers'). The
 first head stage's pieces are written by the packing copy itself (``copy_rows_``, as NVLink stores); the
@@ -135,27 +136,25 @@ def _try_peer_buffers(group: dist.ProcessGroup) -> PeerBuffers | None:
     except Exception as exc:  # no symmetric memory here (no peer access, an older driver, several hosts)
         _WHY_NOT[group.group_name] = f"symmetric memory is unavailable: {str(exc).splitlines()[0][:160]}"
         logger.warning(
-            "sequence parallelism: Ulysses exchanges go through NCCL: %s", _WHY_NOT[group.group_name]
+            "parallel layout: exchanges between GPUs go through NCCL: %s", _WHY_NOT[group.group_name]
         )
         return None
     return peers
 
 
-def describe_exchange(group: dist.ProcessGroup | None) -> str:
-    """How Ulysses' exchanges travel in ``group``, for ``describe``."""
+def describe_exchange(group: dist.ProcessGroup | None, by_peer_writes: str, otherwise: str) -> str:
+    """How exchanges travel in ``group``, for ``describe``: ``by_peer_writes`` says how they go where peer
+    writes serve, ``otherwise`` names the collective (after the backend) that carries them elsewhere."""
     if group is None or dist.get_world_size(group) == 1:
         return "no exchange (one rank)"
     name = group.group_name
     if not switched_on():
-        return f"{dist.get_backend(group)} all-to-all in head stages (peer writes switched off)"
+        return f"{dist.get_backend(group)} {otherwise} (peer writes switched off)"
     if name not in _BY_GROUP:
-        return "decided at the first attention call"
+        return "decided at the first exchange"
     if _BY_GROUP[name] is not None:
-        return (
-            "each rank writes its pieces into its peers' symmetric memory (the first head stage by the packing "
-            "copy, later stages and outputs by the copy engine beside the kernel), a barrier per stage"
-        )
-    return f"{dist.get_backend(group)} all-to-all in head stages (no peer writes: {_WHY_NOT[name]})"
+        return by_peer_writes
+    return f"{dist.get_backend(group)} {otherwise} (no peer writes: {_WHY_NOT[name]})"
 
 
 def forget_groups() -> None:

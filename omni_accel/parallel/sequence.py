@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..attention.merge import merge_partials
 from .copies import copy_rows_
-from .peer_exchange import peer_buffers, ulysses_by_peer_writes
+from .peer_exchange import describe_exchange, peer_buffers, ulysses_by_peer_writes
 
 Attend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -53,6 +53,16 @@ def split_sizes(length: int, world: int) -> list[int]:
         raise ValueError(f"cannot split {length} items over {world} ranks")
     base, extra = divmod(length, world)
     return [base + (rank < extra) for rank in range(world)]
+
+
+def describe_ulysses(group: dist.ProcessGroup | None) -> str:
+    """How Ulysses' exchanges travel in ``group``, for ``describe``."""
+    return describe_exchange(
+        group,
+        "each rank writes its pieces into its peers' symmetric memory (the first head stage by the packing "
+        "copy, later stages and outputs by the copy engine beside the kernel), a barrier per stage",
+        "all-to-all in head stages",
+    )
 
 
 def _size(group: dist.ProcessGroup | None) -> int:

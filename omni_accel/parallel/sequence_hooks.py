@@ -10,6 +10,11 @@ the streams rank by rank, which is exact because attention does not depend on th
 every query returns to the rank it came from. Conditioning that is not a stream (the text a video model
 cross-attends to) stays whole on every rank. Between the splits and the gather only self-attention
 communicates.
+
+Under tensor parallelism the same hooks split each rank's tokens once more over the TP group: the blocks
+gather them before their column-split projections and sum their slice after the row-split ones
+(``token_rows.py``). What locates tokens for attention (position ids, RoPE tables: ``Split.positions``) is
+applied after the gather, so the TP level leaves it whole.
 """
 
 from __future__ import annotations
@@ -19,20 +24,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .hooks import LayoutHook, bound_arguments
-from .sequence import SequenceParallel
+from .hooks import LayoutHook, SubmoduleHooks, bound_arguments
+from .sequence import SequenceParallel, gather, shard, split_sizes
+from .token_rows import Rows
 
 
 @dataclass(frozen=True)
 class Split:
     """Split along ``dim`` as part of ``stream``; with ``ndim``, only tensors of that rank (a model may pass
-    a per-sample or a per-token tensor in the same place)."""
+    a per-sample or a per-token tensor in the same place). ``positions``: it says where tokens are (ids,
+    RoPE tables), which the blocks use on the tokens they gathered over the TP group: split by sequence
+    parallelism only."""
 
     stream: str
     dim: int
     ndim: int | None = None
+    positions: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,14 +59,17 @@ class SequencePlan:
 
 class SequenceState:
     """The sequence layout of the forward in flight: one plan per stream, and ``joint``, every stream
-    joined as attention joins them (read by the blocks' attention)."""
+    joined as attention joins them (read by the blocks' attention); with a TP group, each stream's split of
+    this rank's tokens over it (``tokens``)."""
 
-    def __init__(self, ulysses_group, ring_group) -> None:
+    def __init__(self, ulysses_group, ring_group, tp_group=None) -> None:
         self.groups = dict(ulysses_group=ulysses_group, ring_group=ring_group)
+        self.tp_group = tp_group
         self.reset()
 
     def reset(self) -> None:
         self.streams: dict[str, SequenceParallel] = {}
+        self.tokens: dict[str, tuple[int, ...]] = {}  # stream -> this rank's tokens split over the TP group
         self.joint: SequenceParallel | None = None
 
     def stream(self, name: str, length: int) -> SequenceParallel:
@@ -65,6 +78,9 @@ class SequenceState:
             plan = self.streams[name] = SequenceParallel.plan(length, **self.groups)
             sizes = zip(*(p.sizes for p in self.streams.values()), strict=True)
             self.joint = SequenceParallel(tuple(map(sum, sizes)), **self.groups)
+            if self.tp_group is not None:
+                local = plan.sizes[plan.index]
+                self.tokens[name] = tuple(split_sizes(local, dist.get_world_size(self.tp_group)))
         elif sum(plan.sizes) != length:
             raise ValueError(
                 f"sequence parallelism: stream {name!r} has {length} tokens here but {sum(plan.sizes)} where "
@@ -78,18 +94,37 @@ class SequenceState:
         if isinstance(value, torch.Tensor):
             if split.ndim is not None and value.ndim != split.ndim:
                 return value
-            return self.stream(split.stream, value.shape[split.dim]).shard(value, split.dim)
+            local = self.stream(split.stream, value.shape[split.dim]).shard(value, split.dim)
+            if self.tp_group is None or split.positions:
+                return local
+            return shard(local, split.dim, self.tp_group, self.tokens[split.stream])
         return type(value)(self.split(item, split) for item in value)
+
+    def gather(self, value: torch.Tensor, split: Split) -> torch.Tensor:
+        """The whole stream from every rank's slice (over the TP group first)."""
+        if self.tp_group is not None:
+            value = gather(value, split.dim, self.tp_group, self.tokens[split.stream])
+        return self.streams[split.stream].gather(value, split.dim)
+
+    def rows(self, *streams: str) -> Rows | None:
+        """How this rank's tokens of ``streams`` (joined in this order) sit in the TP group, or None where the
+        tokens are not split over one."""
+        if self.tp_group is None:
+            return None
+        group = self.tp_group.group_name
+        return Rows("+".join(streams), group, tuple(self.tokens[name] for name in streams))
 
 
 class SplitSequence(LayoutHook):
-    """On the model: starts a forward's layout and splits the forward arguments the plan names."""
+    """On the model: starts a forward's layout, keeps the submodules' hooks where their paths lead now, and
+    splits the forward arguments the plan names."""
 
-    def __init__(self, plan: SequencePlan, state: SequenceState) -> None:
+    def __init__(self, plan: SequencePlan, state: SequenceState, submodules: SubmoduleHooks) -> None:
         super().__init__()
-        self.plan, self.state = plan, state
+        self.plan, self.state, self.submodules = plan, state, submodules
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+        self.submodules.follow()
         self.state.reset()
         arguments = bound_arguments(module, args, kwargs)
         for name, split in self.plan.inputs.items():
@@ -102,6 +137,7 @@ class SplitSequence(LayoutHook):
 
     def replay_key(self) -> tuple:
         # Split before the forward: the sizes of every rank's slice, not just this rank's local shape.
+        # (The TP level's split follows from these.)
         return tuple((name, plan.sizes) for name, plan in self.state.streams.items())
 
 
@@ -143,4 +179,4 @@ class GatherSequence(LayoutHook):
         self.split, self.state = split, state
 
     def post_forward(self, module: nn.Module, output: torch.Tensor) -> torch.Tensor:
-        return self.state.streams[self.split.stream].gather(output, self.split.dim)
+        return self.state.gather(output, self.split)

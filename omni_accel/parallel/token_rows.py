@@ -1,0 +1,235 @@
+"""Tensor parallelism with the tokens split over the ranks between its GEMMs (Megatron's sequence
+parallelism): outside the column- and row-split projections each rank of the TP group holds a slice of the
+tokens, so norms, modulation, gates and residual adds run once per token instead of once per rank.
+
+A column-split GEMM needs every token: ``gather_rows`` joins the ranks' slices before it. A row-split GEMM
+gives partial sums over every token: ``sum_rows`` sums, for each rank, its slice of them over the ranks (a
+reduce-scatter) where replicated tensor parallelism all-reduces. The bytes moved are the all-reduce's (an
+all-reduce is a reduce-scatter and an all-gather), the elementwise work is halved.
+
+A tensor's tokens may be several streams one after another (FLUX's single blocks: text, then image); a rank
+holds its slice of each, in the same order, and the full tensor holds each stream whole (``Rows``).
+
+Between the GPUs of one machine both are peer writes into symmetric memory (``peer_exchange.PeerBuffers``):
+each rank writes its rows into its peers' buffers and a barrier says they landed, with no NCCL kernel.
+Elsewhere (gloo, CPU, several hosts) they are an all-to-all. The buffers need no handshake of their own: a
+rank uses what its buffer of an exchange received (the GEMM reads the gathered tokens, the sum the partial
+sums) before the barrier of the next exchange, and a block never repeats an exchange of the same name
+(``Rows.name``) without another exchange in between, so a peer writes again only after this rank is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .copies import copy_rows_
+from .peer_exchange import describe_exchange, peer_buffers
+
+_SEQ = 1
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Which tokens (dim 1) of a tensor each rank of the TP group ``group`` (its name) holds: ``sizes[s][r]``
+    of segment ``s`` on rank ``r``. ``name`` keys the peer buffers (one per stream, or joined streams)."""
+
+    name: str
+    group: str
+    sizes: tuple[tuple[int, ...], ...]
+
+    def __add__(self, other: Rows) -> Rows:
+        """The rows of the two tensors joined along the tokens (``cat([a, b], dim=1)`` on every rank)."""
+        return Rows(f"{self.name}+{other.name}", self.group, self.sizes + other.sizes)
+
+
+def gather_rows(x: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+    """Every rank's tokens of ``x`` (``[B, local, ...]``) joined as the full tensor; ``x`` itself without a
+    token split. Eagerly the result may be a peer buffer, valid until the next exchange of ``rows.name``:
+    feed it to the GEMM at once."""
+    if rows is None:
+        return x
+    if torch.compiler.is_compiling():
+        return _gather_op(x, rows.name, rows.group, _flat(rows.sizes), len(rows.sizes))
+    return _gather(x, rows.name, rows.group, rows.sizes)
+
+
+def linear_of_gathered(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: Rows
+) -> torch.Tensor:
+    """``F.linear(gather_rows(x, rows), weight, bias)``; compiled, as one op, so the gathered tokens never
+    leave it (no copy of them out of the peer buffer)."""
+    if torch.compiler.is_compiling():
+        return _gathered_linear_op(x, weight, bias, rows.name, rows.group, _flat(rows.sizes), len(rows.sizes))
+    return F.linear(_gather(x, rows.name, rows.group, rows.sizes), weight, bias)
+
+
+def sum_rows(partial: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """This rank's tokens of ``partial`` (``[B, all tokens, ...]``, a row-split GEMM's partial sums) summed
+    over the ranks, in rank order (every rank rounds the same way)."""
+    if torch.compiler.is_compiling():
+        return _sum_op(partial, rows.name, rows.group, _flat(rows.sizes), len(rows.sizes))
+    return _sum(partial, rows.name, rows.group, rows.sizes)
+
+
+def describe_rows(group: dist.ProcessGroup) -> str:
+    """How the token exchanges travel in the TP ``group``, for ``describe``."""
+    return describe_exchange(
+        group,
+        "each rank writes its tokens into its peers' symmetric memory, a barrier per exchange",
+        "all-to-all",
+    )
+
+
+def _flat(sizes: tuple[tuple[int, ...], ...]) -> list[int]:
+    return [size for segment in sizes for size in segment]
+
+
+def _table(flat: Sequence[int], segments: int) -> tuple[tuple[int, ...], ...]:
+    world = len(flat) // segments
+    return tuple(tuple(flat[s * world : (s + 1) * world]) for s in range(segments))
+
+
+def _pieces(sizes: tuple[tuple[int, ...], ...], rank: int) -> Iterator[tuple[int, int, int]]:
+    """(start in the full tensor, start in rank ``rank``'s tensor, length) of each of its segments."""
+    full = local = 0
+    for segment in sizes:
+        yield full + sum(segment[:rank]), local, segment[rank]
+        full += sum(segment)
+        local += segment[rank]
+
+
+def _place(full: torch.Tensor, x: torch.Tensor, sizes, rank: int) -> None:
+    """Writes rank ``rank``'s tokens ``x`` where they belong in ``full``."""
+    for at, start, length in _pieces(sizes, rank):
+        if length:
+            copy_rows_(full.narrow(_SEQ, at, length), x.narrow(_SEQ, start, length))
+
+
+def _take(dst: torch.Tensor, full: torch.Tensor, sizes, rank: int) -> None:
+    """Writes rank ``rank``'s tokens of ``full`` into ``dst``."""
+    for at, start, length in _pieces(sizes, rank):
+        if length:
+            copy_rows_(dst.narrow(_SEQ, start, length), full.narrow(_SEQ, at, length))
+
+
+def _shape(x: torch.Tensor, tokens: int) -> tuple[int, ...]:
+    return (x.shape[0], tokens, *x.shape[2:])
+
+
+def _gather(x: torch.Tensor, name: str, group_name: str, sizes) -> torch.Tensor:
+    group = _resolve_process_group(group_name)
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    shape = _shape(x, sum(map(sum, sizes)))
+    peers = peer_buffers(group)
+    if peers is not None:
+        joined = peers.views(f"gather:{name}", [shape] * world, x.dtype)
+        for buffer in joined:
+            _place(buffer, x, sizes, me)
+        peers.barrier()
+        return joined[me]
+    received = _all_to_all(
+        [x.contiguous()] * world, [_shape(x, _local(sizes, r)) for r in range(world)], group
+    )
+    full = x.new_empty(shape)
+    for rank, piece in enumerate(received):
+        _place(full, piece, sizes, rank)
+    return full
+
+
+def _sum(partial: torch.Tensor, name: str, group_name: str, sizes) -> torch.Tensor:
+    group = _resolve_process_group(group_name)
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = _shape(partial, _local(sizes, me))
+    peers = peer_buffers(group)
+    if peers is not None:
+        shapes = [(world, *_shape(partial, _local(sizes, r))) for r in range(world)]
+        inbox = peers.views(f"sum:{name}", shapes, partial.dtype)
+        for rank in range(world):
+            if rank != me:
+                _take(inbox[rank][me], partial, sizes, rank)
+        peers.barrier()
+        received = list(inbox[me])
+    else:
+        sends = []
+        for rank in range(world):
+            piece = partial.new_empty(_shape(partial, _local(sizes, rank)))
+            _take(piece, partial, sizes, rank)
+            sends.append(piece)
+        received = _all_to_all(sends, [mine] * world, group)
+    out = partial.new_empty(mine)
+    for at, start, length in _pieces(sizes, me):
+        if not length:
+            continue
+        terms = [
+            partial.narrow(_SEQ, at, length) if r == me else received[r].narrow(_SEQ, start, length)
+            for r in range(world)
+        ]
+        into = out.narrow(_SEQ, start, length)
+        torch.add(terms[0], terms[1], out=into)
+        for term in terms[2:]:
+            into += term
+    return out
+
+
+def _local(sizes, rank: int) -> int:
+    return sum(segment[rank] for segment in sizes)
+
+
+def _all_to_all(
+    sends: list[torch.Tensor], shapes: list[tuple[int, ...]], group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """Sends ``sends[r]`` to rank ``r``; returns what rank ``r`` sent this one (of ``shapes[r]``)."""
+    send = torch.cat([piece.reshape(-1) for piece in sends])
+    counts = [int(torch.Size(shape).numel()) for shape in shapes]
+    recv = send.new_empty(sum(counts))
+    dist.all_to_all_single(recv, send, counts, [piece.numel() for piece in sends], group=group)
+    return [part.view(shape) for part, shape in zip(recv.split(counts), shapes, strict=True)]
+
+
+# Compiled graphs call the exchanges as opaque ops (their communication never traces). No op returns a peer
+# buffer: the compiler may reuse an op's output memory for a later tensor, which a peer's next write would
+# then overwrite.
+@torch.library.custom_op("omni_accel::gather_rows", mutates_args=())
+def _gather_op(x: torch.Tensor, name: str, group: str, sizes: list[int], segments: int) -> torch.Tensor:
+    return _gather(x, name, group, _table(sizes, segments)).clone()
+
+
+@_gather_op.register_fake
+def _(x, name, group, sizes, segments):
+    return x.new_empty(_shape(x, sum(sizes)))
+
+
+@torch.library.custom_op("omni_accel::gathered_linear", mutates_args=())
+def _gathered_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    name: str,
+    group: str,
+    sizes: list[int],
+    segments: int,
+) -> torch.Tensor:
+    return F.linear(_gather(x, name, group, _table(sizes, segments)), weight, bias)
+
+
+@_gathered_linear_op.register_fake
+def _(x, weight, bias, name, group, sizes, segments):
+    return x.new_empty(x.shape[0], sum(sizes), *x.shape[2:-1], weight.shape[0])
+
+
+@torch.library.custom_op("omni_accel::sum_rows", mutates_args=())
+def _sum_op(partial: torch.Tensor, name: str, group: str, sizes: list[int], segments: int) -> torch.Tensor:
+    return _sum(partial, name, group, _table(sizes, segments))
+
+
+@_sum_op.register_fake
+def _(partial, name, group, sizes, segments):
+    table = _table(sizes, segments)
+    rank = dist.get_rank(_resolve_process_group(group))
+    return partial.new_empty(_shape(partial, _local(table, rank)))
