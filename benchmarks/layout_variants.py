@@ -12,12 +12,15 @@ the library's choices changed while that layout is built and timed. Benchmarks o
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 
-import omni_accel.parallel.parallelize as parallelize
 import omni_accel.parallel.peer_exchange as peer_exchange
 import omni_accel.parallel.sequence as sequence
 from omni_accel.parallel.sequence_hooks import SequenceState
+
+# The module, not the function ``omni_accel.parallel`` exports under the same name.
+parallelize = importlib.import_module("omni_accel.parallel.parallelize")
 
 
 @contextlib.contextmanager
