@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.comm import all_gather_dim, all_reduce_sum
-from ..parallel.token_rows import Rows, gather_rows, linear_of_gathered, linear_summed, sum_rows
+from ..parallel.token_rows import Rows, gather_rows, linear_of_gathered, sum_rows
 
 _PACK_LOCK = threading.Lock()
 
@@ -256,8 +256,6 @@ def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights, rows: Rows | Non
     per FLUX step for two chunks.) Only the first rank holds the bias (``read_linear``): its GEMM adds it in
     the epilogue, so the sum has it once without a broadcast add over the whole output after the collective."""
     (terms,) = weights.adapters
-    if rows is not None and not terms:
-        return linear_summed(x, weights.weight, weights.bias, rows)
     partial = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
     y = all_reduce_sum(partial, weights.reduce) if rows is None else sum_rows(partial, rows)
     for term in terms:
