@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--no-diffusers", action="store_true", help="skip Diffusers' own 1-GPU and Ulysses runs"
     )
+    parser.add_argument(
+        "--describe", action="store_true", help="print describe(pipe) after each layout (graphs, compile)"
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
         results[name] = result
         if omni_accel.is_main_process():
             print(f"{name:20s} {json.dumps(result)}", flush=True)
+            if args.describe:
+                print(omni_accel.describe(pipe), flush=True)
         del pipe
         gc.collect()  # hooks (ours and Diffusers') hold their module in reference cycles
         torch.cuda.empty_cache()

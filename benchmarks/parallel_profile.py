@@ -4,6 +4,7 @@ host's launch time; the step with and without CUDA graphs.
 
     torchrun --nproc-per-node 2 benchmarks/parallel_profile.py --out parallel_profile.json
     torchrun --nproc-per-node 2 benchmarks/parallel_profile.py --model wan --layouts ulysses2 --rounds 1
+    torchrun --nproc-per-node 2 benchmarks/parallel_profile.py --compile --layouts tp2 1gpu
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out")
     parser.add_argument("--trace-dir", help="write each rank's Chrome trace of the replayed steps here")
+    parser.add_argument("--compile", action="store_true", help="accelerate with compile=True")
     parser.add_argument("--watchdog-s", type=float, default=0, help="dump the stacks and exit after this")
     args = parser.parse_args(argv)
     if args.watchdog_s:
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     for name in args.layouts:
         pipe, x = MODELS[args.model](device, dtype)
-        omni_accel.accelerate(pipe, parallel=LAYOUTS[name])
+        compiled = {"compile": True, "compile_in_background": False} if args.compile else {}
+        omni_accel.accelerate(pipe, parallel=LAYOUTS[name], **compiled)
 
         def step(pipe=pipe, x=x):
             return pipe.transformer(**x)
