@@ -4,7 +4,8 @@ the library's choices changed while that layout is built and timed. Benchmarks o
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
     four_stages       Ulysses attention in four equal head stages
     one_stage         Ulysses attention in one stage (every head's transfers, then the kernel)
-    nccl_exchange     Ulysses' and tensor parallelism's exchanges by NCCL's all-to-all, not by peer writes
+    nccl_exchange     Ulysses' exchanges by NCCL's all-to-all, not by peer writes (tensor parallelism then
+                      keeps every token on every rank, as it does without peer writes)
     replicated_tokens tensor parallelism with every token on every rank (all-reduces after the row-split
                       projections, the norms and gates on every token), as before the token split
 """

@@ -264,7 +264,7 @@ def _plan_swap(
     if parallel is not None and parallel.config.ulysses > 1:
         report.ulysses_group = parallel.group("ulysses")
     if parallel is not None and parallel.config.tp > 1 and model.parallel.sequence is not None:
-        report.tp_rows_group = parallel.group("tp")
+        report.tp_group = parallel.group("tp")
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 
 

@@ -28,7 +28,7 @@ class ComponentReport:
     runtime: NativeRuntime | None = None
     graphs: StepGraphs | None = None
     ulysses_group: Any = None  # the process group of a Ulysses layout's exchanges
-    tp_rows_group: Any = None  # the TP group over which the tokens are split between projections
+    tp_group: Any = None  # the TP group of a model whose tokens may be split over it between projections
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
 
@@ -62,11 +62,8 @@ class ComponentReport:
             )
         if self.ulysses_group is not None:
             out.append(f"  ulysses exchanges: {describe_ulysses(self.ulysses_group)}")
-        if self.tp_rows_group is not None:
-            out.append(
-                "  tensor parallel tokens: each rank norms and modulates its share of the tokens; gathered before "
-                f"the column-split projections, summed after the row-split ones: {describe_rows(self.tp_rows_group)}"
-            )
+        if self.tp_group is not None:
+            out.append(f"  tensor parallel tokens: {describe_rows(self.tp_group)}")
         if self.graphs is not None:
             stats = self.graphs.stats()
             out.append(

@@ -265,9 +265,11 @@ def _parallel_replays(rank: int, world: int) -> None:
 
 
 def _peer_writes_move_what_nccl_moves() -> None:
-    """Ulysses' exchanges (the copy engine's for the second head stage) and tensor parallelism's token
-    gathers and sums by peer writes into symmetric memory, against NCCL's all-to-all: the same kernel calls
-    on the same bytes, so bitwise equal, on even and uneven sequence slices."""
+    """Ulysses' exchanges (the copy engine's for the second head stage) by peer writes into symmetric
+    memory against NCCL's all-to-all: the same kernel calls on the same bytes, so bitwise equal, on even and
+    uneven sequence slices; tensor parallelism's token split by peer writes against every token on every
+    rank (what it does without peer writes: NCCL all-reduces), bitwise equal too (two partial sums add in
+    either order to the same bits, the norms are per token)."""
     for layout, line in (
         (ParallelConfig(ulysses=2), "ulysses exchanges"),
         (ParallelConfig(tp=2), "tensor parallel"),

@@ -1,5 +1,6 @@
 """Every parallel layout against the one-rank oracle on the same weights and seed (gloo, fp32, CPU)."""
 
+import contextlib
 import copy
 import importlib
 
@@ -246,6 +247,22 @@ def _bf16_as_accurate_as_one_rank(*layouts: ParallelConfig) -> None:
         assert got <= 1.25 * one, f"{layout} in bf16: {got:.2e} from float64, one rank {one:.2e}"
 
 
+@contextlib.contextmanager
+def _tokens_split_never_pays():
+    """As on NCCL ranks that cannot write each other's memory."""
+    modules = [
+        importlib.import_module(f"omni_accel.parallel.{name}") for name in ("parallelize", "token_rows")
+    ]
+    originals = [module.split_pays for module in modules]
+    for module in modules:
+        module.split_pays = lambda group: False
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals, strict=True):
+            module.split_pays = original
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _bf16_as_accurate_as_one_rank(ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2))
@@ -257,6 +274,9 @@ def _two_ranks(rank: int, world: int) -> None:
         _check(layout, oracle)
     # tp: each rank holds half the tokens between the projections
     _check(ParallelConfig(tp=2), oracle, expect="summed after the row-split ones: gloo all-to-all")
+    # where the token exchanges would be NCCL's (no peer writes), every token stays on every rank
+    with _tokens_split_never_pays():
+        _check(ParallelConfig(tp=2), oracle, expect="tensor parallel tokens: every rank holds every token")
     # heads not divisible by the Ulysses degree, uneven text (13) and image (60) lengths over the ranks
     _check(ParallelConfig(ulysses=2), _oracle(heads=3), heads=3, expect="ulysses exchanges: gloo all-to-all")
     _check(ParallelConfig(ring=2), _oracle(heads=3), heads=3)

@@ -11,6 +11,7 @@ A model declares what these steps need as data (``ParallelPlan``); parallel/ nev
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from .sequence_hooks import (
     SplitSequence,
 )
 from .tensor import TensorPlan, apply_tensor_parallel, plan_shards
-from .token_rows import Rows
+from .token_rows import Rows, split_pays
 
 _HOOK_PREFIX = "omni_accel."
 
@@ -125,8 +126,11 @@ def parallelize(
             for block in getattr(transformer, list_name)
         ]
         layout.undo.append(apply_tensor_parallel(blocks, state.group("tp")))
-    if config.sequence_parallel > 1 or (config.tp > 1 and plan.sequence is not None):
-        tp = state.group("tp")
+    tp = state.group("tp")
+    with torch.cuda.device(state.device) if state.device.type == "cuda" else contextlib.nullcontext():
+        tp_splits_tokens = tp is not None and plan.sequence is not None and split_pays(tp)
+    if config.sequence_parallel > 1 or tp_splits_tokens:
+        tp = tp if tp_splits_tokens else None
         layout.sequence = sequence = SequenceState(state.group("ulysses"), state.group("ring"), tp)
         seq, submodules = plan.sequence, SubmoduleHooks(transformer)
         for path, splits in seq.submodule_inputs.items():

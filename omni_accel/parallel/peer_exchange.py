@@ -54,7 +54,7 @@ class PeerBuffers:
         if buffers is None or buffers[0].numel() < need:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    "sequence parallelism: a peer buffer must grow inside a CUDA graph capture; the step's "
+                    "parallel layout: a peer buffer must grow inside a CUDA graph capture; the step's "
                     "eager call should have grown it (report this)"
                 )
             if buffers is not None:
