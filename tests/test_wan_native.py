@@ -41,6 +41,8 @@ class TestWanContract(NativeContract):
         (ParallelConfig(tp=2), {"cross_attn_norm": True}, None),
         (ParallelConfig(tp=2), {"image_dim": 20, "added_kv_proj_dim": 32}, cases[2][1]),  # I2V
         (ParallelConfig(tp=2), {}, cases[3][1]),  # per-token timesteps
+        # 27 tokens: under tp each rank norms and gates its share (14 and 13) between the projections
+        (ParallelConfig(tp=2), {}, dict(batch=1, frames=3, side=6, text=5, per_token_timesteps=True)),
         # 3 frames x 3 x 3 patches = 27 tokens: uneven over 2 ranks; the text K/V stay whole on each rank
         (ParallelConfig(ulysses=2), {"num_attention_heads": 3}, dict(batch=2, frames=3, side=6, text=7)),
         (ParallelConfig(ring=2), {}, dict(batch=2, frames=3, side=6, text=7)),
