@@ -61,6 +61,10 @@ def init_parallel(config: ParallelConfig) -> ParallelState:
         if device_type == "cuda"
         else torch.device("cpu")
     )
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        # A group started without torch.cuda.set_device leaves every rank on GPU 0; the layout's kernels,
+        # streams and peer buffers follow the current device, so make it the rank's own.
+        torch.cuda.set_device(device)
     shape = tuple(getattr(config, d) for d in _DIMS)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=_DIMS)
     _bound_waits(mesh, config)
