@@ -1,4 +1,4 @@
-"""Frees the accelerated transformers' step graphs (and the Ulysses peer buffers) before
+"""Frees the accelerated transformers' step graphs (and the layouts' peer buffers) before
 ``torch.distributed.destroy_process_group``.
 
 An NCCL operation captured in a CUDA graph stays pending on its communicator for as long as the graph
@@ -26,7 +26,7 @@ def apply(module: ModuleType) -> None:
 
     def destroy_process_group(*args, **kwargs):
         release_all()
-        forget_groups()  # the Ulysses peer buffers, which the graphs used and their groups map
+        forget_groups()  # the peer buffers, which the graphs used and their groups map
         return original(*args, **kwargs)
 
     destroy_process_group.__wrapped__ = original

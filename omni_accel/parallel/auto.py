@@ -8,7 +8,8 @@ The rules are the measured ones (docs/PARALLELISM.md, docs/PERFORMANCE.md), appl
 2. The remaining ranks split the sequence: Ulysses up to the largest degree that divides the heads, ring
    for the rest. On two H200s it is the fastest or within 2 % of it for both models measured: FLUX
    1024x1024 through the pipeline ulysses 79.4 ms/step, ring 81.7, tp 81.9 (130.3 on one GPU); since tp's
-   all-reduces are whole again, another launch: tp 79.8, ulysses 80.3-81.1, ring 83.5 (130.1); Wan 14B
+   all-reduces are whole again, another launch: tp 79.8, ulysses 80.3-81.1, ring 83.5 (130.1); with tp's
+   tokens split, 28-step images: tp 77.1, ulysses 77.8 (131.2); Wan 14B
    with CFG ulysses 1.77x, ring 1.65x (cuDNN, earlier: 1.84x, 1.83x, tp 1.59x; Ulysses is bitwise one
    GPU, ring's merge rounds differently). Beyond two ranks not yet measured (issue 12).
 3. A model without a sequence plan takes tensor parallelism, when its heads split.

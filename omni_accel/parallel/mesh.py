@@ -80,7 +80,8 @@ def _leave_the_group_we_started() -> None:
     thread in ``take_gil`` -> ``PyThread_exit_thread`` while freeing an all-gather's outputs). A rank that
     exits within a few milliseconds of its last collective hit it: 3 of 23 runs with nothing done here,
     1 in 100 (and 1 in 15) with the group destroyed but no pause. Step graphs holding NCCL operations are
-    freed first (destroying the group waits for them), and the Ulysses peer buffers with them."""
+    freed first (destroying the group waits for them), and the peer buffers (Ulysses', tensor parallelism's)
+    with them."""
     if dist.is_initialized():
         time.sleep(_WORKERS_FINISH_S)  # releases the GIL to a worker waiting for it
         release_all()
