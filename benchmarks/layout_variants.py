@@ -8,6 +8,8 @@ the library's choices changed while that layout is built and timed. Benchmarks o
                       keeps every token on every rank, as it does without peer writes)
     replicated_tokens tensor parallelism with every token on every rank (all-reduces after the row-split
                       projections, the norms and gates on every token), as before the token split
+    unstacked         a CFG pipeline's two calls per step run one after the other, not stacked in one batch
+                      (``ParallelConfig.batch_guidance=False``)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterator
 
 import omni_accel.parallel.peer_exchange as peer_exchange
 import omni_accel.parallel.sequence as sequence
+from omni_accel import ParallelConfig
 from omni_accel.parallel.sequence_hooks import SequenceState
 
 # The module, not the function ``omni_accel.parallel`` exports under the same name.
@@ -65,6 +68,7 @@ VARIANTS = {
     "replicated_tokens": lambda: _patched(
         parallelize, "SequenceState", lambda ulysses, ring, tp: SequenceState(ulysses, ring)
     ),
+    "unstacked": lambda: _patched(ParallelConfig, "stacks_guidance", property(lambda self: False)),
 }
 
 

@@ -488,7 +488,7 @@ def _check_layout(module: nn.Module, model, parallel: ParallelState, graphs: boo
     check_parallel(module, model.parallel, parallel)
     if graphs:
         patches.check_applicable("release_graphs_at_destroy")
-    if parallel.config.cfg > 1 and model.cfg_pairing is not None:
+    if model.cfg_pairing is not None and (parallel.config.cfg > 1 or parallel.config.stacks_guidance):
         patches.check_applicable("pair_cfg_calls")
     if parallel.config.tp > 1:
         for patch, _ in _tp_lora_patches():
@@ -498,7 +498,13 @@ def _check_layout(module: nn.Module, model, parallel: ParallelState, graphs: boo
 def _parallelize(component: _Component) -> None:
     """Spreads a native component (its blocks already swapped) over ``component.parallel``'s ranks."""
     model = component.spec.native_model()
-    layout = parallelize(component.original, model.parallel, component.parallel, output_class(component.spec))
+    layout = parallelize(
+        component.original,
+        model.parallel,
+        component.parallel,
+        output_class(component.spec),
+        pairs_guidance=model.cfg_pairing is not None,
+    )
     component.runtime.layout = layout
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
@@ -521,7 +527,8 @@ def _tp_lora_patches() -> list[tuple[str, str]]:
 
 
 def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:
-    """Under cfg=2, pipelines that call their transformers twice per step get those calls paired."""
+    """Pipelines that call their transformers twice per step get those calls paired: over cfg=2's ranks,
+    or stacked in one call (``ParallelConfig.batch_guidance``)."""
     paired = [
         (component.spec.native_model().cfg_pairing, component.runtime.layout.cfg)
         for component in components

@@ -56,10 +56,7 @@ class ComponentReport:
                 "{bytes_used} of {max_bytes} bytes".format(**stats)
             )
         if self.cfg is not None:
-            out.append(
-                f"  cfg parallel: {self.cfg.split_calls} batch-split calls, {self.cfg.paired_calls} paired "
-                f"cond/uncond calls, {self.cfg.replicated_calls} calls computed on both ranks (batch of one)"
-            )
+            out.append(f"  {self.cfg.describe()}")
         if self.ulysses_group is not None:
             out.append(f"  ulysses exchanges: {describe_ulysses(self.ulysses_group)}")
         if self.tp_group is not None:

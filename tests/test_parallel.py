@@ -26,6 +26,7 @@ def _check(
     oracle: torch.Tensor,
     heads: int = 2,
     expect: str = "",
+    absent: str = "",
     repeat: bool = False,
     **call,
 ) -> None:
@@ -44,6 +45,7 @@ def _check(
     assert all(torch.equal(g, gathered[0]) for g in gathered), f"{layout}: ranks disagree"
     report = str(omni_accel.describe(pipe))
     assert str(layout) in report and expect in report, report
+    assert not absent or absent not in report, report
     omni_accel.restore(pipe)  # collective under tp: the shards are gathered back into Diffusers' layout
     original = omni_accel.tiny_flux_pipeline(
         seed=0, num_attention_heads=heads, attention_head_dim=16
@@ -283,6 +285,12 @@ def _two_ranks(rank: int, world: int) -> None:
     # true CFG: the pipeline calls the transformer twice per step; cfg=2 pairs the calls
     true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
     _check(ParallelConfig(cfg=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
+    # without a cfg group the two calls of a step run as one call of both branches (text ids compared)
+    stacked = "guidance branches stacked in one batch: 2 cond/uncond pairs in one call, 0 pairs run one"
+    for layout in (ParallelConfig(ulysses=2), ParallelConfig(tp=2)):
+        _check(layout, _oracle(**true_cfg), expect=stacked, **true_cfg)
+    unstacked = ParallelConfig(ring=2, batch_guidance=False)
+    _check(unstacked, _oracle(**true_cfg), absent="guidance branches stacked", **true_cfg)
     _check(
         "auto", _oracle(**true_cfg), expect="ParallelConfig(tp=1, ulysses=1, ring=1, cfg=2) on 2", **true_cfg
     )
@@ -308,6 +316,7 @@ def _two_ranks(rank: int, world: int) -> None:
     wan = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
     two = wan(**video, generator=torch.Generator().manual_seed(0))
     assert ((two.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
+    assert "2 cond/uncond pairs in one call" in str(omni_accel.describe(wan))  # Wan's CFG calls stacked
     # parallel="auto": Wan's default call runs both guidance branches, so they go to the two ranks
     wan = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel="auto")
     assert "decided at the first pipeline call" in str(omni_accel.describe(wan))

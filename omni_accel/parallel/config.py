@@ -11,13 +11,17 @@ _DEGREES = ("tp", "ulysses", "ring", "cfg")
 class ParallelConfig:
     """Degrees of tensor (``tp``), sequence (``ulysses`` all-to-all, ``ring`` K/V rotation) and CFG-branch
     (``cfg``) parallelism. Their product must equal the world size. ``timeout_s`` bounds every collective,
-    so a dead rank ends in an error instead of a hang."""
+    so a dead rank ends in an error instead of a hang. ``batch_guidance``: with ``cfg=1`` under tp, ulysses
+    or ring, a pipeline that calls the transformer once per guidance branch gets each step's two calls run
+    as one call of both branches stacked along the batch (faster per step; twice the activation memory of
+    one call; see ``omni_accel.parallel.cfg``)."""
 
     tp: int = 1
     ulysses: int = 1
     ring: int = 1
     cfg: int = 1
     timeout_s: float = 600.0
+    batch_guidance: bool = True
 
     def __post_init__(self) -> None:
         for name in _DEGREES:
@@ -28,6 +32,10 @@ class ParallelConfig:
             raise ValueError(f"cfg={self.cfg}: classifier-free guidance has two branches, so cfg is 1 or 2.")
         if not self.timeout_s > 0:
             raise ValueError(f"ParallelConfig.timeout_s must be > 0, got {self.timeout_s!r}.")
+        if not isinstance(self.batch_guidance, bool):
+            raise ValueError(
+                f"ParallelConfig.batch_guidance must be True or False, got {self.batch_guidance!r}."
+            )
 
     @property
     def world_size(self) -> int:
@@ -36,6 +44,11 @@ class ParallelConfig:
     @property
     def sequence_parallel(self) -> int:
         return self.ulysses * self.ring
+
+    @property
+    def stacks_guidance(self) -> bool:
+        """Whether pairable guidance calls run as one stacked call (see ``batch_guidance``)."""
+        return self.batch_guidance and self.cfg == 1 and self.tp * self.sequence_parallel > 1
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
@@ -53,7 +66,8 @@ class ParallelConfig:
             )
 
     def __str__(self) -> str:
-        return f"ParallelConfig(tp={self.tp}, ulysses={self.ulysses}, ring={self.ring}, cfg={self.cfg})"
+        unstacked = "" if self.batch_guidance else ", batch_guidance=False"
+        return f"ParallelConfig(tp={self.tp}, ulysses={self.ulysses}, ring={self.ring}, cfg={self.cfg}{unstacked})"
 
 
 def _divisors(n: int) -> list[int]:

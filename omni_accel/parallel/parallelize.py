@@ -3,7 +3,8 @@
 1. tensor parallelism: shard the planned linears of every repeated block in place (``tensor.py``);
 2. sequence parallelism: split the sequence inputs and gather the output (hooks, ``sequence_hooks.py``);
    under tensor parallelism the same hooks split the tokens over the TP group too (``token_rows.py``);
-3. CFG parallelism: split the guidance batch or pair the cond/uncond calls (a hook, ``cfg.py``), outermost.
+3. CFG: split the guidance batch or pair the cond/uncond calls over a ``cfg`` group, or else stack the
+   paired calls in one batch (a hook, ``cfg.py``), outermost.
 
 A model declares what these steps need as data (``ParallelPlan``); parallel/ never imports models/.
 ``check_parallel`` runs every check first, so a layout that cannot apply fails before anything changes.
@@ -113,9 +114,14 @@ def check_parallel(transformer: nn.Module, plan: ParallelPlan, state: ParallelSt
 
 
 def parallelize(
-    transformer: nn.Module, plan: ParallelPlan, state: ParallelState, output_class: type
+    transformer: nn.Module,
+    plan: ParallelPlan,
+    state: ParallelState,
+    output_class: type,
+    pairs_guidance: bool = False,
 ) -> Parallelized:
-    """Applies ``state``'s layout to ``transformer`` (its blocks already native); undo with ``revert``."""
+    """Applies ``state``'s layout to ``transformer`` (its blocks already native); undo with ``revert``.
+    ``pairs_guidance``: some pipelines call it once per guidance branch (their calls can pair)."""
     check_parallel(transformer, plan, state)
     config = state.config
     layout = Parallelized(str(config), splits_blocks=config.tp > 1 or config.sequence_parallel > 1)
@@ -142,7 +148,7 @@ def parallelize(
         layout.undo.append(submodules.remove)
         hook = SplitSequence(seq, sequence, submodules)
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "sp_split"))
-    if config.cfg > 1:
+    if config.cfg > 1 or (pairs_guidance and config.stacks_guidance):
         layout.cfg = CfgParallel(state.group("cfg"), plan.batched_inputs)
         hook = SplitGuidance(layout.cfg, plan.output_like, output_class)
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "cfg_split"))

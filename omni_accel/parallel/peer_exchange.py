@@ -184,14 +184,12 @@ def ulysses_by_peer_writes(
     reaches once it has used what they hold (the last one for the inputs, the next call's first for the
     outputs), so the buffers need no handshake of their own."""
     me, world = peers.rank, peers.world
-    beside = q.shape[0] == 1  # a batch of one keeps every piece contiguous, as the copy engine wants
     gathered, sends = [], []
     for index, (first, heads) in enumerate(stages):
-        later = beside and index > 0
         copies, stage = [], []
         for name, t, lengths in (("q", q, sizes), ("k", k, kv_sizes), ("v", v, kv_sizes)):
             stage.append(
-                _gather_heads(peers, f"{name}{index}", t, first, heads, lengths, copies if later else None)
+                _gather_heads(peers, f"{name}{index}", t, first, heads, lengths, copies if index else None)
             )
         gathered.append(stage)
         sends.append(peers.copy_beside(copies) if copies else None)
@@ -201,7 +199,7 @@ def ulysses_by_peer_writes(
         peers.wait(sends[index])
         peers.barrier()
         o = attend(*gathered[index])
-        later = beside and index < len(stages) - 1
+        later = index < len(stages) - 1
         returns.append(_scatter_tokens(peers, f"out{index}", o, out, first, heads, sizes, later))
     for sent in returns:
         peers.wait(sent)
@@ -234,7 +232,8 @@ def _gather_heads(
         piece = t.narrow(_HEADS, first + sum(heads[:j]), heads[j])
         dst = joined[j].narrow(_SEQ, at, lengths[me])
         if copies is not None and j != me and piece.numel():
-            copies.append((dst, _packed(piece)))
+            # a sample's tokens are contiguous in the buffer (the copy engine moves contiguous pairs)
+            copies.extend(zip(dst.unbind(0), _packed(piece).unbind(0), strict=True))
         else:
             _write(dst, piece)
     return joined[me]

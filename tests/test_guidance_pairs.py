@@ -1,0 +1,131 @@
+"""A CFG step's two transformer calls stacked in one batch (``CfgParallel`` without a cfg group): each
+branch gets exactly what its own call would have returned, and calls that cannot stack run apart."""
+
+import pytest
+import torch
+
+from omni_accel.parallel.cfg import CfgParallel
+
+BATCHED = ("hidden_states", "encoder_hidden_states", "timestep")
+
+
+class _Model:
+    """A transformer stand-in whose output depends on every argument, per sample."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def __call__(self, hidden_states, encoder_hidden_states, timestep, ids, extra=None):
+        self.batches.append(hidden_states.shape[0])
+        scale = 1.0 if extra is None else extra["scale"]
+        text = encoder_hidden_states.mean(dim=1, keepdim=True)
+        return (hidden_states + text) * timestep[:, None, None] * scale + ids.sum()
+
+
+def _call(seed: int, tokens: int = 4, **overrides) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    call = dict(
+        hidden_states=torch.randn(1, 6, 3, generator=g),
+        encoder_hidden_states=torch.randn(1, tokens, 3, generator=g),
+        timestep=torch.tensor([0.5]),
+        ids=torch.arange(3.0),
+    )
+    return {**call, **overrides}
+
+
+def _step(pairs: CfgParallel, model: _Model, cond: dict, uncond: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    like = lambda call: torch.empty_like(call["hidden_states"])  # noqa: E731
+    pairs.branch = "cond"
+    cond_out = pairs.run(model, cond, like)
+    pairs.branch = "uncond"
+    return cond_out, pairs.run(model, uncond, like)
+
+
+def _expected(cond: dict, uncond: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return _Model()(**cond), _Model()(**uncond)
+
+
+def test_stacked_pair_returns_each_branch_its_own_result():
+    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs.pairing = True
+    ids = torch.arange(3.0)
+    # the same latents object in both calls (Wan), equal ids in distinct tensors (FLUX's text ids)
+    cond = _call(0, ids=ids)
+    uncond = _call(1, hidden_states=cond["hidden_states"], ids=ids.clone())
+    got = _step(pairs, model, cond, uncond)
+    want = _expected(cond, uncond)
+    assert model.batches == [2]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert (pairs.stacked_calls, pairs.unstacked_calls, pairs.paired_calls) == (1, 0, 1)
+    pairs.finish_call(completed=True)
+    assert "1 cond/uncond pairs in one call, 0 pairs run one after the other" in pairs.describe()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(ids=torch.arange(3.0) + 1),  # an unbatched input that differs
+        dict(tokens=7),  # a batched input of another shape past the batch
+        dict(extra={"scale": 2.0}),  # an argument only one call has
+    ],
+    ids=["unbatched-differs", "shape-differs", "keys-differ"],
+)
+def test_calls_that_cannot_stack_run_one_after_the_other(change):
+    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs.pairing = True
+    tokens = change.pop("tokens", 4)
+    cond, uncond = _call(0), _call(1, tokens=tokens, **change)
+    got = _step(pairs, model, cond, uncond)
+    want = _expected(cond, uncond)
+    assert model.batches == [1, 1]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert (pairs.stacked_calls, pairs.unstacked_calls) == (0, 1)
+
+
+def test_unbatched_tensors_are_compared_again_after_an_in_place_edit():
+    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs.pairing = True
+    ids, other = torch.arange(3.0), torch.arange(3.0)
+    _step(pairs, model, _call(0, ids=ids), _call(1, ids=other))
+    other.add_(1)  # same objects, new contents: the verdict of the last step no longer holds
+    cond, uncond = _call(2, ids=ids), _call(3, ids=other)
+    got = _step(pairs, model, cond, uncond)
+    assert model.batches == [2, 1, 1]
+    assert all(torch.equal(g, w) for g, w in zip(got, _expected(cond, uncond), strict=True))
+
+
+def test_a_dict_argument_edited_between_the_calls_reaches_the_conditional_branch_as_it_was():
+    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs.pairing = True
+    extra = {"scale": 1.0}
+    cond = _call(0, extra=extra)
+    like = lambda call: torch.empty_like(call["hidden_states"])  # noqa: E731
+    pairs.branch = "cond"
+    cond_out = pairs.run(model, cond, like)
+    extra["scale"] = 3.0  # as a pipeline swapping in the negative IP-adapter embeddings does
+    pairs.branch = "uncond"
+    uncond_out = pairs.run(model, _call(1, extra=extra), like)
+    assert torch.equal(cond_out, _Model()(**_call(0, extra={"scale": 1.0})))
+    assert torch.equal(uncond_out, _Model()(**_call(1, extra={"scale": 3.0})))
+    assert pairs.unstacked_calls == 1
+
+
+def test_unpaired_calls_are_errors_and_unpaired_pipelines_call_through():
+    pairs, model = CfgParallel(None, BATCHED), _Model()
+    like = lambda call: torch.empty_like(call["hidden_states"])  # noqa: E731
+    call = _call(0)
+    assert torch.equal(pairs.run(model, call, like), _Model()(**call))  # pairing off: a plain call
+    pairs.pairing = True
+    pairs.branch = None
+    with pytest.raises(RuntimeError, match="expects calls inside cache_context"):
+        pairs.run(model, call, like)
+    pairs.branch = "uncond"
+    with pytest.raises(RuntimeError, match="unconditional call without the conditional one"):
+        pairs.run(model, call, like)
+    pairs.branch = "cond"
+    pairs.run(model, call, like)
+    with pytest.raises(RuntimeError, match="Two conditional calls"):
+        pairs.run(model, call, like)
+    with pytest.raises(RuntimeError, match="its result was never computed"):
+        pairs.finish_call(completed=True)
+    assert not pairs.pairing
