@@ -242,7 +242,8 @@ def test_replays_follow_lora_scales_weight_edits_and_true_cfg():
 
 def _parallel_replays(rank: int, world: int) -> None:
     """Each layout's replayed steps (their NCCL collectives captured with the kernels) against the same
-    pipeline run eagerly, on every rank: uneven sequence slices, a new resolution, true CFG paired."""
+    pipeline run eagerly, on every rank: uneven sequence slices, a new resolution, true CFG paired (over
+    cfg=2's ranks, or stacked in one batch)."""
     faulthandler.dump_traceback_later(150, exit=True)  # a replay waiting on its peer has no NCCL timeout
     true_cfg = dict(negative_prompt="a dog", true_cfg_scale=4.0)
     for layout, options in (
@@ -259,9 +260,30 @@ def _parallel_replays(rank: int, world: int) -> None:
         _replays_match_eager(pipe)
         _replays_match_eager(pipe, **true_cfg)  # the first call's shapes: its graph again
         _replays_match_eager(pipe, height=48, width=32)
-        stats = omni_accel.describe(pipe).components[0].graphs.stats()
-        assert stats["eager"] == {} and stats["captures"] == 2, (layout, stats)
+        _replays_match_eager(pipe, num_images_per_prompt=2)  # a strided slice of each sample, eagerly
+        component = omni_accel.describe(pipe).components[0]
+        stats = component.graphs.stats()
+        # without a cfg group the true-CFG calls run stacked in one batch, of the two images' shapes; with
+        # one, each rank runs a batch of one either way
+        stacked = component.cfg.stacked_calls > 0
+        assert stacked == (component.cfg.group is None), (layout, component.cfg.describe())
+        assert stats["eager"] == {} and stats["captures"] == 2 + stacked, (layout, stats)
+    _stacked_guidance_is_bitwise_the_two_calls()
     _peer_writes_move_what_nccl_moves()
+
+
+def _stacked_guidance_is_bitwise_the_two_calls() -> None:
+    """A true-CFG step's two calls stacked in one batch give what the two calls give, bit for bit (the
+    kernels here do not change their rounding with the batch)."""
+    for degrees in (dict(ulysses=2), dict(tp=2)):
+        images = []
+        for stacked in (True, False):
+            pipe = _gpu_pipeline(parallel=ParallelConfig(**degrees, batch_guidance=stacked))
+            call = dict(prompt="a cat", negative_prompt="a dog", true_cfg_scale=4.0, output_type="latent")
+            images.append(pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images)
+            pairs = omni_accel.describe(pipe).components[0].cfg  # None: no pairing without stacking
+            assert (pairs is not None and pairs.stacked_calls > 0) == stacked
+        assert torch.equal(*images), degrees
 
 
 def _peer_writes_move_what_nccl_moves() -> None:

@@ -95,9 +95,11 @@ class SequenceState:
             if split.ndim is not None and value.ndim != split.ndim:
                 return value
             local = self.stream(split.stream, value.shape[split.dim]).shard(value, split.dim)
-            if self.tp_group is None or split.positions:
-                return local
-            return shard(local, split.dim, self.tp_group, self.tokens[split.stream])
+            if self.tp_group is not None and not split.positions:
+                local = shard(local, split.dim, self.tp_group, self.tokens[split.stream])
+            # contiguous, as a step graph's copy of it is: the kernels then see the same strides eagerly and
+            # replayed (a slice of a batch of several is strided, and may round differently)
+            return local.contiguous()
         return type(value)(self.split(item, split) for item in value)
 
     def gather(self, value: torch.Tensor, split: Split) -> torch.Tensor:
