@@ -377,6 +377,7 @@ def _two_ranks(rank: int, world: int) -> None:
     (one, _), (two, pipe) = image_to_video(), image_to_video(parallel=ParallelConfig(ulysses=2))
     assert ((two - one).abs().max() / one.abs().max()).item() <= 1e-5
     assert pipe.vae.encoder.forward.calls > 0  # the encoder ran split
+    assert "2 cond/uncond pairs in one call" in str(omni_accel.describe(pipe))  # image embeddings stacked
     # Wan VACE: its calls pair under cfg=2 as Wan's do (control blocks and all)
     from test_wan_native import vace_call
 
@@ -387,6 +388,22 @@ def _two_ranks(rank: int, world: int) -> None:
     (one, _), (two, pipe) = vace(), vace(parallel=ParallelConfig(cfg=2))
     assert ((two - one).abs().max() / one.abs().max()).item() <= 1e-5
     assert "2 paired" in str(omni_accel.describe(pipe))
+    # ... and stack in one batch under ulysses (the control video stacked with the latents)
+    two, pipe = vace(parallel=ParallelConfig(ulysses=2))
+    assert ((two - one).abs().max() / one.abs().max()).item() <= 1e-5
+    assert "2 cond/uncond pairs in one call, 0 pairs run one" in str(omni_accel.describe(pipe))
+    # Wan 2.2's two experts each stack their own steps' calls
+    experts = dict(video, num_inference_steps=4)
+    one = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, two_experts=True))(
+        **experts, generator=torch.Generator().manual_seed(0)
+    )
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_wan_pipeline(seed=0, two_experts=True), parallel=ParallelConfig(ulysses=2)
+    )
+    two = pipe(**experts, generator=torch.Generator().manual_seed(0))
+    assert ((two.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
+    stacked = [c.cfg.stacked_calls for c in omni_accel.describe(pipe).components if c.cfg is not None]
+    assert len(stacked) == 2 and sum(stacked) == 4 and all(stacked), stacked
     with pytest.raises(ValueError, match="needs a native transformer"):
         omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
 
