@@ -346,6 +346,23 @@ def _two_ranks(rank: int, world: int) -> None:
     two = wan(**video, generator=torch.Generator().manual_seed(0))
     assert ((two.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
     assert "2 cond/uncond pairs in one call" in str(omni_accel.describe(wan))  # Wan's CFG calls stacked
+    # a Diffusers step cache works under cfg=2 as in Diffusers; with the tokens split it is refused (each
+    # rank would decide on its own slice), on every rank alike, and the pipeline runs once it is off
+    from diffusers import FirstBlockCacheConfig
+
+    cached = dict(video, num_inference_steps=4)
+    plain = omni_accel.tiny_wan_pipeline(seed=0)
+    plain.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    expected = plain(**cached, generator=torch.Generator().manual_seed(0)).frames
+    pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel=ParallelConfig(cfg=2))
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    assert torch.equal(pipe(**cached, generator=torch.Generator().manual_seed(0)).frames, expected)
+    wan.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    with pytest.raises(RuntimeError, match=r"blocks.0 has Diffusers hooks .* cannot run while the tokens"):
+        wan(**video, generator=torch.Generator().manual_seed(0))
+    wan.transformer.disable_cache()
+    again = wan(**video, generator=torch.Generator().manual_seed(0))
+    assert ((again.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
     # parallel="auto": Wan's default call runs both guidance branches, so they go to the two ranks
     wan = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel="auto")
     assert "decided at the first pipeline call" in str(omni_accel.describe(wan))

@@ -146,7 +146,7 @@ def parallelize(
         path, split = seq.output
         submodules.add(path, GatherSequence(split, sequence), _HOOK_PREFIX + "sp_gather")
         layout.undo.append(submodules.remove)
-        hook = SplitSequence(seq, sequence, submodules)
+        hook = SplitSequence(seq, sequence, submodules, tuple(plan.tensor))
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "sp_split"))
     if config.cfg > 1 or (pairs_guidance and config.stacks_guidance):
         layout.cfg = CfgParallel(state.group("cfg"), plan.batched_inputs)

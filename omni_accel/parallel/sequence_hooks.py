@@ -119,13 +119,22 @@ class SequenceState:
 
 class SplitSequence(LayoutHook):
     """On the model: starts a forward's layout, keeps the submodules' hooks where their paths lead now, and
-    splits the forward arguments the plan names."""
+    splits the forward arguments the plan names. ``block_lists``: the model's lists of repeated blocks,
+    whose own hooks it checks (see ``_refuse_block_hooks``)."""
 
-    def __init__(self, plan: SequencePlan, state: SequenceState, submodules: SubmoduleHooks) -> None:
+    def __init__(
+        self,
+        plan: SequencePlan,
+        state: SequenceState,
+        submodules: SubmoduleHooks,
+        block_lists: tuple[str, ...],
+    ) -> None:
         super().__init__()
         self.plan, self.state, self.submodules = plan, state, submodules
+        self.block_lists = block_lists
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+        self._refuse_block_hooks(module)
         self.submodules.follow()
         self.state.reset()
         arguments = bound_arguments(module, args, kwargs)
@@ -136,6 +145,27 @@ class SplitSequence(LayoutHook):
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         self.state.joint = None
         return output
+
+    def _refuse_block_hooks(self, module: nn.Module) -> None:
+        """A Diffusers hook on a block (a step cache's, block-level offloading's) would see this rank's
+        slice of the tokens: its caching decisions would differ between the ranks (which then wait for each
+        other forever) and its residuals would not match the sequence it was given. Every rank refuses the
+        same call, before any exchange."""
+        for list_name in self.block_lists:
+            for index, block in enumerate(getattr(module, list_name)):
+                registry = block.__dict__.get("_diffusers_hook")
+                foreign = (
+                    []
+                    if registry is None
+                    else [name for name, hook in registry.hooks.items() if not isinstance(hook, LayoutHook)]
+                )
+                if foreign:
+                    raise RuntimeError(
+                        f"{list_name}.{index} has Diffusers hooks {foreign} (a step cache from enable_cache(), "
+                        "or block-level offloading), which cannot run while the tokens are split over the "
+                        "ranks: each rank would cache and decide on its own slice. Turn them off "
+                        "(transformer.disable_cache()), or use cfg=2 or one GPU, where they work as in Diffusers."
+                    )
 
     def replay_key(self) -> tuple:
         # Split before the forward: the sizes of every rank's slice, not just this rank's local shape.
