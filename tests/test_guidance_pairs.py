@@ -129,3 +129,13 @@ def test_unpaired_calls_are_errors_and_unpaired_pipelines_call_through():
     with pytest.raises(RuntimeError, match="its result was never computed"):
         pairs.finish_call(completed=True)
     assert not pairs.pairing
+
+
+def test_inference_mode_tensors_are_compared_without_a_version_counter():
+    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs.pairing = True
+    with torch.inference_mode():
+        cond, uncond = _call(0), _call(1)  # distinct, equal ids tensors
+        got = _step(pairs, model, cond, uncond)
+    assert model.batches == [2]
+    assert all(torch.equal(g, w) for g, w in zip(got, _expected(cond, uncond), strict=True))

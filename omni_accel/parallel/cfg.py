@@ -145,6 +145,8 @@ class CfgParallel:
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             if not _stackable(a, b) or a.shape != b.shape:
                 return False
+            if a.is_inference() or b.is_inference():  # no version counter to key a verdict on
+                return torch.equal(a, b)
             key = (id(a), a._version, id(b), b._version)
             if key not in self._same:
                 self._same[key] = (a, b, torch.equal(a, b))
@@ -175,8 +177,8 @@ class CfgParallel:
     def describe(self) -> str:
         if self.group is None:
             return (
-                f"guidance branches stacked in one batch: {self.stacked_calls} cond/uncond pairs in one call, "
-                f"{self.unstacked_calls} pairs run one after the other (inputs that do not stack)"
+                f"guidance branches stacked in one batch: {self.stacked_calls} cond/uncond pairs in one "
+                f"call, {self.unstacked_calls} pairs run one after the other (inputs that do not stack)"
             )
         return (
             f"cfg parallel: {self.split_calls} batch-split calls, {self.paired_calls} paired cond/uncond "
@@ -197,7 +199,8 @@ class SplitGuidance(LayoutHook):
     """Runs the module's forward through ``CfgParallel``. ``output_like(module, arguments)`` is an empty
     tensor shaped like the output; ``output_class`` wraps it as the module returns it with ``return_dict``.
     Registered after the step graphs are installed, so it wraps them: its per-call pairing decisions are
-    made outside any captured step, which sees only the half batch or the one branch it is given."""
+    made outside any captured step, which sees only the half batch, the one branch or the stacked pair it
+    is given."""
 
     _is_stateful = True  # so Diffusers hands it the cache context (the branch name)
 

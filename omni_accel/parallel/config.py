@@ -66,8 +66,8 @@ class ParallelConfig:
             )
 
     def __str__(self) -> str:
-        unstacked = "" if self.batch_guidance else ", batch_guidance=False"
-        return f"ParallelConfig(tp={self.tp}, ulysses={self.ulysses}, ring={self.ring}, cfg={self.cfg}{unstacked})"
+        degrees = f"tp={self.tp}, ulysses={self.ulysses}, ring={self.ring}, cfg={self.cfg}"
+        return f"ParallelConfig({degrees}{'' if self.batch_guidance else ', batch_guidance=False'})"
 
 
 def _divisors(n: int) -> list[int]:

@@ -161,10 +161,11 @@ class SplitSequence(LayoutHook):
                 )
                 if foreign:
                     raise RuntimeError(
-                        f"{list_name}.{index} has Diffusers hooks {foreign} (a step cache from enable_cache(), "
-                        "or block-level offloading), which cannot run while the tokens are split over the "
-                        "ranks: each rank would cache and decide on its own slice. Turn them off "
-                        "(transformer.disable_cache()), or use cfg=2 or one GPU, where they work as in Diffusers."
+                        f"{list_name}.{index} has Diffusers hooks {foreign} "
+                        "(a step cache from enable_cache(), or block-level offloading), which cannot run "
+                        "while the tokens are split over the ranks: each rank would cache and decide on its "
+                        "own slice. Turn them off (transformer.disable_cache()), or use cfg=2 or one GPU, "
+                        "where they work as in Diffusers."
                     )
 
     def replay_key(self) -> tuple:
