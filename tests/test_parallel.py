@@ -222,59 +222,46 @@ def _tp_splits_the_modulation() -> None:
         assert shard_of(linear) is not None and linear.weight.shape[0] == linear.out_features // 2
 
 
-def _bf16_as_accurate_as_one_rank(*layouts: ParallelConfig) -> None:
-    """Each layout in bf16 is as close to a float64 run as one rank in bf16 is: a layout sums in another
-    order, never in a lower precision (so a bf16 layout's distance from one rank, 5-7 % for Wan's ring and
-    tp after two steps of a random 14B model on GPUs, is rounding amplified by the model, not an error)."""
-    from test_wan_native import wan_inputs
-
-    def forward(dtype: torch.dtype, layout: ParallelConfig | None = None) -> torch.Tensor:
-        pipe = omni_accel.tiny_wan_pipeline(
-            seed=0, num_layers=8, num_attention_heads=4, attention_head_dim=32
-        )
-        omni_accel.accelerate(pipe.to(dtype=dtype), parallel=layout)
-        x = wan_inputs(pipe.transformer, batch=1, frames=5, side=16, text=7)
-        x = {name: t if name == "timestep" else t.to(dtype) for name, t in x.items()}
-        with torch.no_grad():
-            return pipe.transformer(**x, return_dict=False)[0].double()
-
-    exact = forward(torch.float64)
+def _bf16_as_accurate_as_one_rank(run, *layouts: ParallelConfig) -> None:
+    """``run(dtype, layout)`` in bf16 under each layout is as close to its float64 run as one rank in bf16
+    is: a layout sums in another order (or, stacking the guidance calls, hands the kernels another batch),
+    never in a lower precision. So a bf16 layout's distance from one rank (5-7 % for Wan's ring and tp after
+    two steps of a random 14B model on GPUs) is rounding amplified by the model, not an error."""
+    exact = run(torch.float64, None)
 
     def error(out: torch.Tensor) -> float:
         return ((out - exact).abs().max() / exact.abs().max()).item()
 
-    one = error(forward(torch.bfloat16))
+    one = error(run(torch.bfloat16, None))
     for layout in layouts:
-        got = error(forward(torch.bfloat16, layout))
+        got = error(run(torch.bfloat16, layout))
         assert got <= 1.25 * one, f"{layout} in bf16: {got:.2e} from float64, one rank {one:.2e}"
 
 
-def _stacked_guidance_as_accurate_in_bf16(*layouts: ParallelConfig) -> None:
-    """Wan's two guidance calls per step stacked in one batch, in bf16, are as close to a float64 run as
-    one rank's two calls are (stacking changes which kernels see the batch, so it may round differently,
-    never less precisely)."""
+def _small_wan(dtype: torch.dtype, layout: ParallelConfig | None):
+    pipe = omni_accel.tiny_wan_pipeline(seed=0, num_layers=8, num_attention_heads=4, attention_head_dim=32)
+    return omni_accel.accelerate(pipe.to(dtype=dtype), parallel=layout)
+
+
+def _wan_forward(dtype: torch.dtype, layout: ParallelConfig | None) -> torch.Tensor:
+    from test_wan_native import wan_inputs
+
+    pipe = _small_wan(dtype, layout)
+    x = wan_inputs(pipe.transformer, batch=1, frames=5, side=16, text=7)
+    x = {name: t if name == "timestep" else t.to(dtype) for name, t in x.items()}
+    with torch.no_grad():
+        return pipe.transformer(**x, return_dict=False)[0].double()
+
+
+def _wan_guided_latents(dtype: torch.dtype, layout: ParallelConfig | None) -> torch.Tensor:
+    """Two steps with guidance: under a layout the two calls of each step stack in one batch."""
+    pipe = _small_wan(dtype, layout)
     video = dict(prompt="a cat", negative_prompt="blurry", height=32, width=32, num_frames=5)
-
-    def latents(dtype: torch.dtype, layout: ParallelConfig | None = None) -> torch.Tensor:
-        pipe = omni_accel.tiny_wan_pipeline(
-            seed=0, num_layers=8, num_attention_heads=4, attention_head_dim=32
-        )
-        omni_accel.accelerate(pipe.to(dtype=dtype), parallel=layout)
-        out = pipe(
-            **video, num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(0)
-        )
-        assert layout is None or "2 cond/uncond pairs in one call" in str(omni_accel.describe(pipe))
-        return out.frames.double()
-
-    exact = latents(torch.float64)
-
-    def error(out: torch.Tensor) -> float:
-        return ((out - exact).abs().max() / exact.abs().max()).item()
-
-    one = error(latents(torch.bfloat16))
-    for layout in layouts:
-        got = error(latents(torch.bfloat16, layout))
-        assert got <= 1.25 * one, f"{layout} stacked in bf16: {got:.2e} from float64, one rank {one:.2e}"
+    out = pipe(
+        **video, num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(0)
+    )
+    assert layout is None or "2 cond/uncond pairs in one call" in str(omni_accel.describe(pipe))
+    return out.frames.double()
 
 
 @contextlib.contextmanager
@@ -295,8 +282,10 @@ def _tokens_split_never_pays():
 
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
-    _bf16_as_accurate_as_one_rank(ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2))
-    _stacked_guidance_as_accurate_in_bf16(ParallelConfig(ulysses=2), ParallelConfig(tp=2))
+    _bf16_as_accurate_as_one_rank(
+        _wan_forward, ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2)
+    )
+    _bf16_as_accurate_as_one_rank(_wan_guided_latents, ParallelConfig(ulysses=2), ParallelConfig(tp=2))
     _vae_checks()
     _graph_keys_under_a_layout()
     _tp_splits_the_modulation()
@@ -428,7 +417,7 @@ def _two_ranks(rank: int, world: int) -> None:
 def _four_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _bf16_as_accurate_as_one_rank(
-        ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2),
+        _wan_forward, ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2),
         ParallelConfig(tp=2, ulysses=2), ParallelConfig(tp=4),
     )  # fmt: skip
     _vae_checks()
@@ -461,7 +450,10 @@ def _eight_ranks(rank: int, world: int) -> None:
     rank (Ulysses over 8 ranks leaves half of them without a head of the tiny Wan's 4)."""
     torch.set_num_threads(1)
     _bf16_as_accurate_as_one_rank(
-        ParallelConfig(ulysses=8), ParallelConfig(ring=8), ParallelConfig(tp=2, ulysses=2, ring=2)
+        _wan_forward,
+        ParallelConfig(ulysses=8),
+        ParallelConfig(ring=8),
+        ParallelConfig(tp=2, ulysses=2, ring=2),
     )
     _vae_checks()
     oracle = _oracle(heads=8)
