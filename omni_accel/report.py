@@ -9,7 +9,7 @@ from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
 from .cuda_graphs import StepGraphs
 from .models.base import NativeRuntime
-from .parallel.cfg import CfgParallel
+from .parallel.cfg import GuidanceBranches
 from .parallel.sequence import describe_ulysses
 from .parallel.token_rows import describe_rows
 
@@ -24,7 +24,7 @@ class ComponentReport:
     detail: str
     selector: AttentionSelector | None = None
     cache: ExactProjectionCache | None = None
-    cfg: CfgParallel | None = None
+    cfg: GuidanceBranches | None = None
     runtime: NativeRuntime | None = None
     graphs: StepGraphs | None = None
     ulysses_group: Any = None  # the process group of a Ulysses layout's exchanges

@@ -18,7 +18,7 @@ CHECKED_VERSIONS = ("0.42.0", "0.43.0")
 
 def apply(pipe: Any, pairs: Callable[[dict[str, Any]], bool], cfgs: list) -> None:
     """``pairs(arguments)`` says, from the bound call arguments, whether this call pairs its calls; ``cfgs``:
-    the CfgParallel of every transformer the pipeline calls (Wan 2.2 has two experts)."""
+    the GuidanceBranches of every transformer the pipeline calls (Wan 2.2 has two experts)."""
     original = type(pipe)
     signature = inspect.signature(original.__call__)
 

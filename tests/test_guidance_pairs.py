@@ -1,10 +1,10 @@
-"""A CFG step's two transformer calls stacked in one batch (``CfgParallel`` without a cfg group): each
+"""A CFG step's two transformer calls stacked in one batch (``GuidanceBranches`` without a cfg group): each
 branch gets exactly what its own call would have returned, and calls that cannot stack run apart."""
 
 import pytest
 import torch
 
-from omni_accel.parallel.cfg import CfgParallel
+from omni_accel.parallel.cfg import GuidanceBranches
 
 BATCHED = ("hidden_states", "encoder_hidden_states", "timestep")
 
@@ -33,7 +33,9 @@ def _call(seed: int, tokens: int = 4, **overrides) -> dict:
     return {**call, **overrides}
 
 
-def _step(pairs: CfgParallel, model: _Model, cond: dict, uncond: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _step(
+    pairs: GuidanceBranches, model: _Model, cond: dict, uncond: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
     like = lambda call: torch.empty_like(call["hidden_states"])  # noqa: E731
     pairs.branch = "cond"
     cond_out = pairs.run(model, cond, like)
@@ -46,7 +48,7 @@ def _expected(cond: dict, uncond: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_stacked_pair_returns_each_branch_its_own_result():
-    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs, model = GuidanceBranches(None, BATCHED), _Model()
     pairs.pairing = True
     ids = torch.arange(3.0)
     # the same latents object in both calls (Wan), equal ids in distinct tensors (FLUX's text ids)
@@ -71,7 +73,7 @@ def test_stacked_pair_returns_each_branch_its_own_result():
     ids=["unbatched-differs", "shape-differs", "keys-differ"],
 )
 def test_calls_that_cannot_stack_run_one_after_the_other(change):
-    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs, model = GuidanceBranches(None, BATCHED), _Model()
     pairs.pairing = True
     tokens = change.pop("tokens", 4)
     cond, uncond = _call(0), _call(1, tokens=tokens, **change)
@@ -83,7 +85,7 @@ def test_calls_that_cannot_stack_run_one_after_the_other(change):
 
 
 def test_unbatched_tensors_are_compared_again_after_an_in_place_edit():
-    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs, model = GuidanceBranches(None, BATCHED), _Model()
     pairs.pairing = True
     ids, other = torch.arange(3.0), torch.arange(3.0)
     _step(pairs, model, _call(0, ids=ids), _call(1, ids=other))
@@ -95,7 +97,7 @@ def test_unbatched_tensors_are_compared_again_after_an_in_place_edit():
 
 
 def test_a_dict_argument_edited_between_the_calls_reaches_the_conditional_branch_as_it_was():
-    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs, model = GuidanceBranches(None, BATCHED), _Model()
     pairs.pairing = True
     extra = {"scale": 1.0}
     cond = _call(0, extra=extra)
@@ -111,7 +113,7 @@ def test_a_dict_argument_edited_between_the_calls_reaches_the_conditional_branch
 
 
 def test_unpaired_calls_are_errors_and_unpaired_pipelines_call_through():
-    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs, model = GuidanceBranches(None, BATCHED), _Model()
     like = lambda call: torch.empty_like(call["hidden_states"])  # noqa: E731
     call = _call(0)
     assert torch.equal(pairs.run(model, call, like), _Model()(**call))  # pairing off: a plain call
@@ -132,7 +134,7 @@ def test_unpaired_calls_are_errors_and_unpaired_pipelines_call_through():
 
 
 def test_inference_mode_tensors_are_compared_without_a_version_counter():
-    pairs, model = CfgParallel(None, BATCHED), _Model()
+    pairs, model = GuidanceBranches(None, BATCHED), _Model()
     pairs.pairing = True
     with torch.inference_mode():
         cond, uncond = _call(0), _call(1)  # distinct, equal ids tensors

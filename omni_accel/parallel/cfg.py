@@ -37,9 +37,10 @@ from .hooks import LayoutHook, bound_arguments
 _BRANCHES = ("cond", "uncond")
 
 
-class CfgParallel:
-    """The guidance branches over the two ranks of ``group``, or stacked in one call when ``group`` is
-    None. ``batched_inputs``: the forward arguments with a batch dimension."""
+class GuidanceBranches:
+    """How a layout runs a CFG step's two branches: over the two ranks of ``group`` (CFG parallelism), or,
+    with ``group`` None, stacked in one call. ``batched_inputs``: the forward arguments with a batch
+    dimension."""
 
     def __init__(self, group: dist.ProcessGroup | None, batched_inputs: Sequence[str]) -> None:
         if group is not None and dist.get_world_size(group) != 2:
@@ -196,7 +197,7 @@ class _NoState:
 
 
 class SplitGuidance(LayoutHook):
-    """Runs the module's forward through ``CfgParallel``. ``output_like(module, arguments)`` is an empty
+    """Runs the module's forward through ``GuidanceBranches``. ``output_like(module, arguments)`` is an empty
     tensor shaped like the output; ``output_class`` wraps it as the module returns it with ``return_dict``.
     Registered after the step graphs are installed, so it wraps them: its per-call pairing decisions are
     made outside any captured step, which sees only the half batch, the one branch or the stacked pair it
@@ -206,7 +207,7 @@ class SplitGuidance(LayoutHook):
 
     def __init__(
         self,
-        cfg: CfgParallel,
+        cfg: GuidanceBranches,
         output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor],
         output_class: type,
     ) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cfg import CfgParallel, SplitGuidance
+from .cfg import GuidanceBranches, SplitGuidance
 from .hooks import SubmoduleHooks, register
 from .mesh import ParallelState
 from .sequence import SequenceParallel
@@ -68,7 +68,7 @@ class Parallelized:
     description: str
     splits_blocks: bool  # tp or sp > 1: a block's own Diffusers forward would be wrong here
     sequence: SequenceState | None = None
-    cfg: CfgParallel | None = None
+    cfg: GuidanceBranches | None = None
     undo: list[Callable[[], None]] = field(default_factory=list)
     index: int = -1
 
@@ -149,7 +149,7 @@ def parallelize(
         hook = SplitSequence(seq, sequence, submodules, tuple(plan.tensor))
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "sp_split"))
     if config.cfg > 1 or (pairs_guidance and config.stacks_guidance):
-        layout.cfg = CfgParallel(state.group("cfg"), plan.batched_inputs)
+        layout.cfg = GuidanceBranches(state.group("cfg"), plan.batched_inputs)
         hook = SplitGuidance(layout.cfg, plan.output_like, output_class)
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "cfg_split"))
     return layout
