@@ -264,6 +264,66 @@ def _wan_guided_latents(dtype: torch.dtype, layout: ParallelConfig | None) -> to
     return out.frames.double()
 
 
+def _step_caches_under_layouts(video: dict, one) -> None:
+    """Diffusers' first-block cache gives what it gives on one GPU under every layout: under cfg=2 each
+    rank runs a branch whole; where the tokens are split, its decision is made on every rank's tokens
+    (the guidance calls then run apart, each in its cache context). Other step caches on the blocks
+    (MagCache's) are refused there."""
+    from diffusers import FirstBlockCacheConfig, MagCacheConfig
+
+    cached = dict(video, num_inference_steps=6)
+    plain = omni_accel.tiny_wan_pipeline(seed=0)
+    uncached = plain(**cached, generator=torch.Generator().manual_seed(0)).frames
+    plain.transformer.enable_cache(FirstBlockCacheConfig(threshold=1.0))
+    expected = plain(**cached, generator=torch.Generator().manual_seed(0)).frames
+    assert not torch.equal(expected, uncached)  # the cache skipped blocks on some steps
+    for layout in (
+        ParallelConfig(cfg=2),
+        ParallelConfig(ulysses=2),
+        ParallelConfig(ring=2),
+        ParallelConfig(tp=2),
+    ):
+        pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel=layout)
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=1.0))
+        got = pipe(**cached, generator=torch.Generator().manual_seed(0)).frames
+        assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5, layout
+        if layout.cfg == 1:
+            assert "12 calls alone (a step cache" in str(omni_accel.describe(pipe)), layout
+        pipe.transformer.disable_cache()
+        again = pipe(**video, generator=torch.Generator().manual_seed(0)).frames
+        assert ((again - one).abs().max() / one.abs().max()).item() <= 1e-5, layout
+    pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
+    pipe.transformer.enable_cache(MagCacheConfig(threshold=0.5, num_inference_steps=2, mag_ratios=[1.0, 0.9]))
+    with pytest.raises(RuntimeError, match=r"blocks.0 has Diffusers hooks .* cannot run while the tokens"):
+        pipe(**video, generator=torch.Generator().manual_seed(0))
+    _first_block_cache_decides_on_every_rank()
+
+
+def _first_block_cache_decides_on_every_rank() -> None:
+    """The ranks' halves would decide apart (rank 0's residual unchanged, rank 1's changed); summed over
+    the ranks, both take the whole sequence's decision."""
+    from diffusers.hooks import first_block_cache
+    from diffusers.hooks.hooks import CacheContext, StateManager
+
+    from omni_accel import patches
+    from omni_accel.parallel import sequence_hooks
+    from omni_accel.parallel.sequence_hooks import SequenceState
+
+    patches.apply("first_block_cache_over_ranks", "diffusers.hooks.first_block_cache")
+    try:
+        hook = first_block_cache.FBCHeadBlockHook(StateManager(first_block_cache.FBCSharedBlockState), 0.5)
+        hook.state_manager.set_context(CacheContext("cond"))
+        hook.state_manager.get_state().head_block_residual = torch.ones(1, 4, 2)
+        residual = torch.ones(1, 4, 2) * (1.0 if dist.get_rank() == 0 else 3.0)
+        alone = hook._should_compute_remaining_blocks(residual)  # no token split in flight: this rank's
+        sequence_hooks._FORWARD.state = SequenceState(dist.group.WORLD, None)
+        together = hook._should_compute_remaining_blocks(residual)
+    finally:
+        sequence_hooks._FORWARD.state = None
+        patches.revert("first_block_cache_over_ranks", "diffusers.hooks.first_block_cache")
+    assert alone == (dist.get_rank() == 1) and together  # summed: 16 / 16 = 1.0 > 0.5
+
+
 @contextlib.contextmanager
 def _tokens_split_never_pays():
     """As on NCCL ranks that cannot write each other's memory."""
@@ -335,23 +395,7 @@ def _two_ranks(rank: int, world: int) -> None:
     two = wan(**video, generator=torch.Generator().manual_seed(0))
     assert ((two.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
     assert "2 cond/uncond pairs in one call" in str(omni_accel.describe(wan))  # Wan's CFG calls stacked
-    # a Diffusers step cache works under cfg=2 as in Diffusers; with the tokens split it is refused (each
-    # rank would decide on its own slice), on every rank alike, and the pipeline runs once it is off
-    from diffusers import FirstBlockCacheConfig
-
-    cached = dict(video, num_inference_steps=4)
-    plain = omni_accel.tiny_wan_pipeline(seed=0)
-    plain.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
-    expected = plain(**cached, generator=torch.Generator().manual_seed(0)).frames
-    pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel=ParallelConfig(cfg=2))
-    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
-    assert torch.equal(pipe(**cached, generator=torch.Generator().manual_seed(0)).frames, expected)
-    wan.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
-    with pytest.raises(RuntimeError, match=r"blocks.0 has Diffusers hooks .* cannot run while the tokens"):
-        wan(**video, generator=torch.Generator().manual_seed(0))
-    wan.transformer.disable_cache()
-    again = wan(**video, generator=torch.Generator().manual_seed(0))
-    assert ((again.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
+    _step_caches_under_layouts(video, one.frames)
     # parallel="auto": Wan's default call runs both guidance branches, so they go to the two ranks
     wan = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel="auto")
     assert "decided at the first pipeline call" in str(omni_accel.describe(wan))

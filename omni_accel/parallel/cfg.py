@@ -33,6 +33,7 @@ from torch import nn
 
 from .comm import all_gather_dim
 from .hooks import LayoutHook, bound_arguments
+from .sequence_hooks import foreign_block_hooks
 
 _BRANCHES = ("cond", "uncond")
 
@@ -53,16 +54,21 @@ class GuidanceBranches:
         self._pending: tuple[dict[str, Any], torch.Tensor] | None = None
         self._same: dict[tuple, tuple] = {}  # verdicts on unbatched tensor pairs, for one pipeline call
         self.split_calls = self.paired_calls = self.replicated_calls = 0
-        self.stacked_calls = self.unstacked_calls = 0
+        self.stacked_calls = self.unstacked_calls = self.hooked_calls = 0
 
     def run(
         self,
         model: Callable[..., torch.Tensor],
         kwargs: dict[str, Any],
         output_like: Callable[[dict], torch.Tensor],
+        may_stack: bool = True,
     ) -> torch.Tensor:
         """``model(**kwargs)`` (the model's output tensor), computed with the other rank's help, or with
-        the other branch's call."""
+        the other branch's call. ``may_stack`` False: hooks on the model decide per branch (a step cache
+        keeps a state per ``cache_context``), so without a cfg group each call runs alone, in its context."""
+        if self.group is None and self.pairing and not may_stack:
+            self.hooked_calls += 1
+            return model(**kwargs)
         if self.pairing:
             return self._paired(model, kwargs, output_like)
         if self.group is None:
@@ -179,7 +185,8 @@ class GuidanceBranches:
         if self.group is None:
             return (
                 f"guidance branches stacked in one batch: {self.stacked_calls} cond/uncond pairs in one "
-                f"call, {self.unstacked_calls} pairs run one after the other (inputs that do not stack)"
+                f"call, {self.unstacked_calls} pairs run one after the other (inputs that do not stack), "
+                f"{self.hooked_calls} calls alone (a step cache on the blocks decides per branch)"
             )
         return (
             f"cfg parallel: {self.split_calls} batch-split calls, {self.paired_calls} paired cond/uncond "
@@ -210,9 +217,11 @@ class SplitGuidance(LayoutHook):
         cfg: GuidanceBranches,
         output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor],
         output_class: type,
+        block_lists: tuple[str, ...],
     ) -> None:
         super().__init__()
         self.cfg, self.output_like, self.output_class = cfg, output_like, output_class
+        self.block_lists = block_lists  # whose own hooks keep the branches apart
         self.context = StateManager(_NoState)
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -224,7 +233,8 @@ class SplitGuidance(LayoutHook):
         def forward(**call: Any) -> torch.Tensor:
             return self.fn_ref.original_forward(**call, return_dict=False)[0]
 
-        sample = self.cfg.run(forward, arguments, lambda call: self.output_like(module, call))
+        hooked = bool(foreign_block_hooks(module, self.block_lists))
+        sample = self.cfg.run(forward, arguments, lambda call: self.output_like(module, call), not hooked)
         return self.output_class(sample=sample) if return_dict else (sample,)
 
     def reset_state(self, module: nn.Module) -> nn.Module:

@@ -21,6 +21,20 @@ class LayoutHook(ModelHook):
         return ()
 
 
+def _keep_outermost(registry: HookRegistry, name: str) -> None:
+    """Moves the hooks registered after ``name`` under it. They come off from the outermost in: Diffusers'
+    ``remove_hook`` of an inner hook would drop the forward of an outer one that has its own."""
+    order = registry._hook_order
+    if order[-1] == name:
+        return
+    stack = order[order.index(name) :]  # ours, then the hooks registered after it
+    hooks = {key: registry.hooks[key] for key in stack}
+    for key in reversed(stack):
+        registry.remove_hook(key, recurse=False)
+    for key in [*stack[1:], name]:
+        registry.register_hook(hooks[key], key)
+
+
 def register(module: nn.Module, hook: ModelHook, name: str) -> Callable[[], None]:
     """Registers ``hook`` on ``module`` as ``name``; returns the undo."""
     registry = HookRegistry.check_if_exists_or_initialize(module)
@@ -42,13 +56,17 @@ class SubmoduleHooks:
         self._placed.append([path, hook, name, module, register(module, hook, name)])
 
     def follow(self) -> None:
-        """Moves each hook to the module now at its path (called before every forward of ``root``)."""
+        """Moves each hook to the module now at its path, and outside any hook registered after it there (a
+        step cache's on Wan's first block must see the tokens this rank holds); called before every forward
+        of ``root``."""
         for placed in self._placed:
             path, hook, name, module, undo = placed
             now = self.root.get_submodule(path)
             if now is not module:
                 undo()
                 placed[3:] = [now, register(now, hook, name)]
+            else:
+                _keep_outermost(now._diffusers_hook, name)
 
     def remove(self) -> None:
         for *_, undo in self._placed:

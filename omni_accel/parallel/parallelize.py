@@ -150,6 +150,6 @@ def parallelize(
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "sp_split"))
     if config.cfg > 1 or (pairs_guidance and config.stacks_guidance):
         layout.cfg = GuidanceBranches(state.group("cfg"), plan.batched_inputs)
-        hook = SplitGuidance(layout.cfg, plan.output_like, output_class)
+        hook = SplitGuidance(layout.cfg, plan.output_like, output_class, tuple(plan.tensor))
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "cfg_split"))
     return layout

@@ -19,6 +19,7 @@ applied after the gather, so the TP level leaves it whole.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,36 @@ from torch import nn
 from .hooks import LayoutHook, SubmoduleHooks, bound_arguments
 from .sequence import SequenceParallel, gather, shard, split_sizes
 from .token_rows import Rows
+
+RANK_AWARE_HOOKS: set[type] = set()
+"""Classes of Diffusers hooks on blocks that decide over every rank's tokens (``token_groups``), so they may
+run while the tokens are split; ``patches/first_block_cache_over_ranks.py`` adds its own."""
+
+_FORWARD = threading.local()  # the SequenceState of the forward in flight on this thread
+
+
+def token_groups() -> list[dist.ProcessGroup] | None:
+    """The groups whose ranks split the tokens of the forward in flight (sequence groups and, where it
+    splits them, the TP group), or None outside such a forward: a hook that must decide on the whole
+    sequence sums what it measured on its slice over them."""
+    state = getattr(_FORWARD, "state", None)
+    if state is None:
+        return None
+    return [group for group in (*state.groups.values(), state.tp_group) if group is not None]
+
+
+def foreign_block_hooks(module: nn.Module, block_lists: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Block path -> {name: hook} of the Diffusers hooks on ``module``'s blocks that are not a layout's (a
+    step cache's, block-level offloading's)."""
+    found = {}
+    for list_name in block_lists:
+        for index, block in enumerate(getattr(module, list_name)):
+            registry = block.__dict__.get("_diffusers_hook")
+            hooks = {} if registry is None else registry.hooks
+            foreign = {name: hook for name, hook in hooks.items() if not isinstance(hook, LayoutHook)}
+            if foreign:
+                found[f"{list_name}.{index}"] = foreign
+    return found
 
 
 @dataclass(frozen=True)
@@ -137,6 +168,7 @@ class SplitSequence(LayoutHook):
         self._refuse_block_hooks(module)
         self.submodules.follow()
         self.state.reset()
+        _FORWARD.state = self.state
         arguments = bound_arguments(module, args, kwargs)
         for name, split in self.plan.inputs.items():
             arguments[name] = self.state.split(arguments.get(name), split)
@@ -144,29 +176,25 @@ class SplitSequence(LayoutHook):
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         self.state.joint = None
+        _FORWARD.state = None
         return output
 
     def _refuse_block_hooks(self, module: nn.Module) -> None:
-        """A Diffusers hook on a block (a step cache's, block-level offloading's) would see this rank's
-        slice of the tokens: its caching decisions would differ between the ranks (which then wait for each
-        other forever) and its residuals would not match the sequence it was given. Every rank refuses the
-        same call, before any exchange."""
-        for list_name in self.block_lists:
-            for index, block in enumerate(getattr(module, list_name)):
-                registry = block.__dict__.get("_diffusers_hook")
-                foreign = (
-                    []
-                    if registry is None
-                    else [name for name, hook in registry.hooks.items() if not isinstance(hook, LayoutHook)]
+        """A Diffusers hook on a block (a step cache's, block-level offloading's) sees this rank's slice of
+        the tokens: unless it decides over every rank's (``RANK_AWARE_HOOKS``), its caching decisions would
+        differ between the ranks, which then wait for each other forever. Every rank refuses the same call,
+        before any exchange."""
+        for path, hooks in foreign_block_hooks(module, self.block_lists).items():
+            foreign = [name for name, hook in hooks.items() if type(hook) not in RANK_AWARE_HOOKS]
+            if foreign:
+                raise RuntimeError(
+                    f"{path} has Diffusers hooks {foreign} "
+                    "(a step cache from enable_cache(), or block-level offloading), which cannot run "
+                    "while the tokens are split over the ranks: each rank would cache and decide on its "
+                    "own slice. Turn them off (transformer.disable_cache()), or use a first-block cache "
+                    "(FirstBlockCacheConfig: it decides on every rank's tokens), or cfg=2 or one GPU, "
+                    "where every step cache works as in Diffusers."
                 )
-                if foreign:
-                    raise RuntimeError(
-                        f"{list_name}.{index} has Diffusers hooks {foreign} "
-                        "(a step cache from enable_cache(), or block-level offloading), which cannot run "
-                        "while the tokens are split over the ranks: each rank would cache and decide on its "
-                        "own slice. Turn them off (transformer.disable_cache()), or use cfg=2 or one GPU, "
-                        "where they work as in Diffusers."
-                    )
 
     def replay_key(self) -> tuple:
         # Split before the forward: the sizes of every rank's slice, not just this rank's local shape.
