@@ -292,6 +292,16 @@ def _step_caches_under_layouts(video: dict, one) -> None:
         pipe.transformer.disable_cache()
         again = pipe(**video, generator=torch.Generator().manual_seed(0)).frames
         assert ((again - one).abs().max() / one.abs().max()).item() <= 1e-5, layout
+    # FLUX (its tokens split before the blocks), blocks skipped too
+    call = dict(prompt="a cat", height=32, width=48, num_inference_steps=6, max_sequence_length=13)
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    plain.transformer.enable_cache(FirstBlockCacheConfig(threshold=1.0))
+    expected = _latents(plain, **call)
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=1.0))
+    got = _latents(pipe, **call)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    assert not torch.equal(expected, _latents(omni_accel.tiny_flux_pipeline(seed=0), **call))
     pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
     pipe.transformer.enable_cache(MagCacheConfig(threshold=0.5, num_inference_steps=2, mag_ratios=[1.0, 0.9]))
     with pytest.raises(RuntimeError, match=r"blocks.0 has Diffusers hooks .* cannot run while the tokens"):
