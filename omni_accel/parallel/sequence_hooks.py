@@ -168,16 +168,20 @@ class SplitSequence(LayoutHook):
         self._refuse_block_hooks(module)
         self.submodules.follow()
         self.state.reset()
-        _FORWARD.state = self.state
         arguments = bound_arguments(module, args, kwargs)
         for name, split in self.plan.inputs.items():
             arguments[name] = self.state.split(arguments.get(name), split)
         return (), arguments
 
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
-        self.state.joint = None
-        _FORWARD.state = None
-        return output
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The forward (its arguments split already), with its layout in flight for ``token_groups``
+        until it returns or raises."""
+        _FORWARD.state = self.state
+        try:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        finally:
+            _FORWARD.state = None
+            self.state.joint = None
 
     def _refuse_block_hooks(self, module: nn.Module) -> None:
         """A Diffusers hook on a block (a step cache's, block-level offloading's) sees this rank's slice of
