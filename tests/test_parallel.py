@@ -307,6 +307,18 @@ def _step_caches_under_layouts(video: dict, one) -> None:
     with pytest.raises(RuntimeError, match=r"blocks.0 has Diffusers hooks .* cannot run while the tokens"):
         pipe(**video, generator=torch.Generator().manual_seed(0))
     _first_block_cache_decides_on_every_rank()
+    # a forward that raises leaves no layout in flight for a later forward's cache to sum over
+    from omni_accel.parallel.sequence_hooks import token_groups
+
+    def fail(module, args):
+        raise KeyError("raised inside the forward")
+
+    handle = pipe.transformer.blocks[1].register_forward_pre_hook(fail)
+    pipe.transformer.disable_cache()
+    with pytest.raises(KeyError, match="raised inside the forward"):
+        pipe(**video, generator=torch.Generator().manual_seed(0))
+    handle.remove()
+    assert token_groups() is None
 
 
 def _first_block_cache_decides_on_every_rank() -> None:
