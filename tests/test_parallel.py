@@ -267,8 +267,8 @@ def _wan_guided_latents(dtype: torch.dtype, layout: ParallelConfig | None) -> to
 def _step_caches_under_layouts(video: dict, one) -> None:
     """Diffusers' first-block cache gives what it gives on one GPU under every layout: under cfg=2 each
     rank runs a branch whole; where the tokens are split, its decision is made on every rank's tokens
-    (the guidance calls then run apart, each in its cache context). Other step caches on the blocks
-    (MagCache's) are refused there."""
+    (the guidance calls then run apart, each in its cache context). MagCache decides alike on every rank
+    without help; calibrating, it would measure one rank's tokens, so it is refused there."""
     from diffusers import FirstBlockCacheConfig, MagCacheConfig
 
     cached = dict(video, num_inference_steps=6)
@@ -302,8 +302,24 @@ def _step_caches_under_layouts(video: dict, one) -> None:
     got = _latents(pipe, **call)
     assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5
     assert not torch.equal(expected, _latents(omni_accel.tiny_flux_pipeline(seed=0), **call))
+
+    # MagCache decides from its ratios and the step count: alike on every rank (not while calibrating)
+    def magcache(calibrate: bool = False) -> MagCacheConfig:
+        ratios = None if calibrate else [1.0, 0.9, 0.8, 0.8, 0.8, 0.8]
+        return MagCacheConfig(
+            threshold=0.5, num_inference_steps=6, mag_ratios=ratios, retention_ratio=0.2, calibrate=calibrate
+        )
+
+    plain = omni_accel.tiny_wan_pipeline(seed=0)
+    plain.transformer.enable_cache(magcache())
+    expected = plain(**cached, generator=torch.Generator().manual_seed(0)).frames
+    assert not torch.equal(expected, uncached)
     pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
-    pipe.transformer.enable_cache(MagCacheConfig(threshold=0.5, num_inference_steps=2, mag_ratios=[1.0, 0.9]))
+    pipe.transformer.enable_cache(magcache())
+    got = pipe(**cached, generator=torch.Generator().manual_seed(0)).frames
+    assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    pipe.transformer.disable_cache()
+    pipe.transformer.enable_cache(magcache(calibrate=True))
     with pytest.raises(RuntimeError, match=r"blocks.0 has Diffusers hooks .* cannot run while the tokens"):
         pipe(**video, generator=torch.Generator().manual_seed(0))
     _first_block_cache_decides_on_every_rank()

@@ -36,6 +36,20 @@ RANK_AWARE_HOOKS: set[type] = set()
 """Classes of Diffusers hooks on blocks that decide over every rank's tokens (``token_groups``), so they may
 run while the tokens are split; ``patches/first_block_cache_over_ranks.py`` adds its own."""
 
+
+def decides_alike_on_every_rank(hook: Any) -> bool:
+    """Whether a Diffusers hook on a block takes the same decisions on every rank of a token split: one that
+    decides over every rank's tokens (``RANK_AWARE_HOOKS``), or MagCache's, which decides from its configured
+    magnitude ratios and the step count, never from the tensors (not while calibrating: the ratios it
+    prints would be measured on one rank's tokens)."""
+    if type(hook) in RANK_AWARE_HOOKS:
+        return True
+    from diffusers.hooks import mag_cache
+
+    magcache = isinstance(hook, mag_cache.MagCacheHeadHook | mag_cache.MagCacheBlockHook)
+    return magcache and hook.config is not None and not hook.config.calibrate
+
+
 _FORWARD = threading.local()  # the SequenceState of the forward in flight on this thread
 
 
@@ -185,19 +199,19 @@ class SplitSequence(LayoutHook):
 
     def _refuse_block_hooks(self, module: nn.Module) -> None:
         """A Diffusers hook on a block (a step cache's, block-level offloading's) sees this rank's slice of
-        the tokens: unless it decides over every rank's (``RANK_AWARE_HOOKS``), its caching decisions would
-        differ between the ranks, which then wait for each other forever. Every rank refuses the same call,
-        before any exchange."""
+        the tokens: unless it decides alike on every rank (``decides_alike_on_every_rank``), its caching
+        decisions would differ between the ranks, which then wait for each other forever. Every rank
+        refuses the same call, before any exchange."""
         for path, hooks in foreign_block_hooks(module, self.block_lists).items():
-            foreign = [name for name, hook in hooks.items() if type(hook) not in RANK_AWARE_HOOKS]
+            foreign = [name for name, hook in hooks.items() if not decides_alike_on_every_rank(hook)]
             if foreign:
                 raise RuntimeError(
                     f"{path} has Diffusers hooks {foreign} "
                     "(a step cache from enable_cache(), or block-level offloading), which cannot run "
                     "while the tokens are split over the ranks: each rank would cache and decide on its "
-                    "own slice. Turn them off (transformer.disable_cache()), or use a first-block cache "
-                    "(FirstBlockCacheConfig: it decides on every rank's tokens), or cfg=2 or one GPU, "
-                    "where every step cache works as in Diffusers."
+                    "own slice. Turn them off (transformer.disable_cache()), or use the first-block cache "
+                    "or MagCache (not calibrating), which decide alike on every rank, or cfg=2 or one "
+                    "GPU, where every step cache works as in Diffusers."
                 )
 
     def replay_key(self) -> tuple:
