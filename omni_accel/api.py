@@ -515,7 +515,7 @@ def _parallelize(component: _Component) -> None:
         for patch in _tp_lora_patches():
             patches.apply(*patch)
             component.undo.append(lambda patch=patch: patches.revert(*patch))
-    if layout.sequence is not None and _applicable(_CACHE_OVER_RANKS[0]):
+    if layout.sequence is not None and patches.applicable(_CACHE_OVER_RANKS[0]):
         patches.apply(*_CACHE_OVER_RANKS)
         component.undo.append(lambda: patches.revert(*_CACHE_OVER_RANKS))
 
@@ -523,14 +523,6 @@ def _parallelize(component: _Component) -> None:
 # Diffusers' first-block cache under a token split. Where this diffusers is not the checked one, the cache
 # stays refused there (the layout's forward says so), and the layout still applies.
 _CACHE_OVER_RANKS = ("first_block_cache_over_ranks", "diffusers.hooks.first_block_cache")
-
-
-def _applicable(patch: str) -> bool:
-    try:
-        patches.check_applicable(patch)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _tp_lora_patches() -> list[tuple[str, str]]:

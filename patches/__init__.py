@@ -40,6 +40,15 @@ def check_applicable(name: str) -> None:
     check_version(patch.PACKAGE, patch)
 
 
+def applicable(name: str) -> bool:
+    """``check_applicable`` as a question, for a patch whose feature is optional."""
+    try:
+        check_applicable(name)
+    except RuntimeError:
+        return False
+    return True
+
+
 def apply(name: str, target: str) -> None:
     patch = _patch_module(name)
     if _APPLIED[(name, target)] == 0:

@@ -320,7 +320,7 @@ def _step_caches_under_layouts(video: dict, one) -> None:
     assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5
     pipe.transformer.disable_cache()
     pipe.transformer.enable_cache(magcache(calibrate=True))
-    with pytest.raises(RuntimeError, match=r"blocks.0 has Diffusers hooks .* cannot run while the tokens"):
+    with pytest.raises(RuntimeError, match=r"blocks.0 has Diffusers step-cache hooks"):
         pipe(**video, generator=torch.Generator().manual_seed(0))
     _first_block_cache_decides_on_every_rank()
     # a forward that raises leaves no layout in flight for a later forward's cache to sum over
@@ -335,6 +335,35 @@ def _step_caches_under_layouts(video: dict, one) -> None:
         pipe(**video, generator=torch.Generator().manual_seed(0))
     handle.remove()
     assert token_groups() is None
+
+
+def _user_hook_on_the_output_sees_every_token(video: dict) -> None:
+    """A user's own hooks run under a layout: one registered on the output projection after accelerate
+    stays outside the layout's gather (as on one GPU it sees every token); one on the first block sees this
+    rank's tokens (the layout's split stays outside it, so its input and output agree)."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Shapes(ModelHook):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[int] = []
+
+        def post_forward(self, module, output):
+            self.seen.append(output.shape[1])
+            return output
+
+    one, two = (omni_accel.tiny_wan_pipeline(seed=0) for _ in range(2))
+    omni_accel.accelerate(two, parallel=ParallelConfig(ulysses=2))
+    hooks = []
+    for pipe in (one, two):
+        out, first = Shapes(), Shapes()
+        HookRegistry.check_if_exists_or_initialize(pipe.transformer.proj_out).register_hook(out, "user")
+        HookRegistry.check_if_exists_or_initialize(pipe.transformer.blocks[0]).register_hook(first, "user")
+        pipe(**video, generator=torch.Generator().manual_seed(0))
+        hooks.append((out.seen, first.seen))
+    (out_one, first_one), (out_two, first_two) = hooks
+    assert out_two == out_one  # every token, as on one GPU
+    assert all(mine < whole for mine, whole in zip(first_two, first_one, strict=True)), (first_two, first_one)
 
 
 def _first_block_cache_decides_on_every_rank() -> None:
@@ -434,6 +463,7 @@ def _two_ranks(rank: int, world: int) -> None:
     assert ((two.frames - one.frames).abs().max() / one.frames.abs().max()).item() <= 1e-5
     assert "2 cond/uncond pairs in one call" in str(omni_accel.describe(wan))  # Wan's CFG calls stacked
     _step_caches_under_layouts(video, one.frames)
+    _user_hook_on_the_output_sees_every_token(video)
     # parallel="auto": Wan's default call runs both guidance branches, so they go to the two ranks
     wan = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), parallel="auto")
     assert "decided at the first pipeline call" in str(omni_accel.describe(wan))

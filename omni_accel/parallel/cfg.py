@@ -233,8 +233,10 @@ class SplitGuidance(LayoutHook):
         def forward(**call: Any) -> torch.Tensor:
             return self.fn_ref.original_forward(**call, return_dict=False)[0]
 
-        hooked = bool(foreign_block_hooks(module, self.block_lists))
-        sample = self.cfg.run(forward, arguments, lambda call: self.output_like(module, call), not hooked)
+        # only stacking needs to know (a walk over the blocks each call otherwise spent for nothing)
+        stacking = self.cfg.group is None and self.cfg.pairing
+        may_stack = not (stacking and foreign_block_hooks(module, self.block_lists))
+        sample = self.cfg.run(forward, arguments, lambda call: self.output_like(module, call), may_stack)
         return self.output_class(sample=sample) if return_dict else (sample,)
 
     def reset_state(self, module: nn.Module) -> nn.Module:

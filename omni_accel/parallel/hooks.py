@@ -49,23 +49,26 @@ class SubmoduleHooks:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self._placed: list[list] = []  # [path, hook, name, module, undo]
+        self._placed: list[list] = []  # [path, hook, name, outermost, module, undo]
 
-    def add(self, path: str, hook: ModelHook, name: str) -> None:
+    def add(self, path: str, hook: ModelHook, name: str, outermost: bool = False) -> None:
+        """``outermost``: kept outside any hook registered after it on that module (a hook that splits a
+        module's inputs: a step cache's hook on Wan's first block must see the tokens this rank holds, as
+        the block returns them). Others stay where they were registered (a user's hook on the output
+        projection sees the gathered output, as on one GPU)."""
         module = self.root.get_submodule(path)
-        self._placed.append([path, hook, name, module, register(module, hook, name)])
+        self._placed.append([path, hook, name, outermost, module, register(module, hook, name)])
 
     def follow(self) -> None:
-        """Moves each hook to the module now at its path, and outside any hook registered after it there (a
-        step cache's on Wan's first block must see the tokens this rank holds); called before every forward
-        of ``root``."""
+        """Moves each hook to the module now at its path, and the ``outermost`` ones outside hooks
+        registered after them; called before every forward of ``root``."""
         for placed in self._placed:
-            path, hook, name, module, undo = placed
+            path, hook, name, outermost, module, undo = placed
             now = self.root.get_submodule(path)
             if now is not module:
                 undo()
-                placed[3:] = [now, register(now, hook, name)]
-            else:
+                placed[4:] = [now, register(now, hook, name)]
+            elif outermost:
                 _keep_outermost(now._diffusers_hook, name)
 
     def remove(self) -> None:

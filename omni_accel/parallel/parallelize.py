@@ -140,7 +140,7 @@ def parallelize(
         layout.sequence = sequence = SequenceState(state.group("ulysses"), state.group("ring"), tp)
         seq, submodules = plan.sequence, SubmoduleHooks(transformer)
         for path, splits in seq.submodule_inputs.items():
-            submodules.add(path, SplitInputs(splits, sequence), _HOOK_PREFIX + "sp_split")
+            submodules.add(path, SplitInputs(splits, sequence), _HOOK_PREFIX + "sp_split", outermost=True)
         for path, splits in seq.submodule_outputs.items():
             submodules.add(path, SplitOutputs(splits, sequence), _HOOK_PREFIX + "sp_split")
         path, split = seq.output

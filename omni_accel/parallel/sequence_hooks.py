@@ -37,11 +37,25 @@ RANK_AWARE_HOOKS: set[type] = set()
 run while the tokens are split; ``patches/first_block_cache_over_ranks.py`` adds its own."""
 
 
+_STEP_CACHES = (
+    "first_block_cache",
+    "mag_cache",
+    "taylorseer_cache",
+    "faster_cache",
+    "pyramid_attention_broadcast",
+)
+
+
 def decides_alike_on_every_rank(hook: Any) -> bool:
-    """Whether a Diffusers hook on a block takes the same decisions on every rank of a token split: one that
-    decides over every rank's tokens (``RANK_AWARE_HOOKS``), or MagCache's, which decides from its configured
-    magnitude ratios and the step count, never from the tensors (not while calibrating: the ratios it
-    prints would be measured on one rank's tokens)."""
+    """Whether a Diffusers hook on a block takes the same decisions on every rank of a token split. Only
+    Diffusers' step caches decide (skip blocks, reuse outputs) from what they see; other hooks (a user's,
+    offloading's, casting's) see this rank's tokens and decide nothing. A cache decides alike when it
+    decides over every rank's tokens (``RANK_AWARE_HOOKS``), or is MagCache's, which decides from its
+    configured magnitude ratios and the step count, never from the tensors (not while calibrating: the
+    ratios it prints would be measured on one rank's tokens)."""
+    module = type(hook).__module__
+    if not module.startswith("diffusers.hooks.") or module.rsplit(".", 1)[1] not in _STEP_CACHES:
+        return True
     if type(hook) in RANK_AWARE_HOOKS:
         return True
     from diffusers.hooks import mag_cache
@@ -65,7 +79,7 @@ def token_groups() -> list[dist.ProcessGroup] | None:
 
 def foreign_block_hooks(module: nn.Module, block_lists: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Block path -> {name: hook} of the Diffusers hooks on ``module``'s blocks that are not a layout's (a
-    step cache's, block-level offloading's)."""
+    step cache's, offloading's, a user's)."""
     found = {}
     for list_name in block_lists:
         for index, block in enumerate(getattr(module, list_name)):
@@ -198,17 +212,16 @@ class SplitSequence(LayoutHook):
             self.state.joint = None
 
     def _refuse_block_hooks(self, module: nn.Module) -> None:
-        """A Diffusers hook on a block (a step cache's, block-level offloading's) sees this rank's slice of
-        the tokens: unless it decides alike on every rank (``decides_alike_on_every_rank``), its caching
-        decisions would differ between the ranks, which then wait for each other forever. Every rank
-        refuses the same call, before any exchange."""
+        """A Diffusers hook on a block sees this rank's slice of the tokens: a step cache's, unless it
+        decides alike on every rank (``decides_alike_on_every_rank``), would take decisions that differ
+        between the ranks, which then wait for each other forever. Every rank refuses the same call, before
+        any exchange."""
         for path, hooks in foreign_block_hooks(module, self.block_lists).items():
             foreign = [name for name, hook in hooks.items() if not decides_alike_on_every_rank(hook)]
             if foreign:
                 raise RuntimeError(
-                    f"{path} has Diffusers hooks {foreign} "
-                    "(a step cache from enable_cache(), or block-level offloading), which cannot run "
-                    "while the tokens are split over the ranks: each rank would cache and decide on its "
+                    f"{path} has Diffusers step-cache hooks {foreign} (from enable_cache()), which "
+                    "cannot run while the tokens are split over the ranks: each rank would decide on its "
                     "own slice. Turn them off (transformer.disable_cache()), or use the first-block cache "
                     "or MagCache (not calibrating), which decide alike on every rank, or cfg=2 or one "
                     "GPU, where every step cache works as in Diffusers."
