@@ -23,7 +23,7 @@ _FAMILIES = (
     # attention output: "concat" in its name, elementwise work all the same)
     (
         "elementwise / norm / other",
-        ("triton_", "_norm_modulate", "_gated_residual", "_concat_gelu", "_qk_norm"),
+        ("triton_", "_norm_modulate", "_gated_residual", "_concat_gelu", "_qkv_norm"),
     ),
     ("attention", ("fmha", "flash", "cudnn", "attention", "sdpa", "fprop")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")),

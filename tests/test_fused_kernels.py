@@ -82,26 +82,46 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
         ref = torch.cat([x, activated], dim=-1)
         _check(f"concat_gelu {dtype}", kernels.concat_gelu(x, mlp), ref, ref.abs())
 
-        packed = randn(batch, image, 3 * dim, dtype=dtype)  # q is a strided view of the QKV GEMM's output
-        txt = randn(batch, text, dim, dtype=dtype)
-        w_img, w_txt = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
+        # q, k, v are strided views of a QKV GEMM's output; text and image have their own norm weights.
+        packed = randn(batch, image, 3 * dim, dtype=dtype)
+        txt = randn(batch, text, 3 * dim, dtype=dtype)
+        w_img, w_txt = randn(2, head_dim, dtype=dtype), randn(2, head_dim, dtype=dtype)
         angles = torch.rand(text + image, head_dim // 2, generator=g, device=device) * 100
         cos, sin = (f(angles).repeat_interleave(2, dim=1) for f in (torch.cos, torch.sin))
-        segments = [(txt, w_txt), (packed[..., :dim], w_img)]
-        normed = [F.rms_norm(t.unflatten(-1, (-1, head_dim)), (head_dim,), w, 1e-6) for t, w in segments]
-        ref = apply_rope(torch.cat(normed, dim=1), cos, sin)
-        got = kernels.qk_norm_rope(
-            [t for t, _ in segments], [w for _, w in segments], head_dim, 1e-6, cos, sin
+        segments = [txt.chunk(3, dim=-1), packed.chunk(3, dim=-1)]
+        weights = [list(w_txt), list(w_img)]
+        qs, ks, vs = ([t[i] for t in segments] for i in range(3))
+        q_weights, k_weights = ([w[i] for w in weights] for i in range(2))
+        got = kernels.qkv_norm_rope(qs, ks, vs, q_weights, k_weights, head_dim, 1e-6, cos, sin)
+        for which, (tensors, norm_weights) in enumerate(((qs, q_weights), (ks, k_weights))):
+            normed = [
+                F.rms_norm(t.unflatten(-1, (-1, head_dim)), (head_dim,), w, 1e-6)
+                for t, w in zip(tensors, norm_weights, strict=True)
+            ]
+            ref = apply_rope(torch.cat(normed, dim=1), cos, sin)
+            _check(
+                f"qkv_norm_rope {'qk'[which]} {dtype}", got[which], ref, ref.abs().amax(dim=-1, keepdim=True)
+            )
+        joint_v = torch.cat([v.unflatten(-1, (-1, head_dim)) for v in vs], dim=1)
+        assert torch.equal(got[2], joint_v), f"qkv_norm_rope v {dtype}"
+        lone = kernels.qkv_norm_rope(
+            qs[1:], ks[1:], [], q_weights[1:], k_weights[1:], head_dim, 1e-6, cos[text:], sin[text:]
         )
-        _check(f"qk_norm_rope {dtype}", got, ref, ref.abs().amax(dim=-1, keepdim=True))
+        assert len(lone) == 2 and torch.equal(lone[0], got[0][:, text:]), f"qkv_norm_rope one segment {dtype}"
 
         # Wan: the RMSNorm across all heads (a weight per channel), RoPE tables shaped [1, S, 1, D].
-        w_row = randn(dim, dtype=dtype)
-        normed = F.rms_norm(packed[..., :dim], (dim,), w_row, 1e-6).unflatten(-1, (-1, head_dim))
+        w_row = randn(2, dim, dtype=dtype)
         wan_cos, wan_sin = cos[None, text:, None], sin[None, text:, None]
-        ref = apply_rope(normed, wan_cos, wan_sin)
-        got = kernels.qk_norm_rope([packed[..., :dim]], [w_row], head_dim, 1e-6, wan_cos, wan_sin, True)
-        _check(f"qk_norm_rope across heads {dtype}", got, ref, ref.abs().amax(dim=-1, keepdim=True))
+        q, k, _ = packed.chunk(3, dim=-1)
+        got = kernels.qkv_norm_rope(
+            [q], [k], [], [w_row[0]], [w_row[1]], head_dim, 1e-6, wan_cos, wan_sin, True
+        )
+        for which, t in enumerate((q, k)):
+            normed = F.rms_norm(t, (dim,), w_row[which], 1e-6).unflatten(-1, (-1, head_dim))
+            ref = apply_rope(normed, wan_cos, wan_sin)
+            _check(
+                f"qkv_norm_rope across heads {dtype}", got[which], ref, ref.abs().amax(dim=-1, keepdim=True)
+            )
 
         # Ring attention's merge of two partials: outputs BSHD (one a strided view), LSEs [B, H, S] (one
         # transposed, as a kernel may return it), against the reference in float64.
@@ -147,16 +167,23 @@ def test_kernels_on_the_gpu_at_flux_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gelu_is_bitwise_pytorchs_on_the_gpu(dtype):
-    """The GELU kernel follows PyTorch's float32 order of operations and CUDA's tanhf: bitwise equal."""
+def test_gelu_is_as_accurate_as_pytorchs_on_the_gpu(dtype):
+    """The GELU kernel's ``x * sigmoid(2u)`` is not PyTorch's ``tanhf`` arithmetic: some results sit one
+    rounding step from PyTorch's, never farther from the float64 GELU than PyTorch's own error allows."""
     from omni_accel.layers import concat_gelu, gelu_tanh
 
     g = torch.Generator("cuda").manual_seed(0)
     wide = torch.randn(1, 4608, 3072 + 12288, generator=g, device="cuda").mul(4).to(dtype)
     attn, mlp = wide[..., :3072], wide[..., 3072:]
-    expected = F.gelu(mlp, approximate="tanh")
-    assert torch.equal(gelu_tanh(mlp), expected)
-    assert torch.equal(concat_gelu(attn, mlp), torch.cat([attn, expected], dim=-1))
+    exact = F.gelu(mlp.double(), approximate="tanh")
+    theirs = F.gelu(mlp, approximate="tanh")
+    ours = gelu_tanh(mlp)
+    ulp = exact.abs().clamp_min(torch.finfo(dtype).tiny) * torch.finfo(dtype).eps
+    our_steps = ((ours.double() - exact).abs() / ulp).max().item()
+    their_steps = ((theirs.double() - exact).abs() / ulp).max().item()
+    assert our_steps <= max(their_steps, 0.5) * 1.01, (our_steps, their_steps)
+    assert (ours != theirs).float().mean().item() < 0.05
+    assert torch.equal(concat_gelu(attn, mlp), torch.cat([attn, ours], dim=-1))
 
 
 @pytest.mark.gpu
@@ -172,10 +199,12 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.omni_accel.norm_modulate.default, (x, shift, scale, 1e-6))
     torch.library.opcheck(torch.ops.omni_accel.gated_residual.default, (x, shift, x))
     torch.library.opcheck(torch.ops.omni_accel.concat_gelu.default, (x, x[..., 16:]))
-    torch.library.opcheck(torch.ops.omni_accel.qk_norm_rope.default, ([x], [w], 16, 1e-6, cos, sin))
+    op = torch.ops.omni_accel.qkv_norm_rope.default
+    torch.library.opcheck(
+        op, ([x, x], [x, x], [x, x], [w, w], [w, w], 16, 1e-6, cos.repeat(2, 1), sin.repeat(2, 1))
+    )
     row_weight = torch.ones(64, device="cuda", dtype=torch.bfloat16)
-    args = ([x], [row_weight], 16, 1e-6, cos, sin, True)
-    torch.library.opcheck(torch.ops.omni_accel.qk_norm_rope.default, args)
+    torch.library.opcheck(op, ([x], [x], [], [row_weight], [row_weight], 16, 1e-6, cos, sin, True))
     from omni_accel.attention import merge_kernel  # noqa: F401
 
     out, lse = x.unflatten(-1, (4, 16)), torch.randn(2, 4, 5, generator=g, device="cuda")

@@ -5,9 +5,9 @@ make several (each a full read and write of a 4608 x 3072 tensor at FLUX's size)
 * ``gated_residual``: ``x + gate * y``;
 * ``gelu_tanh`` and ``concat_gelu``: GELU (tanh) in one bandwidth-bound pass, the latter writing it next to
   another tensor (a single-stream block's attention output) so the MLP half is never concatenated;
-* ``qk_norm_rope``: RMSNorm (per head, or across all heads as Wan's) then RoPE of one or more sequence
-  segments (text, image), written straight into the joint ``[B, S, H, D]`` tensor attention reads (no
-  concatenation).
+* ``qkv_norm_rope``: RMSNorm (per head, or across all heads as Wan's) then RoPE of q and k of one or more
+  sequence segments (text, image), written straight into the joint ``[B, S, H, D]`` tensors attention
+  reads, v joined in the same pass (no concatenation).
 
 Each computes in float32 and rounds once (Diffusers' unfused ops round after every op), so a bf16 result
 may differ from Diffusers' by a rounding step, as two of Diffusers' own kernels do. On CUDA
@@ -71,32 +71,51 @@ def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return activated if a.shape[-1] == 0 else torch.cat([a, activated], dim=-1)
 
 
-def qk_norm_rope(
-    segments: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def qkv_norm_rope(
+    segments: Sequence[Segment],
+    weights: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
     head_dim: int,
     eps: float | None,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     across_heads: bool = False,
-) -> torch.Tensor:
-    """``apply_rope(cat([rms_norm(x_i, w_i) ...], dim=1), *rope)`` over BSHD heads of each ``(x_i, w_i)``
-    (``x_i`` is ``[B, S_i, H * head_dim]``, maybe a strided view of a packed projection). The RMSNorm is
-    per head (FLUX), or ``across_heads`` over the whole row with a weight per channel (Wan)."""
-    tensors = [x for x, _ in segments]
-    weights = [w for _, w in segments]
+) -> Segment:
+    """Attention's joint BSHD ``q, k, v`` from the projections of one or more sequence segments (text,
+    image): ``q`` and ``k`` RMSNormed with their segment's ``weights`` (per head as FLUX's, or
+    ``across_heads`` over the whole row with a weight per channel as Wan's) then rotated, ``v`` joined.
+    Each ``(q_i, k_i, v_i)`` is ``[B, S_i, H * head_dim]``, maybe strided views of a packed projection; a
+    lone segment's ``v`` is returned as a view, not copied."""
+    qs, ks, vs = (list(t) for t in zip(*segments, strict=True))
+    q_weights, k_weights = (list(w) for w in zip(*weights, strict=True))
     if (
         rope is not None
         and head_dim & (head_dim - 1) == 0  # a power of two: the kernel holds a head in one tile
-        and all(w is not None for w in weights)
-        and all(x.stride(-1) == 1 for x in tensors)
-        and kernels_can_run(*tensors, *weights)
+        and all(w is not None for w in q_weights + k_weights)
+        and all(t.stride(-1) == 1 for t in qs + ks + vs)
+        and kernels_can_run(*qs, *ks, *vs, *q_weights, *k_weights)
     ):
-        return torch.ops.omni_accel.qk_norm_rope(tensors, weights, head_dim, eps, *rope, across_heads)
-    if across_heads:
-        normed = [F.rms_norm(x, (x.shape[-1],), w, eps).unflatten(-1, (-1, head_dim)) for x, w in segments]
-    else:
-        normed = [F.rms_norm(x.unflatten(-1, (-1, head_dim)), (head_dim,), w, eps) for x, w in segments]
-    joint = normed[0] if len(normed) == 1 else torch.cat(normed, dim=1)
-    return joint if rope is None else apply_rope(joint, *rope)
+        joint_vs = vs if len(segments) > 1 else []
+        q, k, *v = torch.ops.omni_accel.qkv_norm_rope(
+            qs, ks, joint_vs, q_weights, k_weights, head_dim, eps, *rope, across_heads
+        )
+        return q, k, v[0] if v else vs[0].unflatten(-1, (-1, head_dim))
+
+    def norm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        if across_heads:
+            return F.rms_norm(x, (x.shape[-1],), w, eps).unflatten(-1, (-1, head_dim))
+        return F.rms_norm(x.unflatten(-1, (-1, head_dim)), (head_dim,), w, eps)
+
+    q = _joint([norm(x, w) for x, w in zip(qs, q_weights, strict=True)])
+    k = _joint([norm(x, w) for x, w in zip(ks, k_weights, strict=True)])
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return q, k, _joint([x.unflatten(-1, (-1, head_dim)) for x in vs])
+
+
+def _joint(segments: list[torch.Tensor]) -> torch.Tensor:
+    return segments[0] if len(segments) == 1 else torch.cat(segments, dim=1)
 
 
 if HAS_TRITON:

@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate, qk_norm_rope
+from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate, qkv_norm_rope
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -34,10 +34,6 @@ Rope = tuple[torch.Tensor, torch.Tensor] | None
 
 def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clip(-_FP16_MAX, _FP16_MAX) if x.dtype == torch.float16 else x
-
-
-def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return x.unflatten(-1, (-1, head_dim))
 
 
 def _attention_reason(block: Any, joint_attention_kwargs: dict[str, Any] | None) -> str | None:
@@ -94,9 +90,13 @@ def double_block(
     eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
     iq, ik, iv = apply_linear(norm_modulate(img, i_shift, i_scale, eps), w["img_qkv"], i_rows)
     tq, tk, tv = apply_linear(norm_modulate(txt, t_shift, t_scale, eps), w["txt_qkv"], t_rows)
-    q = qk_norm_rope([(tq, norms["added_q"]), (iq, norms["q"])], head_dim, c.qk_eps, rope)
-    k = qk_norm_rope([(tk, norms["added_k"]), (ik, norms["k"])], head_dim, c.qk_eps, rope)
-    v = torch.cat([_heads(tv, head_dim), _heads(iv, head_dim)], dim=1)
+    q, k, v = qkv_norm_rope(
+        [(tq, tk, tv), (iq, ik, iv)],
+        [(norms["added_q"], norms["added_k"]), (norms["q"], norms["k"])],
+        head_dim,
+        c.qk_eps,
+        rope,
+    )
     out = attention(q, k, v, c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
     txt_attn, img_attn = out.split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
 
@@ -123,9 +123,8 @@ def single_block(
     shift, scale, gate = mod.chunk(3, dim=1)
     rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
     q, k, v, mlp = apply_linear(norm_modulate(x, shift, scale, c.eps), w["qkv_mlp"], rows)
-    q = qk_norm_rope([(q, norms["q"])], c.head_dim, c.qk_eps, rope)
-    k = qk_norm_rope([(k, norms["k"])], c.head_dim, c.qk_eps, rope)
-    out = attention(q, k, _heads(v, c.head_dim), c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
+    q, k, v = qkv_norm_rope([(q, k, v)], [(norms["q"], norms["k"])], c.head_dim, c.qk_eps, rope)
+    out = attention(q, k, v, c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
     x = gated_residual(x, gate, apply_one(concat_gelu(out, mlp), w["out"], rows))
     return _clip_fp16(x)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
-from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate, qk_norm_rope
+from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate, qkv_norm_rope
 from ..layers.attention import AttentionSite, attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -86,12 +86,12 @@ def wan_block(
     h = norm_modulate(x, shift, scale, c.eps)
     q, k, v = apply_linear(h, w["qkv"], c.rows)
     if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
-        q = qk_norm_rope([(q, norms["q"])], c.head_dim, c.qk_eps, rope, across_heads=True)
-        k = qk_norm_rope([(k, norms["k"])], c.head_dim, c.qk_eps, rope, across_heads=True)
+        q, k, v = qkv_norm_rope([(q, k, v)], [(norms["q"], norms["k"])], c.head_dim, c.qk_eps, rope, True)
     else:
         q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
         k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
-    out = attention(q, k, _heads(v, c.head_dim), SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
+        v = _heads(v, c.head_dim)
+    out = attention(q, k, v, SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
     x = gated_residual(x, gate, apply_one(out, w["out"], c.rows))
 
     # Cross-attention over the text (and, for I2V, the image tokens before it). Under sequence parallelism
