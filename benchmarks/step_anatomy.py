@@ -58,9 +58,11 @@ def gaps(fn, steps: int = 2) -> dict:
         hole = after["ts"] - (before["ts"] + before["dur"])
         holes.append((hole, before["name"][:60], after["name"][:60]))
     holes.sort(key=lambda h: -h[0])
-    by_family = defaultdict(float)
+    by_family, by_kernel, launches = defaultdict(float), defaultdict(float), defaultdict(int)
     for e in events:
         by_family[family(e["name"])] += e["dur"] / 1000 / steps
+        by_kernel[e["name"][:90]] += e["dur"] / 1000 / steps
+        launches[e["name"][:90]] += 1
     small = [h for h, *_ in holes if h <= 20]
     return {
         "kernels_per_step": len(events) / steps,
@@ -71,6 +73,10 @@ def gaps(fn, steps: int = 2) -> dict:
         "median_gap_us": statistics.median(h for h, *_ in holes),
         "largest_gaps": holes[:12],
         "family_ms_per_step": dict(by_family),
+        "top_kernels": [
+            (name, ms, launches[name] // steps)
+            for name, ms in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
+        ],
     }
 
 
@@ -107,7 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             "  families: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(value["family_ms_per_step"].items()))
         )
-        for hole, before, after in value["largest_gaps"]:
+        for name, ms, count in value["top_kernels"]:
+            print(f"    {ms:7.2f} ms {count:4d}x  {name}")
+        for hole, before, after in value["largest_gaps"][:4]:
             print(f"    gap {hole:8.1f} us after {before} before {after}")
     write_json(results, args.out)
     return results

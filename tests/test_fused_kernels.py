@@ -78,9 +78,13 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
 
         mlp = randn(batch, image, 5 * dim, dtype=dtype)[..., dim:] * 4  # strided rows, as in a packed GEMM
         activated = F.gelu(mlp, approximate="tanh")
-        _check(f"gelu_tanh {dtype}", kernels.concat_gelu(x[..., :0], mlp), activated, activated.abs())
+        # GELU's reference rounds values of the input's size (x, 1 + tanh) even where the result is tiny.
+        magnitude = activated.abs() + mlp.abs()
+        _check(f"gelu_tanh {dtype}", kernels.concat_gelu(x[..., :0], mlp), activated, magnitude)
         ref = torch.cat([x, activated], dim=-1)
-        _check(f"concat_gelu {dtype}", kernels.concat_gelu(x, mlp), ref, ref.abs())
+        _check(
+            f"concat_gelu {dtype}", kernels.concat_gelu(x, mlp), ref, torch.cat([x.abs(), magnitude], dim=-1)
+        )
 
         # q, k, v are strided views of a QKV GEMM's output; text and image have their own norm weights.
         packed = randn(batch, image, 3 * dim, dtype=dtype)
@@ -168,22 +172,33 @@ def test_kernels_on_the_gpu_at_flux_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gelu_is_as_accurate_as_pytorchs_on_the_gpu(dtype):
-    """The GELU kernel's ``x * sigmoid(2u)`` is not PyTorch's ``tanhf`` arithmetic: some results sit one
-    rounding step from PyTorch's, never farther from the float64 GELU than PyTorch's own error allows."""
+    """The GELU kernel's ``x * sigmoid(2u)`` is not PyTorch's ``tanhf`` arithmetic; against the float64
+    GELU (in the same cancellation-free form) it is no less accurate. In half precision it rounds to the
+    correctly rounded value at least as often as PyTorch does, and no element is more than one rounding
+    step from it where PyTorch's is not; in float32 its worst relative error is no larger (PyTorch's
+    ``1 + tanh`` cancels for negative inputs)."""
     from omni_accel.layers import concat_gelu, gelu_tanh
 
     g = torch.Generator("cuda").manual_seed(0)
     wide = torch.randn(1, 4608, 3072 + 12288, generator=g, device="cuda").mul(4).to(dtype)
     attn, mlp = wide[..., :3072], wide[..., 3072:]
-    exact = F.gelu(mlp.double(), approximate="tanh")
-    theirs = F.gelu(mlp, approximate="tanh")
-    ours = gelu_tanh(mlp)
-    ulp = exact.abs().clamp_min(torch.finfo(dtype).tiny) * torch.finfo(dtype).eps
-    our_steps = ((ours.double() - exact).abs() / ulp).max().item()
-    their_steps = ((theirs.double() - exact).abs() / ulp).max().item()
-    assert our_steps <= max(their_steps, 0.5) * 1.01, (our_steps, their_steps)
-    assert (ours != theirs).float().mean().item() < 0.05
+    x = mlp.double()
+    exact = x * torch.sigmoid(2 * 0.7978845608028654 * (x + 0.044715 * x**3))
+    theirs, ours = F.gelu(mlp, approximate="tanh"), gelu_tanh(mlp)
     assert torch.equal(concat_gelu(attn, mlp), torch.cat([attn, ours], dim=-1))
+    if dtype == torch.float32:
+        worst = [
+            ((t.double() - exact).abs() / exact.abs().clamp_min(1e-2)).max().item() for t in (ours, theirs)
+        ]
+        assert worst[0] <= worst[1], worst
+        return
+    correct = exact.to(dtype)
+    assert (ours != correct).float().mean() <= (theirs != correct).float().mean()
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(correct.double())
+    step = torch.ldexp(torch.full_like(exact, info.eps), exponent - 1).clamp_min(info.tiny * info.eps)
+    ours_far, theirs_far = ((t.double() - correct.double()).abs() > step for t in (ours, theirs))
+    assert not (ours_far & ~theirs_far).any()
 
 
 @pytest.mark.gpu

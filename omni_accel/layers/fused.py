@@ -61,14 +61,19 @@ def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``cat([a, gelu_tanh(b)], dim=-1)`` for ``[B, S, D]`` tensors (rows maybe strided)."""
     if (
         a.ndim == b.ndim == 3
-        and a.stride(-1) == 1
-        and b.stride(-1) == 1
+        and _evenly_spaced_rows(a)
+        and _evenly_spaced_rows(b)
         and a.dtype == b.dtype
         and kernels_can_run(a, b)
     ):
         return torch.ops.omni_accel.concat_gelu(a, b)
     activated = F.gelu(b, approximate="tanh")
     return activated if a.shape[-1] == 0 else torch.cat([a, activated], dim=-1)
+
+
+def _evenly_spaced_rows(x: torch.Tensor) -> bool:
+    """``[B, S, D]`` whose ``B * S`` rows are contiguous and one stride apart, as the kernel indexes them."""
+    return x.stride(-1) == 1 and (x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1))
 
 
 Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

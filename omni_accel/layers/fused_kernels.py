@@ -49,24 +49,21 @@ def _gated_residual_kernel(X, GATE, Y, OUT, seq, dim, stride_gb, numel, BLOCK: t
 
 
 @triton.jit
-def _concat_gelu_kernel(
-    A, B, OUT, seq, dim_a, dim_b, stride_ab, stride_as, stride_bb, stride_bs, BLOCK: tl.constexpr
-):
-    """One block of one row of ``cat([a, gelu_tanh(b)], -1)``. GELU as ``x * sigmoid(2u)``, which is
+def _concat_gelu_kernel(A, B, OUT, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.constexpr):
+    """One block of one row of ``cat([a, gelu_tanh(b)], -1)`` (rows of every sample ``stride_*`` apart).
+    GELU as ``x * sigmoid(2u)``, which is
     ``0.5 x (1 + tanh(u))`` exactly: one exponential instead of CUDA's ``tanhf``, whose arithmetic made the
     kernel compute-bound (3.0 TB/s against 3.7 at FLUX's shapes on an H200). The result is PyTorch's
     rounded value but for ~1 % of bf16 elements that sit one rounding step away, no farther from the
     float64 GELU (tested)."""
     row = tl.program_id(0)
-    b = row // seq
-    s = row % seq
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dim = dim_a + dim_b
     in_a = cols < dim_a
     in_b = (cols >= dim_a) & (cols < dim)
     dtype = OUT.dtype.element_ty
-    a = tl.load(A + b * stride_ab + s * stride_as + cols, mask=in_a, other=0.0)
-    x = tl.load(B + b * stride_bb + s * stride_bs + (cols - dim_a), mask=in_b, other=0.0).to(tl.float32)
+    a = tl.load(A + row * stride_a + cols, mask=in_a, other=0.0)
+    x = tl.load(B + row * stride_b + (cols - dim_a), mask=in_b, other=0.0).to(tl.float32)
     u = _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
     gelu = x / (1.0 + tl.exp(-2.0 * u))
     tl.store(OUT + row * dim + cols, tl.where(in_a, a.to(dtype), gelu.to(dtype)), mask=cols < dim)
@@ -116,13 +113,14 @@ def _qkv_norm_rope_kernel(
     ACROSS_HEADS: tl.constexpr,
     COPY_V: tl.constexpr,
 ):
-    """One token of one segment: its q and k normed and rotated, and (``COPY_V``) its v copied, each
-    written at the token's place in the joint ``[B, S, H, D]`` tensors. Rows are read and written whole
-    (coalesced), every load issued before the math."""
+    """``BLOCK_H`` heads of one token of one segment (all of them ``ACROSS_HEADS``): its q and k normed
+    and rotated, and (``COPY_V``) its v copied, each written at the token's place in the joint
+    ``[B, S, H, D]`` tensors. Heads are read and written whole (coalesced), every load issued before the
+    math."""
     row = tl.program_id(0)
     b = row // seq
     s = row % seq
-    h = tl.arange(0, BLOCK_H)[:, None]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HEAD_DIM)[None, :]
     mask = (h < heads) & (d < HEAD_DIM)
     dtype = OUT_Q.dtype.element_ty
@@ -179,13 +177,14 @@ def _(x, gate, y):
 
 @torch.library.custom_op("omni_accel::concat_gelu", mutates_args=())
 def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows evenly spaced across samples (contiguous, or columns of a packed projection)."""
     batch, seq, dim_a = a.shape
     dim_b = b.shape[2]
     out = torch.empty((batch, seq, dim_a + dim_b), dtype=b.dtype, device=b.device)
     if out.numel():
         block = 1024
         _concat_gelu_kernel[(batch * seq, triton.cdiv(dim_a + dim_b, block))](
-            a, b, out, seq, dim_a, dim_b, a.stride(0), a.stride(1), b.stride(0), b.stride(1), BLOCK=block
+            a, b, out, dim_a, dim_b, a.stride(1), b.stride(1), BLOCK=block
         )
     return out
 
@@ -193,6 +192,9 @@ def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @concat_gelu.register_fake
 def _(a, b):
     return b.new_empty(*b.shape[:2], a.shape[2] + b.shape[2])
+
+
+HEADS_PER_PROGRAM = 8
 
 
 @torch.library.custom_op("omni_accel::qkv_norm_rope", mutates_args=())
@@ -216,14 +218,20 @@ def qkv_norm_rope(
     outs = [first.new_empty(batch, total, heads, head_dim) for _ in range(3 if vs else 2)]
     eps = torch.finfo(first.dtype).eps if eps is None else eps
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    block_h = triton.next_power_of_2(heads)
+    # A head per program would leave too little in flight, a padded row (24 heads as 32) wastes lanes:
+    # a few heads per program. The norm across heads needs the whole row in one.
+    block_h = (
+        triton.next_power_of_2(heads)
+        if across_heads
+        else min(HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
+    )
     warps = 4 if block_h * head_dim <= 4096 else 8  # Wan 14B's 40 heads: 8192 values per token
     start = 0
     for i, (q, k, wq, wk) in enumerate(zip(qs, ks, q_weights, k_weights, strict=True)):
         v = vs[i] if vs else q  # unread without COPY_V
         seq = q.shape[1]
         if batch * seq:
-            _qkv_norm_rope_kernel[(batch * seq,)](
+            _qkv_norm_rope_kernel[(batch * seq, triton.cdiv(heads, block_h))](
                 q, k, v, wq, wk, cos, sin, outs[0], outs[1], outs[-1], seq, heads,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 total, start, eps,

@@ -1,0 +1,75 @@
+"""Bandwidth of our fused kernels at FLUX.1-dev's 1024x1024 shapes against a plain device copy (their
+ceiling: each reads and writes its tensors once), each timed from CUDA-graph replays (no launch cost).
+
+    python benchmarks/fused_kernels.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omni_accel.layers import fused
+
+TOKENS, TEXT, DIM, MLP, HEAD_DIM = 4608, 512, 3072, 12288, 128
+
+
+def replayed_ms(fn, calls: int = 20, replays: int = 7) -> float:
+    """Milliseconds per call: the median replay of a graph of ``calls`` calls, divided by ``calls``."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[replays // 2]
+
+
+@torch.no_grad()
+def main() -> None:
+    device, dtype = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    packed = torch.randn(1, TOKENS, 3 * DIM + MLP, device=device, dtype=dtype)  # a single block's GEMM output
+    x, y = (torch.randn(1, TOKENS, DIM, device=device, dtype=dtype) for _ in range(2))
+    mod = torch.randn(1, DIM, device=device, dtype=dtype)
+    w = torch.ones(HEAD_DIM, device=device, dtype=dtype)
+    cos, sin = (torch.randn(TOKENS, HEAD_DIM, device=device) for _ in range(2))
+    mlp, act = packed[..., 3 * DIM :], TOKENS * DIM * 2
+    contiguous_mlp = mlp.contiguous()
+    double = [packed[:, :TEXT].split(DIM, -1)[:3], packed[:, TEXT:].split(DIM, -1)[:3]]
+    single = [packed[..., : 3 * DIM].split(DIM, -1)]
+    flat = torch.empty(TOKENS * (DIM + MLP), device=device, dtype=dtype)
+    cases = {  # name: (call, bytes read and written)
+        "device copy (ceiling)": (flat.clone, 2 * flat.numel() * 2),
+        "concat_gelu (single block)": (lambda: fused.concat_gelu(x, mlp), 2 * TOKENS * (DIM + MLP) * 2),
+        "gelu_tanh (MLP)": (lambda: fused.gelu_tanh(mlp), 2 * TOKENS * MLP * 2),
+        "PyTorch gelu tanh (MLP, contiguous)": (
+            lambda: F.gelu(contiguous_mlp, approximate="tanh"),
+            2 * TOKENS * MLP * 2,
+        ),
+        "qkv_norm_rope (double: two segments, v joined)": (
+            lambda: fused.qkv_norm_rope(double, [(w, w), (w, w)], HEAD_DIM, 1e-6, (cos, sin)),
+            6 * act,
+        ),
+        "qkv_norm_rope (single: v a view)": (
+            lambda: fused.qkv_norm_rope(single, [(w, w)], HEAD_DIM, 1e-6, (cos, sin)),
+            4 * act,
+        ),
+        "norm_modulate": (lambda: fused.norm_modulate(x, mod, mod, 1e-6), 2 * act),
+        "gated_residual": (lambda: fused.gated_residual(x, mod, y), 3 * act),
+    }
+    for name, (call, nbytes) in cases.items():
+        ms = replayed_ms(call)
+        print(f"{name:48s} {ms * 1000:7.1f} us  {nbytes / ms / 1e6:6.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
