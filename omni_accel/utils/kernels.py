@@ -13,11 +13,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def kernels_can_run(*tensors: torch.Tensor) -> bool:
-    """True on CUDA with Triton installed, outside compilation (inductor fuses the references itself), for
-    tensors of the dtypes the kernels take."""
+def kernels_can_run(*tensors: torch.Tensor, when_compiling: bool = False) -> bool:
+    """True on CUDA with Triton installed, for tensors of the dtypes the kernels take; while compiling only
+    for kernels that beat what inductor makes of their reference (``when_compiling``; the others' references
+    are fused by inductor with their neighbours)."""
     return (
         HAS_TRITON
-        and not torch.compiler.is_compiling()
+        and (when_compiling or not torch.compiler.is_compiling())
         and all(t.is_cuda and t.dtype in KERNEL_DTYPES for t in tensors)
     )
