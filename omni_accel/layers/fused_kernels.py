@@ -51,11 +51,10 @@ def _gated_residual_kernel(X, GATE, Y, OUT, seq, dim, stride_gb, numel, BLOCK: t
 @triton.jit
 def _concat_gelu_kernel(A, B, OUT, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.constexpr):
     """One block of one row of ``cat([a, gelu_tanh(b)], -1)`` (rows of every sample ``stride_*`` apart).
-    GELU as ``x * sigmoid(2u)``, which is
-    ``0.5 x (1 + tanh(u))`` exactly: one exponential instead of CUDA's ``tanhf``, whose arithmetic made the
-    kernel compute-bound (3.0 TB/s against 3.7 at FLUX's shapes on an H200). The result is PyTorch's
-    rounded value but for ~1 % of bf16 elements that sit one rounding step away, no farther from the
-    float64 GELU (tested)."""
+    GELU as ``x * sigmoid(2u)``, which is ``0.5 x (1 + tanh(u))`` exactly: one exponential instead of
+    CUDA's ``tanhf``, whose arithmetic made the kernel compute-bound (3.0 TB/s against 3.7 at FLUX's shapes
+    on an H200). The result is PyTorch's rounded value but for ~1 % of bf16 elements that sit one rounding
+    step away, no farther from the float64 GELU (tested)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dim = dim_a + dim_b
@@ -194,7 +193,9 @@ def _(a, b):
     return b.new_empty(*b.shape[:2], a.shape[2] + b.shape[2])
 
 
-HEADS_PER_PROGRAM = 8
+# A head per program leaves too little in flight, a whole padded row (FLUX's 24 heads as 32) wastes lanes:
+# eight heads measured best at FLUX's shapes (2: 1.9 TB/s, 4: 3.0, 8: 3.3, 32: 2.9 on an H200).
+_HEADS_PER_PROGRAM = 8
 
 
 @torch.library.custom_op("omni_accel::qkv_norm_rope", mutates_args=())
@@ -218,13 +219,8 @@ def qkv_norm_rope(
     outs = [first.new_empty(batch, total, heads, head_dim) for _ in range(3 if vs else 2)]
     eps = torch.finfo(first.dtype).eps if eps is None else eps
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    # A head per program would leave too little in flight, a padded row (24 heads as 32) wastes lanes:
-    # a few heads per program. The norm across heads needs the whole row in one.
-    block_h = (
-        triton.next_power_of_2(heads)
-        if across_heads
-        else min(HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
-    )
+    heads_per_program = heads if across_heads else min(_HEADS_PER_PROGRAM, heads)  # the norm needs the row
+    block_h = triton.next_power_of_2(heads_per_program)
     warps = 4 if block_h * head_dim <= 4096 else 8  # Wan 14B's 40 heads: 8192 values per token
     start = 0
     for i, (q, k, wq, wk) in enumerate(zip(qs, ks, q_weights, k_weights, strict=True)):
