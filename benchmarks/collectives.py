@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from timing import graphed as graph_of
 
 import omni_accel
 from omni_accel.parallel.copies import copy_rows_
@@ -26,14 +27,8 @@ SHAPES = {"flux": (4608, 3072), "wan": (32760, 2560)}
 
 def _time(fn, graphed: bool, calls: int = 20) -> float:
     """Mean over ``calls`` back-to-back calls (ms) after a warm-up, launched one by one or as one graph."""
-    fn()
-    torch.cuda.synchronize()
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(calls):
-                fn()
-        run = graph.replay
+    if graphed:  # graph_of warms up before it captures; run() below warms up both
+        run = graph_of(fn, calls, capture_error_mode="thread_local")
     else:
 
         def run():

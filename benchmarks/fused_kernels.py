@@ -6,8 +6,11 @@ ceiling: each reads and writes its tensors once), each timed from CUDA-graph rep
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.nn.functional as F
+from timing import graphed, timed
 
 from omni_accel.layers import fused
 
@@ -16,21 +19,8 @@ TOKENS, TEXT, DIM, MLP, HEAD_DIM = 4608, 512, 3072, 12288, 128
 
 def replayed_ms(fn, calls: int = 20, replays: int = 7) -> float:
     """Milliseconds per call: the median replay of a graph of ``calls`` calls, divided by ``calls``."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[replays // 2]
+    replay = graphed(fn, calls)
+    return statistics.median(timed(replay, "cuda")[1] / calls for _ in range(replays))
 
 
 @torch.no_grad()

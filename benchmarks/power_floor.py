@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 from flux_step import bare_pipeline, build_transformer, inputs
-from timing import timed, write_json
+from timing import graphed, timed, write_json
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import omni_accel
@@ -61,15 +61,6 @@ def step_work(image: int, text: int, doubles: int, singles: int, device: str):
     flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for x, w, _ in gemms)
     flops_attention = (doubles + singles) * 4 * tokens * tokens * HEADS * HEAD_DIM
     return run_gemms, run_attention, flops, flops_attention
-
-
-def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 @torch.no_grad()

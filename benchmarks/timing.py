@@ -24,6 +24,20 @@ def timed(fn: Callable[[], object], device: str) -> tuple[object, float]:
     return out, (time.perf_counter() - t0) * 1000
 
 
+def graphed(
+    fn: Callable[[], object], calls: int = 1, capture_error_mode: str = "global"
+) -> Callable[[], None]:
+    """``calls`` back-to-back calls of ``fn`` captured once as a CUDA graph (after a warm-up call, so
+    lazy initialisation stays out of it); returns the graph's replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def median_ms(fn: Callable[[], object], device: str, warmup: int, runs: int) -> dict:
     """Median over warm runs; the first call's wall time is reported apart (JIT, autotuning)."""
     _, first = timed(fn, device)
