@@ -10,6 +10,10 @@ the library's choices changed while that layout is built and timed. Benchmarks o
                       projections, the norms and gates on every token), as before the token split
     unstacked         a CFG pipeline's two calls per step run one after the other, not stacked in one batch
                       (``ParallelConfig.batch_guidance=False``)
+    nothing_beside    FLUX's single blocks keep QKV and the MLP input in one GEMM, with no work beside the
+                      exchanges (a ring by peer writes then attends the local block first everywhere)
+    one_kernel        a ring by peer writes always waits for every block and runs one kernel, also where
+                      no work runs beside the transfer (FLUX's double blocks, Wan)
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 
+import omni_accel.models.flux as flux
 import omni_accel.parallel.peer_exchange as peer_exchange
 import omni_accel.parallel.sequence as sequence
 from omni_accel import ParallelConfig
@@ -60,6 +65,13 @@ def _four(heads: int, degree: int) -> list[int] | None:
     return None if heads < 4 * degree else sequence.split_sizes(heads, 4)
 
 
+def _one_kernel(original):
+    def ring(peers, q, k, v, kv_sizes, attend, beside=None):
+        return original(peers, q, k, v, kv_sizes, attend, beside or (lambda: None))
+
+    return ring
+
+
 VARIANTS = {
     "three_stages": lambda: _patched(sequence, "head_stages", _stages_of(_three)),
     "four_stages": lambda: _patched(sequence, "head_stages", _stages_of(_four)),
@@ -69,6 +81,10 @@ VARIANTS = {
         parallelize, "SequenceState", lambda ulysses, ring, tp: SequenceState(ulysses, ring)
     ),
     "unstacked": lambda: _patched(ParallelConfig, "stacks_guidance", property(lambda self: False)),
+    "nothing_beside": lambda: _patched(flux, "exchanges_travel", lambda layout: False),
+    "one_kernel": lambda: _patched(
+        sequence, "ring_by_peer_writes", _one_kernel(sequence.ring_by_peer_writes)
+    ),
 }
 
 

@@ -263,6 +263,8 @@ def _plan_swap(
     report.graphs = graphs
     if parallel is not None and parallel.config.ulysses > 1:
         report.ulysses_group = parallel.group("ulysses")
+    if parallel is not None and parallel.config.ring > 1:
+        report.ring_group = parallel.group("ring")
     if parallel is not None and parallel.config.tp > 1 and model.parallel.sequence is not None:
         report.tp_group = parallel.group("tp")
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)

@@ -10,7 +10,7 @@ from .cache.projection import ExactProjectionCache
 from .cuda_graphs import StepGraphs
 from .models.base import NativeRuntime
 from .parallel.cfg import GuidanceBranches
-from .parallel.sequence import describe_ulysses
+from .parallel.sequence import describe_ring, describe_ulysses
 from .parallel.token_rows import describe_rows
 
 
@@ -28,6 +28,7 @@ class ComponentReport:
     runtime: NativeRuntime | None = None
     graphs: StepGraphs | None = None
     ulysses_group: Any = None  # the process group of a Ulysses layout's exchanges
+    ring_group: Any = None  # the process group of a ring layout's K/V transfers
     tp_group: Any = None  # the TP group of a model whose tokens may be split over it between projections
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
@@ -59,6 +60,8 @@ class ComponentReport:
             out.append(f"  {self.cfg.describe()}")
         if self.ulysses_group is not None:
             out.append(f"  ulysses exchanges: {describe_ulysses(self.ulysses_group)}")
+        if self.ring_group is not None:
+            out.append(f"  ring transfers: {describe_ring(self.ring_group)}")
         if self.tp_group is not None:
             out.append(f"  tensor parallel tokens: {describe_rows(self.tp_group)}")
         if self.graphs is not None:

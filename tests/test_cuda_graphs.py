@@ -270,6 +270,7 @@ def _parallel_replays(rank: int, world: int) -> None:
         assert stats["eager"] == {} and stats["captures"] == 2 + stacked, (layout, stats)
     _stacked_guidance_is_bitwise_the_two_calls()
     _peer_writes_move_what_nccl_moves()
+    _ring_by_peer_writes_is_nccls_ring_up_to_rounding()
 
 
 def _stacked_guidance_is_bitwise_the_two_calls() -> None:
@@ -315,6 +316,33 @@ def _peer_writes_move_what_nccl_moves() -> None:
             how = "into its peers' symmetric memory" if peer_writes else "peer writes switched off"
             assert any(line in row and how in row for row in report.splitlines()), report
         assert all(torch.equal(a, b) for a, b in zip(*images, strict=True)), layout
+
+
+def _ring_by_peer_writes_is_nccls_ring_up_to_rounding() -> None:
+    """ring=2 by peer writes (single blocks: one kernel over the gathered K/V, the MLP's GEMM beside the
+    transfer; double blocks: the local block first, then the peer's, merged) against NCCL's send/recv ring,
+    in float32: the same attention up to the order of its sums."""
+    latents = []
+    for peer_writes in (True, False):
+        peer_exchange.ENABLED = peer_writes
+        try:
+            pipe = tiny_flux_pipeline(
+                num_attention_heads=4,
+                attention_head_dim=64,
+                dtype=torch.float32,
+                device="cuda",
+                guidance_embeds=True,
+            )
+            pipe = omni_accel.accelerate(pipe, parallel=ParallelConfig(ring=2))
+            call = dict(prompt="a cat", num_inference_steps=2, output_type="latent", height=48, width=32)
+            latents.append(pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images)
+            report = str(omni_accel.describe(pipe))
+        finally:
+            peer_exchange.ENABLED = True
+        how = "into every peer's symmetric memory" if peer_writes else "peer writes switched off"
+        assert any("ring transfers" in row and how in row for row in report.splitlines()), report
+    error = ((latents[0] - latents[1]).abs().max() / latents[1].abs().max()).item()
+    assert error <= 1e-4, error
 
 
 @pytest.mark.gpu

@@ -64,12 +64,20 @@ def check_attention(
     kv_len: int | None = None,
     v_dim: int = 8,
     batch: int = 2,
+    beside: bool = False,
 ) -> None:
+    """Against one process; ``beside``: through ``attention_beside`` with work that must run exactly once
+    and come back (the ring by peer writes then attends with one kernel instead of two and a merge)."""
     q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim, batch)
     want = PROVIDER.forward(q, k, v)
     sp = SequenceParallel.plan(q_len, kv_length=kv_len, **groups)
     local_q, local_k, local_v = sp.shard(q), sp.shard(k, kv=True), sp.shard(v, kv=True)
-    out = sp.attention(local_q, local_k, local_v, attend)
+    if beside:
+        runs = []
+        out, done = sp.attention_beside(local_q, local_k, local_v, attend, lambda: runs.append(1) or "done")
+        assert (runs, done) == ([1], "done")
+    else:
+        out = sp.attention(local_q, local_k, local_v, attend)
     assert out.shape == (*local_q.shape[:3], v_dim)
     err = rel_err(sp.gather(out), want)
     assert err <= TOLERANCE, f"relative error {err:.2e}"
@@ -108,16 +116,18 @@ def _file_backed_peers(group, directory: str) -> PeerBuffers:
             file.truncate(numel * dtype.itemsize)
         dist.barrier(group=group)
         buffers = [torch.from_file(path, shared=True, size=numel, dtype=dtype) for path in paths]
-        return buffers, lambda: dist.barrier(group=group)
+        return buffers, lambda channel: dist.barrier(group=group)
 
     return PeerBuffers(rank, world, allocate)
 
 
 def check_peer_writes(groups: dict, directory: str, **case) -> None:
-    """Ulysses by peer writes on ``case``, then on a longer sequence (the buffers grow)."""
+    """Ulysses and ring by peer writes on ``case``, then on a longer sequence (the buffers grow), with and
+    without work beside the exchanges."""
     with peer_writes_over_files(directory) as made:
-        check_attention(groups, **case)
-        check_attention(groups, **{**case, "q_len": case["q_len"] + 3})
+        for beside in (False, True):
+            check_attention(groups, beside=beside, **case)
+            check_attention(groups, beside=beside, **{**case, "q_len": case["q_len"] + 3})
     assert made, "the peer-write path was not taken"
 
 
@@ -194,13 +204,17 @@ FOUR_RANK_CASES = [
 def two_rank_checks(directory: str) -> list:
     world = dist.group.WORLD
     checks = [(f"shard/gather length {n}", partial(check_shard_gather, world, n)) for n in (5, 1)]
-    for scheme, groups in (("ulysses", dict(ulysses_group=world)), ("ring", dict(ring_group=world))):
-        checks += [(f"{scheme} {case}", partial(check_attention, groups, **case)) for case in TWO_RANK_CASES]
-    ulysses = dict(ulysses_group=world)
-    checks += [
-        (f"ulysses by peer writes {case}", partial(check_peer_writes, ulysses, directory, **case))
-        for case in TWO_RANK_CASES
-    ]
+    schemes = (("ulysses", dict(ulysses_group=world)), ("ring", dict(ring_group=world)))
+    for scheme, groups in schemes:
+        checks += [
+            (f"{scheme} {case} beside={beside}", partial(check_attention, groups, beside=beside, **case))
+            for case in TWO_RANK_CASES
+            for beside in (False, True)
+        ]
+        checks += [
+            (f"{scheme} by peer writes {case}", partial(check_peer_writes, groups, directory, **case))
+            for case in TWO_RANK_CASES
+        ]
     for where in (None, directory):
         checks += [
             (f"token rows {case} {where}", partial(check_token_rows, world, directory=where, **case))
@@ -226,7 +240,7 @@ def four_rank_checks(directory: str) -> list:
         schemes[name] = dict(ulysses_group=state.group("ulysses"), ring_group=state.group("ring"))
     peer_writes = [
         (f"{name} by peer writes {case}", partial(check_peer_writes, schemes[name], directory, **case))
-        for name in ("ulysses2 x ring2", "ulysses4")
+        for name in ("ulysses2 x ring2", "ulysses4", "ring4")
         for case in FOUR_RANK_CASES
     ]
     tp = init_parallel(ParallelConfig(tp=2, ulysses=2)).group("tp")

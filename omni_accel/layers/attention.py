@@ -8,13 +8,17 @@ provider with the needed capability (the log-sum-exp, for ring attention) works 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from ..attention.base import AttentionRequest
 from ..attention.selection import AttentionSelector, selector_by_index
 from ..parallel.parallelize import current_sequence
+
+T = TypeVar("T")
 
 
 def _attend(
@@ -43,8 +47,10 @@ def _attend_in_layout(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The kernel call, wrapped in the sequence-parallel communication when the layout splits the sequence."""
+    beside: Callable[[], T] | None = None,
+) -> tuple[torch.Tensor, T | None]:
+    """The kernel call, wrapped in the sequence-parallel communication when the layout splits the sequence,
+    and ``beside()``'s result (run while that communication travels)."""
 
     def attend(q, k, v, need_lse=False):
         return _attend(selector_by_index(selector), role, category, scale, q, k, v, need_lse, attn_mask)
@@ -56,8 +62,8 @@ def _attend_in_layout(
                 f"Attention role {role!r}: masked attention under sequence parallelism is not supported; "
                 "run this model with ulysses=1 and ring=1."
             )
-        return sp.attention(query, key, value, attend)
-    return attend(query, key, value)
+        return sp.attention_beside(query, key, value, attend, beside)
+    return attend(query, key, value), None if beside is None else beside()
 
 
 @torch.library.custom_op("omni_accel::routed_attention", mutates_args=())
@@ -75,7 +81,7 @@ def _routed_attention(
     inside a compiled graph the choice still follows the pipeline's config and any active
     ``attention_scope`` at run time, and the graph around it (norms, RoPE, projections) fuses without a
     break."""
-    out = _attend_in_layout(selector, layout, role, category, scale, query, key, value)
+    out, _ = _attend_in_layout(selector, layout, role, category, scale, query, key, value)
     # Contiguous, as the fake promises: the graph may view the output (the eager path copies it there anyway).
     return out.contiguous()
 
@@ -110,4 +116,32 @@ def attention(
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
     if torch.compiler.is_compiling() and attn_mask is None:
         return _routed_attention(query, key, value, selector, layout, site.role, site.category, scale)
-    return _attend_in_layout(selector, layout, site.role, site.category, scale, query, key, value, attn_mask)
+    args = (selector, layout, site.role, site.category, scale, query, key, value, attn_mask)
+    return _attend_in_layout(*args)[0]
+
+
+def exchanges_travel(layout: int) -> bool:
+    """Whether attention under ``layout`` sends its inputs between ranks, so that work independent of it
+    can run while they travel (``attention_beside``)."""
+    sp = current_sequence(layout)
+    return sp is not None and sp.degree > 1
+
+
+def attention_beside(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    site: AttentionSite,
+    selector: int,
+    layout: int,
+    work: Callable[[], T],
+) -> tuple[torch.Tensor, T]:
+    """``(attention(...), work())`` for ``work`` that does not depend on the attention: under a layout that
+    splits the sequence it runs once the exchanges are posted, while they travel (a ring's K/V blocks then
+    meet one kernel over the whole sequence instead of two and a merge). Compiled, the two are traced
+    apart and the compiler orders them."""
+    if torch.compiler.is_compiling():
+        return attention(query, key, value, site, selector, layout), work()
+    scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
+    args = (selector, layout, site.role, site.category, scale, query, key, value)
+    return _attend_in_layout(*args, beside=work)

@@ -225,6 +225,26 @@ def pack(bases: Sequence[nn.Linear]) -> None:
             start += param.shape[0]
 
 
+def split_packed(weights: LinearWeights, count: int) -> tuple[LinearWeights, LinearWeights]:
+    """The first ``count`` packed projections and the others, as two (views of the same weights), for
+    callers that run their GEMMs apart."""
+    if weights.reduce is not None or weights.gather is not None:
+        raise ValueError("only output-packed projections without a collective can be split")
+    at = sum(weights.sizes[:count])
+
+    def part(rows: slice, parts: slice) -> LinearWeights:
+        bias = None if weights.bias is None else weights.bias[rows]
+        return replace(
+            weights,
+            weight=weights.weight[rows],
+            bias=bias,
+            sizes=weights.sizes[parts],
+            adapters=weights.adapters[parts],
+        )
+
+    return part(slice(None, at), slice(None, count)), part(slice(at, None), slice(count, None))
+
+
 def apply_linear(
     x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None
 ) -> tuple[torch.Tensor, ...]:

@@ -21,8 +21,8 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate, qkv_norm_rope
-from ..layers.attention import AttentionSite, attention
-from ..layers.projection import LinearWeights, apply_linear, apply_one
+from ..layers.attention import AttentionSite, attention, attention_beside, exchanges_travel
+from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.token_rows import Rows
 from .base import NativeBlock, NativeModel
@@ -72,6 +72,7 @@ class BlockConstants:
     layout: int  # Parallelized.index, -1 on one rank
     image_rows: Rows | None  # the image and text tokens this rank holds in its TP group (None: all)
     text_rows: Rows | None
+    exchanges_travel: bool  # attention sends its inputs between ranks (and the tokens are not TP-split)
 
 
 def double_block(
@@ -122,9 +123,17 @@ def single_block(
     output projection's input) instead of concatenated to it."""
     shift, scale, gate = mod.chunk(3, dim=1)
     rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
-    q, k, v, mlp = apply_linear(norm_modulate(x, shift, scale, c.eps), w["qkv_mlp"], rows)
-    q, k, v = qkv_norm_rope([(q, k, v)], [(norms["q"], norms["k"])], c.head_dim, c.qk_eps, rope)
-    out = attention(q, k, v, c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
+    h = norm_modulate(x, shift, scale, c.eps)
+    qk_norms = [(norms["q"], norms["k"])]
+    if c.exchanges_travel:  # QKV's GEMM first, so the MLP input's runs while the exchanges travel
+        qkv_weights, mlp_weights = split_packed(w["qkv_mlp"], 3)
+        q, k, v = qkv_norm_rope([apply_linear(h, qkv_weights)], qk_norms, c.head_dim, c.qk_eps, rope)
+        out, mlp = attention_beside(q, k, v, c.site, c.selector, c.layout, lambda: apply_one(h, mlp_weights))
+    else:
+        q, k, v, mlp = apply_linear(h, w["qkv_mlp"], rows)
+        q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope)
+        out = attention(q, k, v, c.site, c.selector, c.layout)
+    out = out.flatten(2, 3).to(q.dtype)
     x = gated_residual(x, gate, apply_one(concat_gelu(out, mlp), w["out"], rows))
     return _clip_fp16(x)
 
@@ -211,6 +220,7 @@ class _FluxNative(NativeBlock):
             runtime.layout_index,
             runtime.rows("image"),
             runtime.rows("text"),
+            exchanges_travel(runtime.layout_index) and runtime.rows("text") is None,
         )
         return modulation, weights, self._norms(), constants
 

@@ -31,13 +31,15 @@ logger = get_logger(__name__)
 _SEQ, _HEADS = 1, 2
 ENABLED = True  # benchmarks flip it for an A/B against NCCL's all-to-all
 SWITCH = "OMNI_ACCEL_PEER_WRITES"  # "0" in the environment: NCCL's all-to-all everywhere (a debugging aid)
+_SIDE_CHANNEL = 1  # the side stream's barriers signal apart from the current stream's (channel 0)
 
 
 class PeerBuffers:
     """Each rank's buffer of every slot, as tensors this rank can write, and a barrier over the group.
 
-    ``allocate(numel, dtype)`` returns ``(every rank's buffer, barrier)``; the CUDA version maps symmetric
-    memory, tests pass one over shared files."""
+    ``allocate(numel, dtype)`` returns ``(every rank's buffer, barrier)``, the barrier taking a channel
+    (barriers on different channels, as on two streams, do not pair with each other); the CUDA version
+    maps symmetric memory, tests pass one over shared files."""
 
     def __init__(
         self, rank: int, world: int, allocate: Callable, side: torch.cuda.Stream | None = None
@@ -64,19 +66,32 @@ class PeerBuffers:
             self._barrier = self._barrier or barrier
         return [buffer[: math.prod(shape)].view(shape) for buffer, shape in zip(buffers, shapes, strict=True)]
 
-    def copy_beside(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    def copy_beside(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]], fenced: bool = False):
         """``dst.copy_(src)`` for contiguous pairs, by the copy engine on a side stream after the work
         enqueued so far, so they run beside the kernels enqueued next; ``wait`` joins them. (Without a side
-        stream, on CPU, at once.) The tensors are held until then, so their memory is not reused early."""
+        stream, on CPU, at once.) The tensors are held until then, so their memory is not reused early.
+
+        ``fenced`` puts a barrier over the group before the copies (every rank has run the work it enqueued
+        before, so the buffers written may be overwritten) and one after them (every rank's copies have
+        landed, so after ``wait`` the peers' pieces are here too), both on the side stream: the current
+        stream goes on meanwhile. Every rank must call it, with or without copies of its own."""
         if self._side is None:
+            self._fence(fenced)
             for dst, src in copies:
                 dst.copy_(src)
+            self._fence(fenced)
             return None
         self._side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._side):
+            self._fence(fenced, _SIDE_CHANNEL)
             for dst, src in copies:
                 dst.copy_(src)
+            self._fence(fenced, _SIDE_CHANNEL)
             return self._side.record_event(), copies
+
+    def _fence(self, fenced: bool, channel: int = 0) -> None:
+        if fenced:
+            self._barrier(channel)
 
     def wait(self, sent) -> None:
         """The current stream waits for transfers ``copy_beside`` started."""
@@ -85,7 +100,7 @@ class PeerBuffers:
 
     def barrier(self) -> None:
         """Returns (on the stream) once every rank has called it: their earlier writes have landed."""
-        self._barrier()
+        self._barrier(0)
 
 
 def _symmetric_allocator(group: dist.ProcessGroup) -> Callable:
@@ -99,7 +114,7 @@ def _symmetric_allocator(group: dist.ProcessGroup) -> Callable:
         handle = symm_mem.rendezvous(local, group)
         owners.append((local, handle))
         buffers = [handle.get_buffer(rank, (numel,), dtype) for rank in range(world)]
-        return buffers, lambda: handle.barrier(channel=0)
+        return buffers, lambda channel: handle.barrier(channel=channel)
 
     return allocate
 
@@ -172,7 +187,8 @@ def ulysses_by_peer_writes(
     kv_sizes: Sequence[int],
     stages: Sequence[tuple[int, Sequence[int]]],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
+    beside: Callable[[], object] | None = None,
+) -> tuple[torch.Tensor, object]:
     """Ulysses attention of BSHD slices (``sizes[i]`` query and ``kv_sizes[i]`` K/V tokens on rank ``i``)
     in pipeline stages: ``(first head, heads of each rank)`` per stage. Each rank gathers its heads of a
     stage over the whole sequence in its buffers, attends there, and sends each rank its tokens back.
@@ -182,7 +198,8 @@ def ulysses_by_peer_writes(
     as is every output but the last stage's. A barrier precedes each stage's kernel and the unpacking of
     the outputs. A peer writes into this rank's buffers for the next call only after a barrier this rank
     reaches once it has used what they hold (the last one for the inputs, the next call's first for the
-    outputs), so the buffers need no handshake of their own."""
+    outputs), so the buffers need no handshake of their own. ``beside()`` runs once every stage is posted;
+    its result is returned with the output."""
     me, world = peers.rank, peers.world
     gathered, sends = [], []
     for index, (first, heads) in enumerate(stages):
@@ -193,6 +210,7 @@ def ulysses_by_peer_writes(
             )
         gathered.append(stage)
         sends.append(peers.copy_beside(copies) if copies else None)
+    done = None if beside is None else beside()
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     returns = []
     for index, (first, heads) in enumerate(stages):
@@ -209,7 +227,7 @@ def ulysses_by_peer_writes(
         for i in range(world):
             if i != me:
                 _write(out.narrow(_HEADS, first + sum(heads[:i]), heads[i]), received[i])
-    return out
+    return out, done
 
 
 def _gather_heads(

@@ -37,11 +37,14 @@ import torch.distributed as dist
 from ..attention.merge import merge_partials
 from .copies import copy_rows_
 from .peer_exchange import describe_exchange, peer_buffers, ulysses_by_peer_writes
+from .peer_ring import ring_by_peer_writes
 
 Attend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 ]
 """``attend(q, k, v, need_lse)`` on BSHD tensors: the output, or ``(output, lse)`` when ``need_lse``."""
+Beside = Callable[[], object] | None
+"""Work that does not depend on the attention, run while its exchanges travel (None: no such work)."""
 
 _SEQ, _HEADS = 1, 2
 
@@ -62,6 +65,16 @@ def describe_ulysses(group: dist.ProcessGroup | None) -> str:
         "each rank writes its pieces into its peers' symmetric memory (the first head stage by the packing "
         "copy, later stages and outputs by the copy engine beside the kernel), a barrier per stage",
         "all-to-all in head stages",
+    )
+
+
+def describe_ring(group: dist.ProcessGroup | None) -> str:
+    """How ring attention's K/V blocks travel in ``group``, for ``describe``."""
+    return describe_exchange(
+        group,
+        "each rank writes its K/V block into every peer's symmetric memory by the copy engine beside the "
+        "kernel, two barriers per call on a side stream",
+        "send/recv around the ring",
     )
 
 
@@ -207,13 +220,20 @@ def ring_attention(
     attend: Attend,
     group: dist.ProcessGroup | None,
     kv_sizes: Sequence[int],
-) -> torch.Tensor:
+    beside: Beside = None,
+) -> tuple[torch.Tensor, object]:
     """Attention of the local queries over the K/V blocks of every rank in ``group`` (``kv_sizes[i]`` tokens
-    on rank ``i``). Block ``i`` travels rank to rank; the transfer of the next block is posted before the
-    kernel runs on the current one, so communication overlaps compute."""
+    on rank ``i``), and ``beside()``'s result, run while the first blocks travel. Between the GPUs of one
+    machine the blocks are peer writes (``peer_ring``); elsewhere block ``i`` travels rank to rank, the
+    transfer of the next block posted before the kernel runs on the current one, so communication overlaps
+    compute."""
     world = _size(group)
     if world == 1:
-        return _attend_out(attend, q, k, v)
+        done = _run(beside)
+        return _attend_out(attend, q, k, v), done
+    peers = peer_buffers(group)
+    if peers is not None:
+        return ring_by_peer_writes(peers, q, k, v, kv_sizes, attend, beside)
     rank = _rank(group)
     k, v = k.contiguous(), v.contiguous()  # sent as they are
     send_to = dist.get_global_rank(group, (rank + 1) % world)
@@ -229,6 +249,8 @@ def ring_attention(
             ops = [dist.P2POp(dist.isend, t, send_to, group) for t in (k, v)]
             ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in (next_k, next_v)]
             requests = dist.batch_isend_irecv(ops)
+            if step == 0:
+                done = _run(beside)
         if q.numel() and k.shape[_SEQ]:
             out, lse = merge_partials(out, lse, *attend(q, k, v, True), q.dtype if last else None)
         if not last:
@@ -236,8 +258,12 @@ def ring_attention(
                 request.wait()
             k, v = next_k, next_v
     if out is None:  # no queries or no heads here
-        return q.new_empty(*q.shape[:3], v.shape[-1])
-    return out.to(q.dtype)
+        return q.new_empty(*q.shape[:3], v.shape[-1]), done
+    return out.to(q.dtype), done
+
+
+def _run(beside: Beside) -> object:
+    return None if beside is None else beside()
 
 
 @dataclass(frozen=True)
@@ -313,6 +339,13 @@ class SequenceParallel:
         """Full attention of this rank's queries over the whole sequence; returns this rank's output slice.
         ``q``, ``k`` and ``v`` are this rank's BSHD slices. (Attention over K/V every rank holds whole, such
         as a cross-attention's text, needs no layout at all: each rank attends with its own queries.)"""
+        return self.attention_beside(q, k, v, attend, None)[0]
+
+    def attention_beside(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, beside: Beside
+    ) -> tuple[torch.Tensor, object]:
+        """``attention``, and ``beside()``'s result: the work runs once the exchanges are posted, while
+        they travel."""
         self._check(q, self.sizes, "query")
         self._check(k, self._sizes(kv=True), "key")
         if k.shape[_HEADS] != q.shape[_HEADS]:
@@ -323,17 +356,19 @@ class SequenceParallel:
         chunk = self._chunk(self.sizes)
         kv_sizes = self._sizes(kv=True)
         kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
+        if _size(group) == 1:
+            return ring_attention(q, k, v, attend, ring, ring_blocks, beside)
+
+        def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ring_attention(q, k, v, attend, ring, ring_blocks)[0]
+
         peers = peer_buffers(group)
         if peers is not None:
             stages = [
                 (first, split_sizes(count, peers.world))
                 for first, count in head_stages(q.shape[_HEADS], peers.world)
             ]
-
-            def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return ring_attention(q, k, v, attend, ring, ring_blocks)
-
-            return ulysses_by_peer_writes(peers, q, k, v, chunk, kv_chunk, stages, around_ring)
+            return ulysses_by_peer_writes(peers, q, k, v, chunk, kv_chunk, stages, around_ring, beside)
         # Every stage's inputs are posted first: the communication stream runs them back to back while the
         # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
         stages = []
@@ -344,16 +379,17 @@ class SequenceParallel:
                 return _Exchange(t.narrow(_HEADS, first, count), group, _HEADS, heads, _SEQ, sizes)
 
             stages.append((first, count, heads, send(q, chunk), [send(k, kv_chunk), send(v, kv_chunk)]))
+        done = _run(beside)
         back = []
         for first, count, heads, q_sent, kv in stages:
-            o = ring_attention(q_sent.wait(), *(t.wait() for t in kv), attend, ring, ring_blocks)
+            o = around_ring(q_sent.wait(), *(t.wait() for t in kv))
             back.append((_Exchange(o, group, _SEQ, chunk, _HEADS, heads), first, count))
         if len(back) == 1:
-            return back[0][0].wait()
+            return back[0][0].wait(), done
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         for sent, first, count in back:
             sent.wait(into=out.narrow(_HEADS, first, count))
-        return out
+        return out, done
 
     def _check(self, x: torch.Tensor, sizes: Sequence[int], name: str) -> None:
         if x.shape[_SEQ] != sizes[self.index]:
