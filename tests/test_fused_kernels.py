@@ -112,6 +112,13 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
             qs[1:], ks[1:], [], q_weights[1:], k_weights[1:], head_dim, 1e-6, cos[text:], sin[text:]
         )
         assert len(lone) == 2 and torch.equal(lone[0], got[0][:, text:]), f"qkv_norm_rope one segment {dtype}"
+        # Into a caller's k/v buffers whose samples hold more tokens (a ring's: this rank's block first).
+        buffers = torch.zeros(2, batch, text + image + 5, heads, head_dim, dtype=dtype, device=device)
+        outs = [torch.empty_like(got[0]), *(b.narrow(1, 0, text + image) for b in buffers)]
+        args = (qs, ks, vs, q_weights, k_weights, head_dim, 1e-6, cos, sin, False)
+        kernels.qkv_norm_rope_into(*args, outs)
+        assert all(map(torch.equal, outs, got)), f"qkv_norm_rope_into {dtype}"
+        assert not buffers[:, :, text + image :].any(), f"qkv_norm_rope_into wrote past its tokens {dtype}"
 
         # Wan: the RMSNorm across all heads (a weight per channel), RoPE tables shaped [1, S, 1, D].
         w_row = randn(2, dim, dtype=dtype)
@@ -226,3 +233,21 @@ def test_custom_ops_pass_opcheck():
     for out_dtype in (torch.float32, torch.bfloat16):
         args = (out, lse, out * 2, lse.flip(0), out_dtype)
         torch.library.opcheck(torch.ops.omni_accel.merge_attention.default, args)
+
+
+def test_qkv_norm_rope_writes_k_and_v_where_asked():
+    """``kv_out`` (a ring's buffers): k and v come back as those buffers, holding what they would hold."""
+    from omni_accel.layers import qkv_norm_rope
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 2, 5, 16, generator=g)  # [B, S, H * D] with 2 heads of 8
+    norms = [tuple(torch.randn(2, 8, generator=g))]
+    angles = torch.rand(5, 4, generator=g) * 10
+    rope = tuple(f(angles).repeat_interleave(2, dim=1) for f in (torch.cos, torch.sin))
+    want = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope)
+    buffers = torch.zeros(2, 2, 7, 2, 8)
+    kv_out = tuple(b.narrow(1, 0, 5) for b in buffers)
+    got = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope, kv_out=kv_out)
+    assert got[1] is kv_out[0] and got[2] is kv_out[1]
+    assert all(map(torch.equal, got, want))
+    assert not buffers[:, :, 5:].any()

@@ -127,6 +127,17 @@ def exchanges_travel(layout: int) -> bool:
     return sp is not None and sp.degree > 1
 
 
+def key_value_buffers(
+    layout: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where K and V (``[batch, this rank's tokens, heads, head_dim]``) should be written for attention
+    under ``layout`` to use them without a copy (``qkv_norm_rope(kv_out=...)``), or None: anywhere."""
+    sp = None if torch.compiler.is_compiling() else current_sequence(layout)
+    if sp is None or sp.degree == 1:
+        return None
+    return sp.key_value_buffers(batch, heads, head_dim, head_dim, dtype)
+
+
 def attention_beside(
     query: torch.Tensor,
     key: torch.Tensor,

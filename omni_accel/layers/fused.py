@@ -87,12 +87,14 @@ def qkv_norm_rope(
     eps: float | None,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     across_heads: bool = False,
+    kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Segment:
     """Attention's joint BSHD ``q, k, v`` from the projections of one or more sequence segments (text,
     image): ``q`` and ``k`` RMSNormed with their segment's ``weights`` (per head as FLUX's, or
     ``across_heads`` over the whole row with a weight per channel as Wan's) then rotated, ``v`` joined.
     Each ``(q_i, k_i, v_i)`` is ``[B, S_i, H * head_dim]``, maybe strided views of a packed projection; a
-    lone segment's ``v`` is returned as a view, not copied."""
+    lone segment's ``v`` is returned as a view, not copied. ``kv_out``: where to write k and v
+    (``layers.attention.key_value_buffers``), returned as k and v."""
     qs, ks, vs = (list(t) for t in zip(*segments, strict=True))
     q_weights, k_weights = (list(w) for w in zip(*weights, strict=True))
     if (
@@ -102,11 +104,17 @@ def qkv_norm_rope(
         and all(t.stride(-1) == 1 for t in qs + ks + vs)
         and kernels_can_run(*qs, *ks, *vs, *q_weights, *k_weights, when_compiling=True)
     ):
+        if kv_out is not None and not torch.compiler.is_compiling():
+            k_out, v_out = kv_out
+            q = torch.empty(k_out.shape, dtype=k_out.dtype, device=k_out.device)
+            args = (qs, ks, vs, q_weights, k_weights, head_dim, eps, *rope, across_heads)
+            fused_kernels.qkv_norm_rope_into(*args, [q, k_out, v_out])
+            return q, k_out, v_out
         joint_vs = vs if len(segments) > 1 else []
         q, k, *v = torch.ops.omni_accel.qkv_norm_rope(
             qs, ks, joint_vs, q_weights, k_weights, head_dim, eps, *rope, across_heads
         )
-        return q, k, v[0] if v else vs[0].unflatten(-1, (-1, head_dim))
+        return _written_to(kv_out, q, k, v[0] if v else vs[0].unflatten(-1, (-1, head_dim)))
 
     def norm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         if across_heads:
@@ -117,12 +125,18 @@ def qkv_norm_rope(
     k = _joint([norm(x, w) for x, w in zip(ks, k_weights, strict=True)])
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    return q, k, _joint([x.unflatten(-1, (-1, head_dim)) for x in vs])
+    return _written_to(kv_out, q, k, _joint([x.unflatten(-1, (-1, head_dim)) for x in vs]))
 
 
 def _joint(segments: list[torch.Tensor]) -> torch.Tensor:
     return segments[0] if len(segments) == 1 else torch.cat(segments, dim=1)
 
 
+def _written_to(kv_out: tuple[torch.Tensor, torch.Tensor] | None, q, k, v) -> Segment:
+    if kv_out is None:
+        return q, k, v
+    return q, kv_out[0].copy_(k), kv_out[1].copy_(v)
+
+
 if HAS_TRITON:
-    from . import fused_kernels  # noqa: F401  (registers the custom ops)
+    from . import fused_kernels  # registers the custom ops

@@ -104,7 +104,8 @@ def _qkv_norm_rope_kernel(
     stride_ks,
     stride_vb,
     stride_vs,
-    out_seq,
+    stride_out_qb,
+    stride_out_kvb,
     out_start,
     eps,
     HEAD_DIM: tl.constexpr,
@@ -114,8 +115,8 @@ def _qkv_norm_rope_kernel(
 ):
     """``BLOCK_H`` heads of one token of one segment (all of them ``ACROSS_HEADS``): its q and k normed
     and rotated, and (``COPY_V``) its v copied, each written at the token's place in the joint
-    ``[B, S, H, D]`` tensors. Heads are read and written whole (coalesced), every load issued before the
-    math."""
+    ``[B, S, H, D]`` tensors (each sample's tokens contiguous; k and v laid out alike). Heads are read and
+    written whole (coalesced), every load issued before the math."""
     row = tl.program_id(0)
     b = row // seq
     s = row % seq
@@ -131,13 +132,14 @@ def _qkv_norm_rope_kernel(
     position = (out_start + s) * HEAD_DIM + d
     cos = tl.load(COS + position)
     sin = tl.load(SIN + position)
-    dst = ((b * out_seq + out_start + s) * heads + h) * HEAD_DIM + d
+    dst = ((out_start + s) * heads + h) * HEAD_DIM + d
     q = _norm_rope(q, WQ, cos, sin, h, d, mask, heads, eps, HEAD_DIM, BLOCK_H, ACROSS_HEADS)
-    tl.store(OUT_Q + dst, q.to(dtype), mask=mask)
+    tl.store(OUT_Q + b.to(tl.int64) * stride_out_qb + dst, q.to(dtype), mask=mask)
     k = _norm_rope(k, WK, cos, sin, h, d, mask, heads, eps, HEAD_DIM, BLOCK_H, ACROSS_HEADS)
-    tl.store(OUT_K + dst, k.to(dtype), mask=mask)
+    kv_dst = b.to(tl.int64) * stride_out_kvb + dst
+    tl.store(OUT_K + kv_dst, k.to(dtype), mask=mask)
     if COPY_V:
-        tl.store(OUT_V + dst, v.to(dtype), mask=mask)
+        tl.store(OUT_V + kv_dst, v.to(dtype), mask=mask)
 
 
 @torch.library.custom_op("omni_accel::norm_modulate", mutates_args=())
@@ -217,6 +219,27 @@ def qkv_norm_rope(
     batch, heads = first.shape[0], first.shape[2] // head_dim
     total = sum(q.shape[1] for q in qs)
     outs = [first.new_empty(batch, total, heads, head_dim) for _ in range(3 if vs else 2)]
+    qkv_norm_rope_into(qs, ks, vs, q_weights, k_weights, head_dim, eps, cos, sin, across_heads, outs)
+    return outs
+
+
+def qkv_norm_rope_into(
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    q_weights: list[torch.Tensor],
+    k_weights: list[torch.Tensor],
+    head_dim: int,
+    eps: float | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    across_heads: bool,
+    outs: list[torch.Tensor],
+) -> None:
+    """``qkv_norm_rope`` written into ``outs`` (q, k and, with ``vs``, v: ``[B, S, H, D]``, each sample's
+    tokens contiguous, k and v with the same strides): a caller's buffers, such as the ring's."""
+    first = qs[0]
+    batch, heads = first.shape[0], first.shape[2] // head_dim
     eps = torch.finfo(first.dtype).eps if eps is None else eps
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     heads_per_program = heads if across_heads else min(_HEADS_PER_PROGRAM, heads)  # the norm needs the row
@@ -230,12 +253,11 @@ def qkv_norm_rope(
             _qkv_norm_rope_kernel[(batch * seq, triton.cdiv(heads, block_h))](
                 q, k, v, wq, wk, cos, sin, outs[0], outs[1], outs[-1], seq, heads,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                total, start, eps,
+                outs[0].stride(0), outs[1].stride(0), start, eps,
                 HEAD_DIM=head_dim, BLOCK_H=block_h, ACROSS_HEADS=across_heads, COPY_V=bool(vs),
                 num_warps=warps,
             )  # fmt: skip
         start += seq
-    return outs
 
 
 @qkv_norm_rope.register_fake

@@ -21,7 +21,13 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate, qkv_norm_rope
-from ..layers.attention import AttentionSite, attention, attention_beside, exchanges_travel
+from ..layers.attention import (
+    AttentionSite,
+    attention,
+    attention_beside,
+    exchanges_travel,
+    key_value_buffers,
+)
 from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.token_rows import Rows
@@ -91,12 +97,14 @@ def double_block(
     eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
     iq, ik, iv = apply_linear(norm_modulate(img, i_shift, i_scale, eps), w["img_qkv"], i_rows)
     tq, tk, tv = apply_linear(norm_modulate(txt, t_shift, t_scale, eps), w["txt_qkv"], t_rows)
+    heads = iq.shape[-1] // head_dim
     q, k, v = qkv_norm_rope(
         [(tq, tk, tv), (iq, ik, iv)],
         [(norms["added_q"], norms["added_k"]), (norms["q"], norms["k"])],
         head_dim,
         c.qk_eps,
         rope,
+        kv_out=key_value_buffers(c.layout, img.shape[0], heads, head_dim, img.dtype),
     )
     out = attention(q, k, v, c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
     txt_attn, img_attn = out.split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
@@ -127,7 +135,9 @@ def single_block(
     qk_norms = [(norms["q"], norms["k"])]
     if c.exchanges_travel:  # QKV's GEMM first, so the MLP input's runs while the exchanges travel
         qkv_weights, mlp_weights = split_packed(w["qkv_mlp"], 3)
-        q, k, v = qkv_norm_rope([apply_linear(h, qkv_weights)], qk_norms, c.head_dim, c.qk_eps, rope)
+        q, k, v = apply_linear(h, qkv_weights)
+        kv_out = key_value_buffers(c.layout, x.shape[0], q.shape[-1] // c.head_dim, c.head_dim, x.dtype)
+        q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, kv_out=kv_out)
         out, mlp = attention_beside(q, k, v, c.site, c.selector, c.layout, lambda: apply_one(h, mlp_weights))
     else:
         q, k, v, mlp = apply_linear(h, w["qkv_mlp"], rows)

@@ -47,12 +47,14 @@ def ring_by_peer_writes(
     every rank has run the kernels it enqueued before, among them the last call's kernel over that buffer,
     so one buffer per slot serves every call."""
     me, world = peers.rank, peers.world
-    batch, _, heads, dim = k.shape
     total, mine = sum(kv_sizes), kv_sizes[me]
-    keys = peers.views("ring_k", [(batch, total, heads, dim)] * world, k.dtype)
-    values = peers.views("ring_v", [(batch, total, heads, v.shape[-1])] * world, v.dtype)
+    keys, values = _buffers(peers, kv_sizes, k.shape[0], k.shape[2], k.shape[3], v.shape[3], k.dtype)
     own_k, own_v = keys[me].narrow(_SEQ, 0, mine), values[me].narrow(_SEQ, 0, mine)
-    if mine:
+    if _same_view(k, own_k) and _same_view(v, own_v):
+        pass  # their producer wrote them in place (own_block)
+    elif beside is None and k.is_contiguous() and v.is_contiguous():
+        own_k, own_v = k, v  # sent from where they are: the local block's kernel reads them there
+    elif mine:
         copy_rows_(own_k, k)
         copy_rows_(own_v, v)
     copies = []
@@ -78,3 +80,30 @@ def ring_by_peer_writes(
         rest = (t.narrow(_SEQ, mine, total - mine) for t in (keys[me], values[me]))
         out, lse = merge_partials(out, lse, *attend(q, *rest, True), q.dtype)
     return out.to(q.dtype), None
+
+
+def own_block(
+    peers: PeerBuffers,
+    kv_sizes: Sequence[int],
+    batch: int,
+    heads: int,
+    dim: int,
+    v_dim: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's K and V block in its own buffers: written there by their producer, they need no copy
+    before they travel."""
+    keys, values = _buffers(peers, kv_sizes, batch, heads, dim, v_dim, dtype)
+    mine = kv_sizes[peers.rank]
+    return keys[peers.rank].narrow(_SEQ, 0, mine), values[peers.rank].narrow(_SEQ, 0, mine)
+
+
+def _buffers(peers: PeerBuffers, kv_sizes: Sequence[int], batch, heads, dim, v_dim, dtype):
+    total = sum(kv_sizes)
+    keys = peers.views("ring_k", [(batch, total, heads, dim)] * peers.world, dtype)
+    values = peers.views("ring_v", [(batch, total, heads, v_dim)] * peers.world, dtype)
+    return keys, values
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

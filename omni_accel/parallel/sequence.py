@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..attention.merge import merge_partials
 from .copies import copy_rows_
 from .peer_exchange import describe_exchange, peer_buffers, ulysses_by_peer_writes
-from .peer_ring import ring_by_peer_writes
+from .peer_ring import own_block, ring_by_peer_writes
 
 Attend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -334,6 +334,18 @@ class SequenceParallel:
         sizes = self._sizes(kv)
         chunk = gather(x_local, dim, self.ulysses_group, self._chunk(sizes))
         return gather(chunk, dim, self.ring_group, self._ring_blocks(sizes))
+
+    def key_value_buffers(
+        self, batch: int, heads: int, head_dim: int, v_dim: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where this rank's K and V can be written for ``attention`` to send them without a copy (a ring's
+        buffers between the GPUs of one machine), or None."""
+        if _size(self.ulysses_group) > 1 or _size(self.ring_group) == 1:
+            return None
+        peers = peer_buffers(self.ring_group)
+        if peers is None:
+            return None
+        return own_block(peers, self._sizes(kv=True), batch, heads, head_dim, v_dim, dtype)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Full attention of this rank's queries over the whole sequence; returns this rank's output slice.
