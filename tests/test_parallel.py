@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import importlib
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from multirank import run_multirank
 
 import omni_accel
 from omni_accel import ParallelConfig
+from omni_accel.parallel import peer_ring
 
 CALL = dict(prompt=["a cat", "a dog"], height=24, width=40, num_inference_steps=2, max_sequence_length=13)
 
@@ -407,8 +409,30 @@ def _tokens_split_never_pays():
             module.split_pays = original
 
 
+def _ring_by_peer_writes() -> None:
+    """ring=2 by peer writes in whole models, each rank's buffers shared files (as the GPUs' symmetric
+    memory): FLUX's single blocks write K/V straight into the ring's buffers and attend in one kernel beside
+    the MLP's GEMM, its double blocks and Wan's attend the local block first; within 1e-5 of one rank."""
+    from test_sequence_parallel import peer_writes_over_files
+
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    in_place, same_view = [], peer_ring._same_view
+    peer_ring._same_view = lambda a, b: in_place.append(same_view(a, b)) or in_place[-1]
+    try:
+        with peer_writes_over_files(directory[0]) as made:
+            _check(ParallelConfig(ring=2), _oracle(heads=3), heads=3)
+            wan = _wan_forward(torch.float32, ParallelConfig(ring=2))
+        one = _wan_forward(torch.float32, None)
+    finally:
+        peer_ring._same_view = same_view
+    assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5
+    assert made and any(in_place), "the ring by peer writes took no K/V written in place"
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
+    _ring_by_peer_writes()
     _bf16_as_accurate_as_one_rank(
         _wan_forward, ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2)
     )
