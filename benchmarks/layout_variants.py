@@ -81,7 +81,7 @@ VARIANTS = {
         parallelize, "SequenceState", lambda ulysses, ring, tp: SequenceState(ulysses, ring)
     ),
     "unstacked": lambda: _patched(ParallelConfig, "stacks_guidance", property(lambda self: False)),
-    "nothing_beside": lambda: _patched(flux, "exchanges_travel", lambda layout: False),
+    "nothing_beside": lambda: _patched(flux, "overlaps_work", lambda layout: False),
     "one_kernel": lambda: _patched(
         sequence, "ring_by_peer_writes", _one_kernel(sequence.ring_by_peer_writes)
     ),

@@ -36,6 +36,7 @@ from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
 from .parallel.config import ParallelConfig
 from .parallel.mesh import ParallelState, init_parallel
+from .parallel.peer_exchange import ranks_write_each_other
 from .report import AccelerationReport, ComponentReport
 from .utils.logging import get_logger
 
@@ -461,11 +462,13 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
     if not natives:  # the transformers belong to another accelerated pipeline (from_pipe)
         return
     model, module = natives[0].spec.native_model(), natives[0].original
+    sequence = model.parallel.sequence
     chosen = choose_layout(
         _world_size(),
         module.config[model.parallel.attention_heads],
         cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(arguments),
-        sequence_plan=model.parallel.sequence is not None,
+        sequence_plan=sequence is not None,
+        ring_first=sequence is not None and sequence.ring_first and ranks_write_each_other(),
     )
     parallel = init_parallel(chosen.config)
     for component in natives:

@@ -10,13 +10,7 @@ from omni_accel.parallel.auto import choose_layout
 @pytest.mark.parametrize(
     "world, heads, cfg, sequence, expected",
     [
-        (
-            2,
-            24,
-            False,
-            True,
-            ParallelConfig(ulysses=2),
-        ),  # FLUX: within 2 % of the fastest measured two-rank layout
+        (2, 24, False, True, ParallelConfig(ulysses=2)),  # FLUX where ranks cannot write each other's memory
         (2, 40, True, True, ParallelConfig(cfg=2)),  # Wan with guidance: one branch per rank
         (2, 40, False, True, ParallelConfig(ulysses=2)),
         (4, 40, True, True, ParallelConfig(ulysses=2, cfg=2)),
@@ -32,6 +26,20 @@ def test_layout_rules(world, heads, cfg, sequence, expected):
     chosen = choose_layout(world, heads, cfg_by_default=cfg, sequence_plan=sequence)
     assert chosen.config == expected, chosen
     assert chosen.reason
+
+
+@pytest.mark.parametrize(
+    "world, cfg, expected",
+    [
+        (2, False, ParallelConfig(ring=2)),  # FLUX on one machine: the fastest measured two-rank layout
+        (4, True, ParallelConfig(ring=2, cfg=2)),
+        (4, False, ParallelConfig(ulysses=4)),  # beyond two ranks not measured: as without the hint
+    ],
+)
+def test_ring_first_models_take_the_ring_on_two_ranks(world, cfg, expected):
+    chosen = choose_layout(world, 24, cfg_by_default=cfg, sequence_plan=True, ring_first=True)
+    assert chosen.config == expected, chosen
+    assert expected.ring == 1 or "peer writes" in chosen.reason
 
 
 def test_layout_errors_and_one_rank():

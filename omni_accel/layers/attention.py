@@ -120,11 +120,12 @@ def attention(
     return _attend_in_layout(*args)[0]
 
 
-def exchanges_travel(layout: int) -> bool:
-    """Whether attention under ``layout`` sends its inputs between ranks, so that work independent of it
-    can run while they travel (``attention_beside``)."""
+def overlaps_work(layout: int) -> bool:
+    """Whether attention under ``layout`` hides work run beside it (``attention_beside``) behind its
+    exchanges: measured worth it for a ring by peer writes (whose K/V then meet one kernel), not for
+    Ulysses (docs/PERFORMANCE.md)."""
     sp = current_sequence(layout)
-    return sp is not None and sp.degree > 1
+    return sp is not None and sp.overlaps_work()
 
 
 def key_value_buffers(

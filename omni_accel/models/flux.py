@@ -25,8 +25,8 @@ from ..layers.attention import (
     AttentionSite,
     attention,
     attention_beside,
-    exchanges_travel,
     key_value_buffers,
+    overlaps_work,
 )
 from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -78,7 +78,7 @@ class BlockConstants:
     layout: int  # Parallelized.index, -1 on one rank
     image_rows: Rows | None  # the image and text tokens this rank holds in its TP group (None: all)
     text_rows: Rows | None
-    exchanges_travel: bool  # attention sends its inputs between ranks (and the tokens are not TP-split)
+    overlaps_work: bool  # attention hides work beside it behind its exchanges (a ring by peer writes)
 
 
 def double_block(
@@ -133,7 +133,7 @@ def single_block(
     rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
     h = norm_modulate(x, shift, scale, c.eps)
     qk_norms = [(norms["q"], norms["k"])]
-    if c.exchanges_travel:  # QKV's GEMM first, so the MLP input's runs while the exchanges travel
+    if c.overlaps_work:  # QKV's GEMM first, so the MLP input's runs while the exchanges travel
         qkv_weights, mlp_weights = split_packed(w["qkv_mlp"], 3)
         q, k, v = apply_linear(h, qkv_weights)
         kv_out = key_value_buffers(c.layout, x.shape[0], q.shape[-1] // c.head_dim, c.head_dim, x.dtype)
@@ -230,7 +230,7 @@ class _FluxNative(NativeBlock):
             runtime.layout_index,
             runtime.rows("image"),
             runtime.rows("text"),
-            exchanges_travel(runtime.layout_index) and runtime.rows("text") is None,
+            overlaps_work(runtime.layout_index) and runtime.rows("text") is None,
         )
         return modulation, weights, self._norms(), constants
 
@@ -331,6 +331,7 @@ FLUX = NativeModel(
                 "txt_ids": Split("text", -2, positions=True),
             },
             output=("proj_out", Split("image", 1)),
+            ring_first=True,  # its single blocks run the MLP's GEMM beside the K/V transfer: 72.4 vs 76.5 ms
         ),
         batched_inputs=(
             "hidden_states",

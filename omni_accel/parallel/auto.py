@@ -6,12 +6,13 @@ The rules are the measured ones (docs/PARALLELISM.md, docs/PERFORMANCE.md), appl
    ``cfg=2`` splits them over two ranks: one tensor exchanged per step (two H200s: 1.93x on FLUX true CFG,
    2.00x on Wan 14B).
 2. The remaining ranks split the sequence: Ulysses up to the largest degree that divides the heads, ring
-   for the rest. On two H200s it is the fastest or within 2 % of it for both models measured: FLUX
-   1024x1024 through the pipeline ulysses 79.4 ms/step, ring 81.7, tp 81.9 (130.3 on one GPU); since tp's
-   all-reduces are whole again, another launch: tp 79.8, ulysses 80.3-81.1, ring 83.5 (130.1); with tp's
-   tokens split, 28-step images: tp 77.1, ulysses 77.8 (131.2); Wan 14B
-   with CFG ulysses 1.77x, ring 1.65x (cuDNN, earlier: 1.84x, 1.83x, tp 1.59x; Ulysses is bitwise one
-   GPU, ring's merge rounds differently). Beyond two ranks not yet measured (issue 12).
+   for the rest; on two ranks whose K/V can travel by peer writes, ring for a model whose plan says
+   ``ring_first``. On two H200s that is the fastest measured for both models: FLUX 1024x1024 (one
+   launch, 8-step calls) ring 72.4 ms/step by peer writes, its single blocks' MLP GEMM beside the
+   transfer, tp 76.3, ulysses 76.5 (127.7 on one GPU); Wan 14B with CFG ulysses 1.77x, ring 1.65x by
+   NCCL (cuDNN, earlier: 1.84x, 1.83x, tp 1.59x; Ulysses is bitwise one GPU, ring's merge rounds
+   differently; Wan's ring by peer writes is not measured yet). Beyond two ranks not yet measured
+   (issue 12).
 3. A model without a sequence plan takes tensor parallelism, when its heads split.
 
 ``accelerate`` makes the native swap at once and decides the layout at the pipeline's first call, from that
@@ -33,8 +34,11 @@ class AutoLayout:
     reason: str
 
 
-def choose_layout(world_size: int, heads: int, cfg_by_default: bool, sequence_plan: bool) -> AutoLayout:
-    """The layout for ``world_size`` ranks of a model with ``heads`` attention heads (see module doc)."""
+def choose_layout(
+    world_size: int, heads: int, cfg_by_default: bool, sequence_plan: bool, ring_first: bool = False
+) -> AutoLayout:
+    """The layout for ``world_size`` ranks of a model with ``heads`` attention heads (see module doc);
+    ``ring_first``: the model's plan says so and the ranks can write each other's memory."""
     if world_size == 1:
         return AutoLayout(None, "one rank: nothing to spread")
     cfg = 2 if cfg_by_default and world_size % 2 == 0 else 1
@@ -50,13 +54,15 @@ def choose_layout(world_size: int, heads: int, cfg_by_default: bool, sequence_pl
             )
         why.append(f"tp={rest}: no sequence plan, so the heads are split")
         return AutoLayout(ParallelConfig(tp=rest, cfg=cfg), "; ".join(why))
+    if ring_first and rest == 2:
+        why.append(
+            "ring=2: for this model a ring whose K/V travel by peer writes is measured faster than Ulysses "
+            "on two ranks"
+        )
+        return AutoLayout(ParallelConfig(ring=2, cfg=cfg), "; ".join(why))
     ulysses = max(d for d in range(1, rest + 1) if rest % d == 0 and heads % d == 0)
     ring = rest // ulysses
-    measured = (
-        "within 2 % of the fastest measured on two ranks"
-        if rest == 2
-        else "not yet measured beyond two ranks"
-    )
+    measured = "the fastest measured on two ranks" if rest == 2 else "not yet measured beyond two ranks"
     why.append(
         f"ulysses={ulysses}, ring={ring}: Ulysses up to the largest degree dividing the {heads} heads, "
         f"ring for the rest ({measured})"

@@ -134,6 +134,12 @@ def peer_buffers(group: dist.ProcessGroup | None) -> PeerBuffers | None:
     return _BY_GROUP[name]
 
 
+def ranks_write_each_other() -> bool:
+    """Whether every rank of the default group can write its peers' memory (decided with them: every rank
+    calls it at the same point)."""
+    return dist.is_initialized() and peer_buffers(dist.group.WORLD) is not None
+
+
 def switched_on() -> bool:
     return ENABLED and os.environ.get(SWITCH, "1") != "0"
 
@@ -187,8 +193,7 @@ def ulysses_by_peer_writes(
     kv_sizes: Sequence[int],
     stages: Sequence[tuple[int, Sequence[int]]],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    beside: Callable[[], object] | None = None,
-) -> tuple[torch.Tensor, object]:
+) -> torch.Tensor:
     """Ulysses attention of BSHD slices (``sizes[i]`` query and ``kv_sizes[i]`` K/V tokens on rank ``i``)
     in pipeline stages: ``(first head, heads of each rank)`` per stage. Each rank gathers its heads of a
     stage over the whole sequence in its buffers, attends there, and sends each rank its tokens back.
@@ -198,8 +203,7 @@ def ulysses_by_peer_writes(
     as is every output but the last stage's. A barrier precedes each stage's kernel and the unpacking of
     the outputs. A peer writes into this rank's buffers for the next call only after a barrier this rank
     reaches once it has used what they hold (the last one for the inputs, the next call's first for the
-    outputs), so the buffers need no handshake of their own. ``beside()`` runs once every stage is posted;
-    its result is returned with the output."""
+    outputs), so the buffers need no handshake of their own."""
     me, world = peers.rank, peers.world
     gathered, sends = [], []
     for index, (first, heads) in enumerate(stages):
@@ -210,7 +214,6 @@ def ulysses_by_peer_writes(
             )
         gathered.append(stage)
         sends.append(peers.copy_beside(copies) if copies else None)
-    done = None if beside is None else beside()
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     returns = []
     for index, (first, heads) in enumerate(stages):
@@ -227,7 +230,7 @@ def ulysses_by_peer_writes(
         for i in range(world):
             if i != me:
                 _write(out.narrow(_HEADS, first + sum(heads[:i]), heads[i]), received[i])
-    return out, done
+    return out
 
 
 def _gather_heads(

@@ -16,9 +16,10 @@ adjacent slices, so after their all-to-all each holds one contiguous chunk of th
 the ring rotates those chunks. Put the Ulysses group on the fastest links (inside a node), since its
 all-to-all is the bandwidth-heavy exchange.
 
-Between the GPUs of one machine Ulysses' exchanges are peer writes into symmetric memory (``peer_exchange``);
-elsewhere (other backends, CPU) they are the group's all-to-all, in two head stages so one stage's transfers
-run beside the other's kernel.
+Between the GPUs of one machine Ulysses' exchanges are peer writes into symmetric memory (``peer_exchange``),
+and so are the ring's K/V blocks (``peer_ring``); elsewhere (other backends, CPU) they are the group's
+all-to-all, in two head stages so one stage's transfers run beside the other's kernel, and send/recv
+around the ring.
 
 Everything is exact for non-causal attention without a mask: shards may be uneven or empty, and the head
 count need not divide the Ulysses degree (heads are split unevenly, see ``_exchange``). This is inference
@@ -335,14 +336,21 @@ class SequenceParallel:
         chunk = gather(x_local, dim, self.ulysses_group, self._chunk(sizes))
         return gather(chunk, dim, self.ring_group, self._ring_blocks(sizes))
 
+    def overlaps_work(self) -> bool:
+        """Whether ``attention_beside`` hides its work behind the exchanges: a ring alone, by peer writes."""
+        return self._ring_peers() is not None
+
+    def _ring_peers(self):
+        if _size(self.ulysses_group) > 1 or _size(self.ring_group) == 1:
+            return None
+        return peer_buffers(self.ring_group)
+
     def key_value_buffers(
         self, batch: int, heads: int, head_dim: int, v_dim: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where this rank's K and V can be written for ``attention`` to send them without a copy (a ring's
         buffers between the GPUs of one machine), or None."""
-        if _size(self.ulysses_group) > 1 or _size(self.ring_group) == 1:
-            return None
-        peers = peer_buffers(self.ring_group)
+        peers = self._ring_peers()
         if peers is None:
             return None
         return own_block(peers, self._sizes(kv=True), batch, heads, head_dim, v_dim, dtype)
@@ -356,8 +364,8 @@ class SequenceParallel:
     def attention_beside(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, beside: Beside
     ) -> tuple[torch.Tensor, object]:
-        """``attention``, and ``beside()``'s result: the work runs once the exchanges are posted, while
-        they travel."""
+        """``attention``, and ``beside()``'s result: under a ring the work runs once the K/V blocks are
+        posted, while they travel; under Ulysses first (run beside its exchanges it measured no gain)."""
         self._check(q, self.sizes, "query")
         self._check(k, self._sizes(kv=True), "key")
         if k.shape[_HEADS] != q.shape[_HEADS]:
@@ -370,6 +378,7 @@ class SequenceParallel:
         kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
         if _size(group) == 1:
             return ring_attention(q, k, v, attend, ring, ring_blocks, beside)
+        done = _run(beside)
 
         def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ring_attention(q, k, v, attend, ring, ring_blocks)[0]
@@ -380,7 +389,7 @@ class SequenceParallel:
                 (first, split_sizes(count, peers.world))
                 for first, count in head_stages(q.shape[_HEADS], peers.world)
             ]
-            return ulysses_by_peer_writes(peers, q, k, v, chunk, kv_chunk, stages, around_ring, beside)
+            return ulysses_by_peer_writes(peers, q, k, v, chunk, kv_chunk, stages, around_ring), done
         # Every stage's inputs are posted first: the communication stream runs them back to back while the
         # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
         stages = []
@@ -391,7 +400,6 @@ class SequenceParallel:
                 return _Exchange(t.narrow(_HEADS, first, count), group, _HEADS, heads, _SEQ, sizes)
 
             stages.append((first, count, heads, send(q, chunk), [send(k, kv_chunk), send(v, kv_chunk)]))
-        done = _run(beside)
         back = []
         for first, count, heads, q_sent, kv in stages:
             o = around_ring(q_sent.wait(), *(t.wait() for t in kv))

@@ -108,12 +108,15 @@ class Split:
 class SequencePlan:
     """``inputs``: forward argument -> Split (a list argument has its dim on each item).
     ``submodule_inputs``: submodule path -> {argument -> Split}. ``submodule_outputs``: submodule path ->
-    {output index -> Split}. ``output``: (path of the submodule whose output is the model's output, Split)."""
+    {output index -> Split}. ``output``: (path of the submodule whose output is the model's output, Split).
+    ``ring_first``: on two ranks whose K/V travel by peer writes, ring is measured faster than Ulysses for
+    this model (``parallel="auto"`` follows it)."""
 
     output: tuple[str, Split]
     inputs: Mapping[str, Split] = field(default_factory=dict)
     submodule_inputs: Mapping[str, Mapping[str, Split]] = field(default_factory=dict)
     submodule_outputs: Mapping[str, Mapping[int, Split]] = field(default_factory=dict)
+    ring_first: bool = False
 
 
 class SequenceState:
