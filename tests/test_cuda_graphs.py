@@ -155,12 +155,12 @@ def test_cuda_graphs_need_a_native_transformer(monkeypatch):
         omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs="yes")
 
 
-def _gpu_pipeline(**options):
-    """A small bf16 FLUX pipeline accelerated with CUDA graphs, on the GPU."""
+def _gpu_pipeline(dtype: torch.dtype = torch.bfloat16, **options):
+    """A small FLUX pipeline (bf16 unless asked) accelerated with CUDA graphs, on the GPU."""
     pipe = tiny_flux_pipeline(
         num_attention_heads=4,
         attention_head_dim=64,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         device="cuda",
         guidance_embeds=True,
     )
@@ -326,14 +326,7 @@ def _ring_by_peer_writes_is_nccls_ring_up_to_rounding() -> None:
     for peer_writes in (True, False):
         peer_exchange.ENABLED = peer_writes
         try:
-            pipe = tiny_flux_pipeline(
-                num_attention_heads=4,
-                attention_head_dim=64,
-                dtype=torch.float32,
-                device="cuda",
-                guidance_embeds=True,
-            )
-            pipe = omni_accel.accelerate(pipe, parallel=ParallelConfig(ring=2))
+            pipe = _gpu_pipeline(torch.float32, parallel=ParallelConfig(ring=2))
             call = dict(prompt="a cat", num_inference_steps=2, output_type="latent", height=48, width=32)
             latents.append(pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images)
             report = str(omni_accel.describe(pipe))
