@@ -450,7 +450,12 @@ def _two_ranks(rank: int, world: int) -> None:
         _check(ParallelConfig(tp=2), oracle, expect="tensor parallel tokens: every rank holds every token")
     # heads not divisible by the Ulysses degree, uneven text (13) and image (60) lengths over the ranks
     _check(ParallelConfig(ulysses=2), _oracle(heads=3), heads=3, expect="ulysses exchanges: gloo all-to-all")
-    _check(ParallelConfig(ring=2), _oracle(heads=3), heads=3)
+    _check(
+        ParallelConfig(ring=2),
+        _oracle(heads=3),
+        heads=3,
+        expect="ring transfers: gloo send/recv around the ring",
+    )
     # true CFG: the pipeline calls the transformer twice per step; cfg=2 pairs the calls
     true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
     _check(ParallelConfig(cfg=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
