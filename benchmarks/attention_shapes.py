@@ -18,15 +18,20 @@ from timing import timed, write_json
 
 from omni_accel.attention import get_provider
 
-# (batch, tokens, heads, head size): one GPU, one rank's share of the heads under ulysses=2, and one of
-# its two head stages.
+# (batch, query tokens, heads, head size, key tokens, log-sum-exp returned): one GPU, one rank's share of
+# the heads under ulysses=2 and one of its two head stages, and a ring=2 rank's kernels: over one block of
+# keys with the LSE (the local block first, then the peer's, merged) or over all keys at once.
 SHAPES = {
-    "flux_1024": (1, 4608, 24, 128),
-    "flux_1024_ulysses2": (1, 4608, 12, 128),
-    "flux_1024_ulysses2_stage": (1, 4608, 6, 128),  # one of Ulysses' two head stages
-    "wan14b_480p_81f": (1, 32760, 40, 128),
-    "wan14b_480p_81f_ulysses2": (1, 32760, 20, 128),
-    "wan14b_480p_81f_ulysses2_stage": (1, 32760, 10, 128),
+    "flux_1024": (1, 4608, 24, 128, 4608, False),
+    "flux_1024_ulysses2": (1, 4608, 12, 128, 4608, False),
+    "flux_1024_ulysses2_stage": (1, 4608, 6, 128, 4608, False),  # one of Ulysses' two head stages
+    "flux_1024_ring2_block": (1, 2304, 24, 128, 2304, True),
+    "flux_1024_ring2_whole": (1, 2304, 24, 128, 4608, False),
+    "wan14b_480p_81f": (1, 32760, 40, 128, 32760, False),
+    "wan14b_480p_81f_ulysses2": (1, 32760, 20, 128, 32760, False),
+    "wan14b_480p_81f_ulysses2_stage": (1, 32760, 10, 128, 32760, False),
+    "wan14b_480p_81f_ring2_block": (1, 16380, 40, 128, 16380, True),
+    "wan14b_480p_81f_ring2_whole": (1, 16380, 40, 128, 32760, False),
 }
 PROVIDERS = ("sdpa_cudnn", "sdpa_flash", "sdpa", "flashinfer")
 
@@ -40,13 +45,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     for shape_name in args.shapes:
-        batch, tokens, heads, head_dim = SHAPES[shape_name]
+        batch, tokens, heads, head_dim, kv_tokens, lse = SHAPES[shape_name]
         g = torch.Generator("cuda").manual_seed(0)
         q, k, v = (
-            torch.randn(batch, tokens, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
-            for _ in range(3)
+            torch.randn(batch, n, heads, head_dim, generator=g, device="cuda", dtype=torch.bfloat16)
+            for n in (tokens, kv_tokens, kv_tokens)
         )
-        flops = 4 * batch * heads * tokens * tokens * head_dim
+        flops = 4 * batch * heads * tokens * kv_tokens * head_dim
         reference, rows = None, {}
         for name in PROVIDERS:
             provider = get_provider(name)
@@ -55,8 +60,13 @@ def main(argv: list[str] | None = None) -> dict:
                 rows[name] = {"unavailable": reason}
                 continue
 
-            def call(provider=provider, q=q, k=k, v=v):
-                return provider.forward(q, k, v)
+            if lse and not provider.capabilities.returns_lse:
+                rows[name] = {"unavailable": "does not return the log-sum-exp"}
+                continue
+
+            def call(provider=provider, q=q, k=k, v=v, lse=lse):
+                out = provider.forward(q, k, v, return_lse=lse)
+                return out[0] if lse else out
 
             out, first_ms = timed(call, "cuda")
             reference = out if reference is None else reference
