@@ -8,6 +8,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import random_lora
 from diffusers import AutoencoderKLWan
 from multirank import run_multirank
 
@@ -409,6 +410,14 @@ def _tokens_split_never_pays():
             module.split_pays = original
 
 
+def _flux_with_lora(layout: ParallelConfig | None) -> torch.Tensor:
+    pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=3, attention_head_dim=16)
+    pipe.load_lora_weights(
+        random_lora(pipe.transformer, ["to_q", "to_v", "proj_mlp"], seed=3), adapter_name="a"
+    )
+    return _latents(omni_accel.accelerate(pipe, parallel=layout))
+
+
 def _ring_by_peer_writes() -> None:
     """ring=2 by peer writes in whole models, each rank's buffers shared files (as the GPUs' symmetric
     memory): FLUX's single blocks write K/V straight into the ring's buffers and attend in one kernel beside
@@ -423,10 +432,13 @@ def _ring_by_peer_writes() -> None:
         with peer_writes_over_files(directory[0]) as made:
             _check(ParallelConfig(ring=2), _oracle(heads=3), heads=3)
             wan = _wan_forward(torch.float32, ParallelConfig(ring=2))
+            lora = _flux_with_lora(ParallelConfig(ring=2))  # adapters on both GEMMs the blocks split
         one = _wan_forward(torch.float32, None)
+        lora_one = _flux_with_lora(None)
     finally:
         peer_ring._same_view = same_view
     assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5
+    assert ((lora - lora_one).abs().max() / lora_one.abs().max()).item() <= 1e-5
     assert made and any(in_place), "the ring by peer writes took no K/V written in place"
 
 

@@ -64,13 +64,11 @@ def ring_by_peer_writes(
             for buffer, own in ((keys[j], own_k), (values[j], own_v)):
                 copies += zip(buffer.narrow(_SEQ, at, mine).unbind(0), own.unbind(0), strict=True)
     sent = peers.copy_beside(copies, fenced=True)
-    if q.numel() == 0:  # no queries (or no heads) here: nothing to attend, but the fence was joined
+    if beside is not None or q.numel() == 0:
         done = beside() if beside else None
         peers.wait(sent)
-        return q.new_empty(*q.shape[:3], v.shape[-1]), done
-    if beside is not None:
-        done = beside()
-        peers.wait(sent)
+        if q.numel() == 0:  # no queries (or no heads) here: nothing to attend, but the fence was joined
+            return q.new_empty(*q.shape[:3], v.shape[-1]), done
         return attend(q, keys[me], values[me], False), done
     out = lse = None
     if mine:
