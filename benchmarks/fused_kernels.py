@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from timing import graphed, timed
 
 from omni_accel.layers import fused
+from omni_accel.parallel.placement import Placement
 
 TOKENS, TEXT, DIM, MLP, HEAD_DIM = 4608, 512, 3072, 12288, 128
 
@@ -37,6 +38,15 @@ def main() -> None:
     double = [packed[:, :TEXT].split(DIM, -1)[:3], packed[:, TEXT:].split(DIM, -1)[:3]]
     single = [packed[..., : 3 * DIM].split(DIM, -1)]
     flat = torch.empty(TOKENS * (DIM + MLP), device=device, dtype=dtype)
+    heads = DIM // HEAD_DIM
+    joint = [torch.empty(1, TOKENS, heads, HEAD_DIM, device=device, dtype=dtype) for _ in range(3)]
+    halves = [tuple((h, t.narrow(2, h, heads // 2)) for h in (0, heads // 2)) for t in joint]
+    same_layout = Placement(*halves, tuple(joint))  # the plain layout, written through the head table
+    groups = [
+        [torch.empty(1, TOKENS, heads // 2, HEAD_DIM, device=device, dtype=dtype) for _ in range(2)]
+        for _ in range(3)
+    ]
+    ulysses = Placement(*(((0, a), (heads // 2, b)) for a, b in groups), tuple(g[0] for g in groups))
     cases = {  # name: (call, bytes read and written)
         "device copy (ceiling)": (flat.clone, 2 * flat.numel() * 2),
         "concat_gelu (single block)": (lambda: fused.concat_gelu(x, mlp), 2 * TOKENS * (DIM + MLP) * 2),
@@ -52,6 +62,16 @@ def main() -> None:
         "qkv_norm_rope (single: v a view)": (
             lambda: fused.qkv_norm_rope(single, [(w, w)], HEAD_DIM, 1e-6, (cos, sin)),
             4 * act,
+        ),
+        "qkv_norm_rope (double, through the head table)": (
+            lambda: fused.qkv_norm_rope(
+                double, [(w, w), (w, w)], HEAD_DIM, 1e-6, (cos, sin), False, same_layout
+            ),
+            6 * act,
+        ),
+        "qkv_norm_rope (double, two head groups apart)": (
+            lambda: fused.qkv_norm_rope(double, [(w, w), (w, w)], HEAD_DIM, 1e-6, (cos, sin), False, ulysses),
+            6 * act,
         ),
         "norm_modulate": (lambda: fused.norm_modulate(x, mod, mod, 1e-6), 2 * act),
         "gated_residual": (lambda: fused.gated_residual(x, mod, y), 3 * act),

@@ -14,6 +14,8 @@ the library's choices changed while that layout is built and timed. Benchmarks o
                       exchanges (a ring by peer writes then attends the local block first everywhere)
     one_kernel        a ring by peer writes always waits for every block and runs one kernel, also where
                       no work runs beside the transfer (FLUX's double blocks, Wan)
+    packed_inputs     Ulysses by peer writes packs and sends q, k and v in two head stages, as before
+                      the q/k kernel wrote each head group into its rank's buffer itself
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ VARIANTS = {
     ),
     "unstacked": lambda: _patched(ParallelConfig, "stacks_guidance", property(lambda self: False)),
     "nothing_beside": lambda: _patched(flux, "overlaps_work", lambda layout: False),
+    "packed_inputs": lambda: _patched(sequence, "ulysses_placement", lambda *args: None),
     "one_kernel": lambda: _patched(
         sequence, "ring_by_peer_writes", _one_kernel(sequence.ring_by_peer_writes)
     ),

@@ -116,9 +116,12 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
         buffers = torch.zeros(2, batch, text + image + 5, heads, head_dim, dtype=dtype, device=device)
         outs = [torch.empty_like(got[0]), *(b.narrow(1, 0, text + image) for b in buffers)]
         args = (qs, ks, vs, q_weights, k_weights, head_dim, 1e-6, cos, sin, False)
-        kernels.qkv_norm_rope_into(*args, outs)
+        kernels.qkv_norm_rope_into(*args, [((0, out),) for out in outs])
         assert all(map(torch.equal, outs, got)), f"qkv_norm_rope_into {dtype}"
         assert not buffers[:, :, text + image :].any(), f"qkv_norm_rope_into wrote past its tokens {dtype}"
+        _check_scattered(
+            kernels.qkv_norm_rope_into, args, got, device, f"qkv_norm_rope_into scattered {dtype}"
+        )
 
         # Wan: the RMSNorm across all heads (a weight per channel), RoPE tables shaped [1, S, 1, D].
         w_row = randn(2, dim, dtype=dtype)
@@ -133,6 +136,8 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
             _check(
                 f"qkv_norm_rope across heads {dtype}", got[which], ref, ref.abs().amax(dim=-1, keepdim=True)
             )
+        args = ([q], [k], [], [w_row[0]], [w_row[1]], head_dim, 1e-6, wan_cos, wan_sin, True)
+        _check_scattered(kernels.qkv_norm_rope_into, args, got, device, f"across heads scattered {dtype}")
 
         # Ring attention's merge of two partials: outputs BSHD (one a strided view), LSEs [B, H, S] (one
         # transposed, as a kernel may return it), against the reference in float64.
@@ -157,6 +162,29 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
             magnitude = torch.maximum(out_a.abs(), out_b.abs()).double()
             _check(f"merge_attention {dtype} -> {out_dtype}", got, want.to(out_dtype), magnitude)
             _check(f"merge_attention lse {dtype}", got_lse, want_lse.float(), want_lse.abs())
+
+
+def _check_scattered(into, args, want: list[torch.Tensor], device: str, name: str) -> None:
+    """``into`` writing each head group of q, k (and v, if ``want`` has it) into its own buffer, as Ulysses'
+    ranks' buffers take them: the first head into one buffer at token 3 of 3 + S + 2, the others into
+    another at token 0 of S + 4; each piece bitwise the joint result's heads, nothing written around it."""
+    batch, tokens, heads, head_dim = want[0].shape
+    groups = [(0, 1, 3, 2), (1, heads - 1, 0, 4)]  # (first head, heads, tokens before, tokens after)
+    buffers, pieces = [], []
+    for _ in want:
+        own = []
+        for first, count, before, after in groups:
+            buffer = torch.zeros(batch, before + tokens + after, count, head_dim, dtype=want[0].dtype)
+            buffers.append((buffer.to(device), before))
+            own.append((first, buffers[-1][0].narrow(1, before, tokens)))
+        pieces.append(tuple(own))
+    into(*args, pieces)
+    for own, t in zip(pieces, want, strict=True):
+        for first, dst in own:
+            assert torch.equal(dst, t.narrow(2, first, dst.shape[2])), name
+    for buffer, before in buffers:
+        outside = torch.cat([buffer[:, :before], buffer[:, before + tokens :]], dim=1)
+        assert not outside.any(), f"{name}: wrote outside its tokens"
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
@@ -235,19 +263,34 @@ def test_custom_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.omni_accel.merge_attention.default, args)
 
 
-def test_qkv_norm_rope_writes_k_and_v_where_asked():
-    """``kv_out`` (a ring's buffers): k and v come back as those buffers, holding what they would hold."""
+def test_qkv_norm_rope_writes_where_the_placement_asks():
+    """A ring's placement (q anywhere, k and v into its buffer) and a Ulysses one (each tensor's heads split
+    between two buffers, at an offset in one): what comes back is what the placement says attention
+    takes, each piece holds its heads of the unplaced result, nothing is written around them."""
     from omni_accel.layers import qkv_norm_rope
+    from omni_accel.parallel.placement import Placement
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 2, 5, 16, generator=g)  # [B, S, H * D] with 2 heads of 8
+    q, k, v = torch.randn(3, 2, 5, 24, generator=g)  # [B, S, H * D] with 3 heads of 8
     norms = [tuple(torch.randn(2, 8, generator=g))]
     angles = torch.rand(5, 4, generator=g) * 10
     rope = tuple(f(angles).repeat_interleave(2, dim=1) for f in (torch.cos, torch.sin))
     want = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope)
-    buffers = torch.zeros(2, 2, 7, 2, 8)
-    kv_out = tuple(b.narrow(1, 0, 5) for b in buffers)
-    got = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope, kv_out=kv_out)
-    assert got[1] is kv_out[0] and got[2] is kv_out[1]
+
+    ring_buffers = torch.zeros(2, 2, 7, 3, 8)
+    own = tuple(b.narrow(1, 0, 5) for b in ring_buffers)
+    ring = Placement(None, ((0, own[0]),), ((0, own[1]),), (None, *own))
+    got = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope, placement=ring)
+    assert got[1] is own[0] and got[2] is own[1]
     assert all(map(torch.equal, got, want))
-    assert not buffers[:, :, 5:].any()
+    assert not ring_buffers[:, :, 5:].any()
+
+    first, second = torch.zeros(3, 2, 7, 1, 8), torch.zeros(3, 2, 5, 2, 8)
+    pieces = [((0, a.narrow(1, 2, 5)), (1, b)) for a, b in zip(first, second, strict=True)]
+    ulysses = Placement(*pieces, tuple(first))
+    got = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope, placement=ulysses)
+    assert all(a is b for a, b in zip(got, ulysses.attend_on, strict=True))
+    for placed, t in zip(pieces, want, strict=True):
+        for head, dst in placed:
+            assert torch.equal(dst, t.narrow(2, head, dst.shape[2]))
+    assert not first[:, :, :2].any()

@@ -4,6 +4,7 @@ import contextlib
 import copy
 import importlib
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from multirank import run_multirank
 
 import omni_accel
 from omni_accel import ParallelConfig
-from omni_accel.parallel import peer_ring
+from omni_accel.parallel import sequence
 
 CALL = dict(prompt=["a cat", "a dog"], height=24, width=40, num_inference_steps=2, max_sequence_length=13)
 
@@ -418,33 +419,53 @@ def _flux_with_lora(layout: ParallelConfig | None) -> torch.Tensor:
     return _latents(omni_accel.accelerate(pipe, parallel=layout))
 
 
-def _ring_by_peer_writes() -> None:
-    """ring=2 by peer writes in whole models, each rank's buffers shared files (as the GPUs' symmetric
-    memory): FLUX's single blocks write K/V straight into the ring's buffers and attend in one kernel beside
-    the MLP's GEMM, its double blocks and Wan's attend the local block first; within 1e-5 of one rank."""
+@contextlib.contextmanager
+def _counted(module, name: str, calls: list) -> Iterator[None]:
+    """``module.name`` appending each call's positional arguments to ``calls``."""
+    original = getattr(module, name)
+
+    def counted(*args):
+        calls.append(args)
+        return original(*args)
+
+    setattr(module, name, counted)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _sequence_by_peer_writes() -> None:
+    """ring=2 and ulysses=2 by peer writes in whole models, each rank's buffers shared files (as the GPUs'
+    symmetric memory), within 1e-5 of one rank. The blocks' q/k kernel (here its reference) writes q, k
+    and v where the layout wants them: the ring's K/V into its buffers (FLUX's single blocks then attend
+    in one kernel beside the MLP's GEMM, its double blocks and Wan's attend the local block first), each
+    head group into the buffer of the Ulysses rank that attends over it."""
     from test_sequence_parallel import peer_writes_over_files
 
     directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(directory)
-    in_place, same_view = [], peer_ring._same_view
-    peer_ring._same_view = lambda a, b: in_place.append(same_view(a, b)) or in_place[-1]
-    try:
-        with peer_writes_over_files(directory[0]) as made:
-            _check(ParallelConfig(ring=2), _oracle(heads=3), heads=3)
-            wan = _wan_forward(torch.float32, ParallelConfig(ring=2))
-            lora = _flux_with_lora(ParallelConfig(ring=2))  # adapters on both GEMMs the blocks split
-        one = _wan_forward(torch.float32, None)
-        lora_one = _flux_with_lora(None)
-    finally:
-        peer_ring._same_view = same_view
-    assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5
-    assert ((lora - lora_one).abs().max() / lora_one.abs().max()).item() <= 1e-5
-    assert made and any(in_place), "the ring by peer writes took no K/V written in place"
+    one = _wan_forward(torch.float32, None)
+    lora_one = _flux_with_lora(None)
+    ring_calls, ulysses_calls = [], []
+    with (
+        peer_writes_over_files(directory[0]) as made,
+        _counted(sequence, "ring_by_peer_writes", ring_calls),
+        _counted(sequence, "ulysses_in_place", ulysses_calls),
+    ):
+        for layout in (ParallelConfig(ring=2), ParallelConfig(ulysses=2)):
+            _check(layout, _oracle(heads=3), heads=3)
+            wan = _wan_forward(torch.float32, layout)
+            assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5, layout
+            lora = _flux_with_lora(layout)  # adapters on both GEMMs the single blocks split
+            assert ((lora - lora_one).abs().max() / lora_one.abs().max()).item() <= 1e-5, layout
+    assert made and ring_calls and ulysses_calls
+    assert all(args[7] for args in ring_calls), "the ring took K/V not written in place"  # placed
 
 
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
-    _ring_by_peer_writes()
+    _sequence_by_peer_writes()
     _bf16_as_accurate_as_one_rank(
         _wan_forward, ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2)
     )

@@ -65,19 +65,27 @@ def check_attention(
     v_dim: int = 8,
     batch: int = 2,
     beside: bool = False,
+    placed: bool = False,
 ) -> None:
     """Against one process; ``beside``: through ``attention_beside`` with work that must run exactly once
-    and come back (the ring by peer writes then attends with one kernel instead of two and a merge)."""
+    and come back (the ring by peer writes then attends with one kernel instead of two and a merge);
+    ``placed``: q, k and v written where the layout's ``input_placement`` asks, as a block's kernel does
+    (with work beside, Ulysses' peers' heads staged for the copy engine)."""
     q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim, batch)
     want = PROVIDER.forward(q, k, v)
     sp = SequenceParallel.plan(q_len, kv_length=kv_len, **groups)
-    local_q, local_k, local_v = sp.shard(q), sp.shard(k, kv=True), sp.shard(v, kv=True)
+    local = (sp.shard(q), sp.shard(k, kv=True), sp.shard(v, kv=True))
+    placement = sp.input_placement(batch, heads, q.shape[-1], v_dim, q.dtype, beside) if placed else None
+    if placed:
+        assert placement is not None, "no placement where peer writes serve"
+        local = placement.place(*local)
     if beside:
         runs = []
-        out, done = sp.attention_beside(local_q, local_k, local_v, attend, lambda: runs.append(1) or "done")
+        out, done = sp.attention_beside(*local, attend, lambda: runs.append(1) or "done", placement)
         assert (runs, done) == ([1], "done")
     else:
-        out = sp.attention(local_q, local_k, local_v, attend)
+        out = sp.attention_beside(*local, attend, None, placement)[0]
+    local_q = sp.shard(q)
     assert out.shape == (*local_q.shape[:3], v_dim)
     err = rel_err(sp.gather(out), want)
     assert err <= TOLERANCE, f"relative error {err:.2e}"
@@ -121,13 +129,14 @@ def _file_backed_peers(group, directory: str) -> PeerBuffers:
     return PeerBuffers(rank, world, allocate)
 
 
-def check_peer_writes(groups: dict, directory: str, **case) -> None:
+def check_peer_writes(groups: dict, directory: str, placed: bool = True, **case) -> None:
     """Ulysses and ring by peer writes on ``case``, then on a longer sequence (the buffers grow), with and
-    without work beside the exchanges."""
+    without work beside the exchanges, with inputs sent by the layout and (``placed``, where one group
+    splits the sequence) written in place by their producer."""
     with peer_writes_over_files(directory) as made:
-        for beside in (False, True):
-            check_attention(groups, beside=beside, **case)
-            check_attention(groups, beside=beside, **{**case, "q_len": case["q_len"] + 3})
+        for beside, in_place in itertools.product((False, True), (False, True) if placed else (False,)):
+            check_attention(groups, beside=beside, placed=in_place, **case)
+            check_attention(groups, beside=beside, placed=in_place, **{**case, "q_len": case["q_len"] + 3})
     assert made, "the peer-write path was not taken"
 
 
@@ -239,7 +248,10 @@ def four_rank_checks(directory: str) -> list:
         state = init_parallel(ParallelConfig(ulysses=degrees[0], ring=degrees[1], timeout_s=123))
         schemes[name] = dict(ulysses_group=state.group("ulysses"), ring_group=state.group("ring"))
     peer_writes = [
-        (f"{name} by peer writes {case}", partial(check_peer_writes, schemes[name], directory, **case))
+        (
+            f"{name} by peer writes {case}",
+            partial(check_peer_writes, schemes[name], directory, "x" not in name, **case),
+        )
         for name in ("ulysses2 x ring2", "ulysses4", "ring4")
         for case in FOUR_RANK_CASES
     ]

@@ -17,6 +17,7 @@ import torch
 from ..attention.base import AttentionRequest
 from ..attention.selection import AttentionSelector, selector_by_index
 from ..parallel.parallelize import current_sequence
+from ..parallel.placement import Placement
 
 T = TypeVar("T")
 
@@ -48,6 +49,7 @@ def _attend_in_layout(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     beside: Callable[[], T] | None = None,
+    placement: Placement | None = None,
 ) -> tuple[torch.Tensor, T | None]:
     """The kernel call, wrapped in the sequence-parallel communication when the layout splits the sequence,
     and ``beside()``'s result (run while that communication travels)."""
@@ -62,7 +64,7 @@ def _attend_in_layout(
                 f"Attention role {role!r}: masked attention under sequence parallelism is not supported; "
                 "run this model with ulysses=1 and ring=1."
             )
-        return sp.attention_beside(query, key, value, attend, beside)
+        return sp.attention_beside(query, key, value, attend, beside, placement)
     return attend(query, key, value), None if beside is None else beside()
 
 
@@ -109,34 +111,37 @@ def attention(
     selector: int,
     layout: int = -1,
     attn_mask: torch.Tensor | None = None,
+    placement: Placement | None = None,
 ) -> torch.Tensor:
     """Attention over BSHD tensors through the provider the selector (by ``AttentionSelector.index``, which
     a compiled graph can carry) resolves for ``site``; under a parallel layout that splits the sequence
-    (by ``Parallelized.index``) its communication wraps the kernel."""
+    (by ``Parallelized.index``) its communication wraps the kernel. ``placement``: the q, k and v given are
+    where ``input_placement`` asked them to be written."""
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
     if torch.compiler.is_compiling() and attn_mask is None:
         return _routed_attention(query, key, value, selector, layout, site.role, site.category, scale)
     args = (selector, layout, site.role, site.category, scale, query, key, value, attn_mask)
-    return _attend_in_layout(*args)[0]
+    return _attend_in_layout(*args, placement=placement)[0]
 
 
 def overlaps_work(layout: int) -> bool:
     """Whether attention under ``layout`` hides work run beside it (``attention_beside``) behind its
-    exchanges: measured worth it for a ring by peer writes (whose K/V then meet one kernel), not for
-    Ulysses (docs/PERFORMANCE.md)."""
+    exchanges: a ring by peer writes (whose K/V then meet one kernel) or Ulysses by peer writes (whose
+    peers' heads then travel by the copy engine); docs/PERFORMANCE.md."""
     sp = current_sequence(layout)
     return sp is not None and sp.overlaps_work()
 
 
-def key_value_buffers(
-    layout: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Where K and V (``[batch, this rank's tokens, heads, head_dim]``) should be written for attention
-    under ``layout`` to use them without a copy (``qkv_norm_rope(kv_out=...)``), or None: anywhere."""
+def input_placement(
+    layout: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype, beside: bool = False
+) -> Placement | None:
+    """Where q, k and v (``[batch, this rank's tokens, heads, head_dim]``) should be written for attention
+    under ``layout`` to take them without a copy (``qkv_norm_rope(placement=...)``), or None: anywhere.
+    ``beside``: they go to ``attention_beside`` with work to hide the exchanges behind."""
     sp = None if torch.compiler.is_compiling() else current_sequence(layout)
     if sp is None or sp.degree == 1:
         return None
-    return sp.key_value_buffers(batch, heads, head_dim, head_dim, dtype)
+    return sp.input_placement(batch, heads, head_dim, head_dim, dtype, beside)
 
 
 def attention_beside(
@@ -147,6 +152,7 @@ def attention_beside(
     selector: int,
     layout: int,
     work: Callable[[], T],
+    placement: Placement | None = None,
 ) -> tuple[torch.Tensor, T]:
     """``(attention(...), work())`` for ``work`` that does not depend on the attention: under a layout that
     splits the sequence it runs once the exchanges are posted, while they travel (a ring's K/V blocks then
@@ -156,4 +162,4 @@ def attention_beside(
         return attention(query, key, value, site, selector, layout), work()
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
     args = (selector, layout, site.role, site.category, scale, query, key, value)
-    return _attend_in_layout(*args, beside=work)
+    return _attend_in_layout(*args, beside=work, placement=placement)

@@ -7,7 +7,8 @@ make several (each a full read and write of a 4608 x 3072 tensor at FLUX's size)
   another tensor (a single-stream block's attention output) so the MLP half is never concatenated;
 * ``qkv_norm_rope``: RMSNorm (per head, or across all heads as Wan's) then RoPE of q and k of one or more
   sequence segments (text, image), written straight into the joint ``[B, S, H, D]`` tensors attention
-  reads, v joined in the same pass (no concatenation).
+  reads (or where a parallel layout's exchange wants each head), v joined in the same pass (no
+  concatenation).
 
 Each computes in float32 and rounds once (Diffusers' unfused ops round after every op), so a bf16 result
 may differ from Diffusers' by a rounding step, as two of Diffusers' own kernels do. On CUDA
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..parallel.placement import Placement
 from ..utils.kernels import HAS_TRITON, kernels_can_run
 from .modulation import modulate
 from .norms import layer_norm
@@ -87,14 +89,14 @@ def qkv_norm_rope(
     eps: float | None,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     across_heads: bool = False,
-    kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    placement: Placement | None = None,
 ) -> Segment:
     """Attention's joint BSHD ``q, k, v`` from the projections of one or more sequence segments (text,
     image): ``q`` and ``k`` RMSNormed with their segment's ``weights`` (per head as FLUX's, or
     ``across_heads`` over the whole row with a weight per channel as Wan's) then rotated, ``v`` joined.
     Each ``(q_i, k_i, v_i)`` is ``[B, S_i, H * head_dim]``, maybe strided views of a packed projection; a
-    lone segment's ``v`` is returned as a view, not copied. ``kv_out``: where to write k and v
-    (``layers.attention.key_value_buffers``), returned as k and v."""
+    lone segment's ``v`` is returned as a view, not copied. ``placement``: where the layout wants them
+    (``layers.attention.input_placement``); what attention takes from there is returned."""
     qs, ks, vs = (list(t) for t in zip(*segments, strict=True))
     q_weights, k_weights = (list(w) for w in zip(*weights, strict=True))
     if (
@@ -104,17 +106,18 @@ def qkv_norm_rope(
         and all(t.stride(-1) == 1 for t in qs + ks + vs)
         and kernels_can_run(*qs, *ks, *vs, *q_weights, *k_weights, when_compiling=True)
     ):
-        if kv_out is not None and not torch.compiler.is_compiling():
-            k_out, v_out = kv_out
-            q = torch.empty(k_out.shape, dtype=k_out.dtype, device=k_out.device)
+        if placement is not None and not torch.compiler.is_compiling():
+            first = qs[0]
+            shape = (first.shape[0], sum(t.shape[1] for t in qs), first.shape[2] // head_dim, head_dim)
+            q = first.new_empty(shape) if placement.q is None else None
             args = (qs, ks, vs, q_weights, k_weights, head_dim, eps, *rope, across_heads)
-            fused_kernels.qkv_norm_rope_into(*args, [q, k_out, v_out])
-            return q, k_out, v_out
+            fused_kernels.qkv_norm_rope_into(*args, placement.pieces(q))
+            return placement.written(q)
         joint_vs = vs if len(segments) > 1 else []
         q, k, *v = torch.ops.omni_accel.qkv_norm_rope(
             qs, ks, joint_vs, q_weights, k_weights, head_dim, eps, *rope, across_heads
         )
-        return _written_to(kv_out, q, k, v[0] if v else vs[0].unflatten(-1, (-1, head_dim)))
+        return _placed(placement, q, k, v[0] if v else vs[0].unflatten(-1, (-1, head_dim)))
 
     def norm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         if across_heads:
@@ -125,17 +128,15 @@ def qkv_norm_rope(
     k = _joint([norm(x, w) for x, w in zip(ks, k_weights, strict=True)])
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    return _written_to(kv_out, q, k, _joint([x.unflatten(-1, (-1, head_dim)) for x in vs]))
+    return _placed(placement, q, k, _joint([x.unflatten(-1, (-1, head_dim)) for x in vs]))
 
 
 def _joint(segments: list[torch.Tensor]) -> torch.Tensor:
     return segments[0] if len(segments) == 1 else torch.cat(segments, dim=1)
 
 
-def _written_to(kv_out: tuple[torch.Tensor, torch.Tensor] | None, q, k, v) -> Segment:
-    if kv_out is None:
-        return q, k, v
-    return q, kv_out[0].copy_(k), kv_out[1].copy_(v)
+def _placed(placement: Placement | None, q, k, v) -> Segment:
+    return (q, k, v) if placement is None else placement.place(q, k, v)
 
 
 if HAS_TRITON:

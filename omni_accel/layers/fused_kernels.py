@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..parallel.placement import HeadPieces
+
 # Diffusers' GELU(tanh) constants as PyTorch's CUDA kernel has them, rounded to float32.
 _GELU_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 _GELU_KAPPA = tl.constexpr(0.044715)
@@ -106,17 +108,21 @@ def _qkv_norm_rope_kernel(
     stride_vs,
     stride_out_qb,
     stride_out_kvb,
+    TABLE,
     out_start,
     eps,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ACROSS_HEADS: tl.constexpr,
     COPY_V: tl.constexpr,
+    SCATTER: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """``BLOCK_H`` heads of one token of one segment (all of them ``ACROSS_HEADS``): its q and k normed
     and rotated, and (``COPY_V``) its v copied, each written at the token's place in the joint
-    ``[B, S, H, D]`` tensors (each sample's tokens contiguous; k and v laid out alike). Heads are read and
-    written whole (coalesced), every load issued before the math."""
+    ``[B, S, H, D]`` tensors (each sample's tokens contiguous; k and v laid out alike), or (``SCATTER``)
+    where ``TABLE`` puts each head. Heads are read and written whole (coalesced), every load issued before
+    the math."""
     row = tl.program_id(0)
     b = row // seq
     s = row % seq
@@ -132,14 +138,34 @@ def _qkv_norm_rope_kernel(
     position = (out_start + s) * HEAD_DIM + d
     cos = tl.load(COS + position)
     sin = tl.load(SIN + position)
-    dst = ((out_start + s) * heads + h) * HEAD_DIM + d
+    token = out_start + s
+    if SCATTER:
+        q_at = _scattered(TABLE, 0, h, heads, b, token, ALIGN)
+        k_at = _scattered(TABLE, 1, h, heads, b, token, ALIGN)
+        v_at = _scattered(TABLE, 2, h, heads, b, token, ALIGN)
+    else:
+        at = (token * heads + h) * HEAD_DIM
+        q_at = b.to(tl.int64) * stride_out_qb + at
+        k_at = b.to(tl.int64) * stride_out_kvb + at
+        v_at = k_at
     q = _norm_rope(q, WQ, cos, sin, h, d, mask, heads, eps, HEAD_DIM, BLOCK_H, ACROSS_HEADS)
-    tl.store(OUT_Q + b.to(tl.int64) * stride_out_qb + dst, q.to(dtype), mask=mask)
+    tl.store(OUT_Q + q_at + d, q.to(dtype), mask=mask)
     k = _norm_rope(k, WK, cos, sin, h, d, mask, heads, eps, HEAD_DIM, BLOCK_H, ACROSS_HEADS)
-    kv_dst = b.to(tl.int64) * stride_out_kvb + dst
-    tl.store(OUT_K + kv_dst, k.to(dtype), mask=mask)
+    tl.store(OUT_K + k_at + d, k.to(dtype), mask=mask)
     if COPY_V:
-        tl.store(OUT_V + kv_dst, v.to(dtype), mask=mask)
+        tl.store(OUT_V + v_at + d, v.to(dtype), mask=mask)
+
+
+@triton.jit
+def _scattered(TABLE, which, h, heads, b, token, ALIGN: tl.constexpr):
+    """Where head ``h`` of q, k or v (``which``) of sample ``b``'s ``token`` starts: ``TABLE[which]`` holds
+    each head's offset, sample stride and token stride (int64, multiples of ``ALIGN``)."""
+    row = TABLE + which * 3 * heads + h
+    valid = h < heads
+    offset = tl.load(row, mask=valid, other=0)
+    sample = tl.load(row + heads, mask=valid, other=0)
+    step = tl.load(row + 2 * heads, mask=valid, other=0)
+    return tl.multiple_of(offset + b * sample + token * step, [ALIGN, ALIGN])
 
 
 @torch.library.custom_op("omni_accel::norm_modulate", mutates_args=())
@@ -219,7 +245,8 @@ def qkv_norm_rope(
     batch, heads = first.shape[0], first.shape[2] // head_dim
     total = sum(q.shape[1] for q in qs)
     outs = [first.new_empty(batch, total, heads, head_dim) for _ in range(3 if vs else 2)]
-    qkv_norm_rope_into(qs, ks, vs, q_weights, k_weights, head_dim, eps, cos, sin, across_heads, outs)
+    args = (qs, ks, vs, q_weights, k_weights, head_dim, eps, cos, sin, across_heads)
+    qkv_norm_rope_into(*args, [((0, out),) for out in outs])
     return outs
 
 
@@ -234,10 +261,12 @@ def qkv_norm_rope_into(
     cos: torch.Tensor,
     sin: torch.Tensor,
     across_heads: bool,
-    outs: list[torch.Tensor],
+    outs: list[HeadPieces],
 ) -> None:
-    """``qkv_norm_rope`` written into ``outs`` (q, k and, with ``vs``, v: ``[B, S, H, D]``, each sample's
-    tokens contiguous, k and v with the same strides): a caller's buffers, such as the ring's."""
+    """``qkv_norm_rope`` written into ``outs``: for q, k and (with ``vs``) v, ``(first head, destination)``
+    pieces covering the heads (``parallel.placement``), each destination ``[B, S, heads, D]`` (maybe a
+    peer's memory). One piece per tensor with each sample's tokens contiguous, k and v alike, is written
+    with plain strides; any other layout through a table of where each head goes."""
     first = qs[0]
     batch, heads = first.shape[0], first.shape[2] // head_dim
     eps = torch.finfo(first.dtype).eps if eps is None else eps
@@ -245,19 +274,69 @@ def qkv_norm_rope_into(
     heads_per_program = heads if across_heads else min(_HEADS_PER_PROGRAM, heads)  # the norm needs the row
     block_h = triton.next_power_of_2(heads_per_program)
     warps = 4 if block_h * head_dim <= 4096 else 8  # Wan 14B's 40 heads: 8192 values per token
+    table, bases, align = _destinations(outs if vs else [*outs, outs[1]], heads, head_dim)  # v: unwritten
     start = 0
     for i, (q, k, wq, wk) in enumerate(zip(qs, ks, q_weights, k_weights, strict=True)):
         v = vs[i] if vs else q  # unread without COPY_V
         seq = q.shape[1]
         if batch * seq:
             _qkv_norm_rope_kernel[(batch * seq, triton.cdiv(heads, block_h))](
-                q, k, v, wq, wk, cos, sin, outs[0], outs[1], outs[-1], seq, heads,
+                q, k, v, wq, wk, cos, sin, *bases, seq, heads,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                outs[0].stride(0), outs[1].stride(0), start, eps,
+                bases[0].stride(0), bases[1].stride(0), table, start, eps,
                 HEAD_DIM=head_dim, BLOCK_H=block_h, ACROSS_HEADS=across_heads, COPY_V=bool(vs),
-                num_warps=warps,
+                SCATTER=table is not None, ALIGN=align, num_warps=warps,
             )  # fmt: skip
         start += seq
+
+
+def _destinations(outs: list[HeadPieces], heads: int, head_dim: int):
+    """``(table, base tensors of q, k and v, alignment)`` for the kernel: no table where each tensor is one
+    piece whose samples hold contiguous ``[S, heads, D]`` rows, k and v with the same strides."""
+    for pieces in outs:
+        count = 0
+        for first, dst in pieces:
+            if first != count or dst.shape[-1] != head_dim or dst.stride(-1) != 1:
+                raise ValueError(f"qkv_norm_rope: destinations {[(f, tuple(d.shape)) for f, d in pieces]} "
+                                 f"do not cover {heads} heads of {head_dim} in order")  # fmt: skip
+            count += dst.shape[2]
+        if count != heads:
+            raise ValueError(f"qkv_norm_rope: destinations cover {count} of {heads} heads")
+    lone = [pieces[0][1] for pieces in outs if len(pieces) == 1]
+    rows_alike = all(t.stride()[1:] == (heads * head_dim, head_dim, 1) for t in lone)
+    if len(lone) == 3 and rows_alike and lone[1].stride(0) == lone[2].stride(0):
+        return None, lone, 1
+    rows, bases = [], []
+    for pieces in outs:
+        base = min((dst for _, dst in pieces), key=torch.Tensor.data_ptr)
+        bases.append(base)
+        heads_of = [
+            ((dst.data_ptr() - base.data_ptr()) // dst.element_size() + h * dst.stride(2), *dst.stride()[:2])
+            for _, dst in pieces
+            for h in range(dst.shape[2])
+        ]
+        rows += [list(field) for field in zip(*heads_of, strict=True)]
+    values = tuple(value for row in rows for value in row)
+    align = 16 // bases[0].element_size()
+    while align > 1 and any(value % align for value in values):
+        align //= 2
+    return _table(values, bases[0].device), bases, align
+
+
+# Kept for good: a captured CUDA graph reads its table at every replay (and, if it was built inside the
+# capture, the pinned host copy too). One per buffer layout, a few hundred bytes each.
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The table on ``device``, built once per layout (the buffers it points into live as long)."""
+    key = (values, device)
+    if key not in _TABLES:
+        host = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        _TABLES[key] = host.to(device, non_blocking=True), host
+    return _TABLES[key][0]
 
 
 @qkv_norm_rope.register_fake

@@ -25,7 +25,7 @@ from ..layers.attention import (
     AttentionSite,
     attention,
     attention_beside,
-    key_value_buffers,
+    input_placement,
     overlaps_work,
 )
 from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed
@@ -78,7 +78,7 @@ class BlockConstants:
     layout: int  # Parallelized.index, -1 on one rank
     image_rows: Rows | None  # the image and text tokens this rank holds in its TP group (None: all)
     text_rows: Rows | None
-    overlaps_work: bool  # attention hides work beside it behind its exchanges (a ring by peer writes)
+    overlaps_work: bool  # attention hides work beside it behind its exchanges (peer writes)
 
 
 def double_block(
@@ -97,16 +97,16 @@ def double_block(
     eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
     iq, ik, iv = apply_linear(norm_modulate(img, i_shift, i_scale, eps), w["img_qkv"], i_rows)
     tq, tk, tv = apply_linear(norm_modulate(txt, t_shift, t_scale, eps), w["txt_qkv"], t_rows)
-    heads = iq.shape[-1] // head_dim
+    placement = input_placement(c.layout, img.shape[0], iq.shape[-1] // head_dim, head_dim, img.dtype)
     q, k, v = qkv_norm_rope(
         [(tq, tk, tv), (iq, ik, iv)],
         [(norms["added_q"], norms["added_k"]), (norms["q"], norms["k"])],
         head_dim,
         c.qk_eps,
         rope,
-        kv_out=key_value_buffers(c.layout, img.shape[0], heads, head_dim, img.dtype),
+        placement=placement,
     )
-    out = attention(q, k, v, c.site, c.selector, c.layout).flatten(2, 3).to(q.dtype)
+    out = attention(q, k, v, c.site, c.selector, c.layout, placement=placement).flatten(2, 3).to(q.dtype)
     txt_attn, img_attn = out.split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
 
     img = gated_residual(img, i_gate, apply_one(img_attn.contiguous(), w["img_out"], i_rows))
@@ -136,13 +136,17 @@ def single_block(
     if c.overlaps_work:  # QKV's GEMM first, so the MLP input's runs while the exchanges travel
         qkv_weights, mlp_weights = split_packed(w["qkv_mlp"], 3)
         q, k, v = apply_linear(h, qkv_weights)
-        kv_out = key_value_buffers(c.layout, x.shape[0], q.shape[-1] // c.head_dim, c.head_dim, x.dtype)
-        q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, kv_out=kv_out)
-        out, mlp = attention_beside(q, k, v, c.site, c.selector, c.layout, lambda: apply_one(h, mlp_weights))
     else:
         q, k, v, mlp = apply_linear(h, w["qkv_mlp"], rows)
-        q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope)
-        out = attention(q, k, v, c.site, c.selector, c.layout)
+    heads = q.shape[-1] // c.head_dim
+    placement = input_placement(c.layout, x.shape[0], heads, c.head_dim, x.dtype, c.overlaps_work)
+    q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, placement=placement)
+    if c.overlaps_work:
+        out, mlp = attention_beside(
+            q, k, v, c.site, c.selector, c.layout, lambda: apply_one(h, mlp_weights), placement
+        )
+    else:
+        out = attention(q, k, v, c.site, c.selector, c.layout, placement=placement)
     out = out.flatten(2, 3).to(q.dtype)
     x = gated_residual(x, gate, apply_one(concat_gelu(out, mlp), w["out"], rows))
     return _clip_fp16(x)

@@ -18,7 +18,7 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanT
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
 from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate, qkv_norm_rope
-from ..layers.attention import AttentionSite, attention, key_value_buffers
+from ..layers.attention import AttentionSite, attention, input_placement
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.comm import all_reduce_sum
@@ -85,16 +85,17 @@ def wan_block(
     # Self-attention.
     h = norm_modulate(x, shift, scale, c.eps)
     q, k, v = apply_linear(h, w["qkv"], c.rows)
+    placement = None
     if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
-        kv_out = key_value_buffers(c.layout, x.shape[0], q.shape[-1] // c.head_dim, c.head_dim, q.dtype)
+        placement = input_placement(c.layout, x.shape[0], q.shape[-1] // c.head_dim, c.head_dim, q.dtype)
         q, k, v = qkv_norm_rope(
-            [(q, k, v)], [(norms["q"], norms["k"])], c.head_dim, c.qk_eps, rope, True, kv_out
+            [(q, k, v)], [(norms["q"], norms["k"])], c.head_dim, c.qk_eps, rope, True, placement
         )
     else:
         q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
         k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
         v = _heads(v, c.head_dim)
-    out = attention(q, k, v, SELF, c.selector, c.layout).flatten(2, 3).type_as(q)
+    out = attention(q, k, v, SELF, c.selector, c.layout, placement=placement).flatten(2, 3).type_as(q)
     x = gated_residual(x, gate, apply_one(out, w["out"], c.rows))
 
     # Cross-attention over the text (and, for I2V, the image tokens before it). Under sequence parallelism

@@ -2,16 +2,25 @@
 straight into that peer's buffer, and barriers say when the pieces have landed. (Tensor parallelism's token
 exchanges, ``token_rows.py``, use the same buffers.)
 
-The buffers are symmetric memory (``torch.distributed._symmetric_memory``: each rank maps its peers'). The
-first head stage's pieces are written by the packing copy itself (``copy_rows_``, as NVLink stores); the
-later stages' pieces and every output but the last stage's are moved by the copy engine on a side stream
-beside the attention kernel (no SM). No communication kernel runs beside compute: NCCL's all-to-alls, posted on a side stream to
-overlap the kernel, took SMs from it and held them waiting for the slower peer (docs/PARALLELISM.md).
+The buffers are symmetric memory (``torch.distributed._symmetric_memory``: each rank maps its peers'). Two
+ways in:
+
+* placed (``ulysses_placement``, the native blocks): the q/k kernel that writes q, k and v anyway writes
+  each head group into the buffer of the rank that attends over it, a peer's as NVLink stores, or into a
+  local tensor the copy engine sends on a side stream beside independent work (a FLUX single block's MLP
+  GEMM); then one kernel over the rank's heads (``ulysses_in_place``);
+* packed (any other caller): the first head stage's pieces are written by the packing copy itself
+  (``copy_rows_``), the later stages' by the copy engine beside the stage before's kernel.
+
+Outputs go back by the copy engine beside a later stage's kernel, the last stage's by the SM copy. No
+communication kernel runs beside compute: NCCL's all-to-alls, posted on a side stream to overlap the
+kernel, took SMs from it and held them waiting for the slower peer (docs/PARALLELISM.md).
 
 One buffer per slot serves every attention call of a group without a handshake of its own (see
-``ulysses_by_peer_writes`` for the order that makes it safe). Buffers grow when a call needs more and are
-never freed while the group lives, because captured CUDA graphs hold their addresses: per rank ~56 MB for
-FLUX at 1024x1024, ~0.7 GB for Wan 14B at 480p and 81 frames.
+``ulysses_by_peer_writes`` for the order that makes it safe; a placed call's writes come after the same
+barriers). Buffers grow when a call needs more and are never freed while the group lives, because captured
+CUDA graphs hold their addresses: per rank ~56 MB for FLUX at 1024x1024 (packed; as much again placed),
+~0.7 GB for Wan 14B at 480p and 81 frames.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch.distributed as dist
 
 from ..utils.logging import get_logger
 from .copies import copy_rows_
+from .placement import Placement
 
 logger = get_logger(__name__)
 
@@ -204,7 +214,6 @@ def ulysses_by_peer_writes(
     the outputs. A peer writes into this rank's buffers for the next call only after a barrier this rank
     reaches once it has used what they hold (the last one for the inputs, the next call's first for the
     outputs), so the buffers need no handshake of their own."""
-    me, world = peers.rank, peers.world
     gathered, sends = [], []
     for index, (first, heads) in enumerate(stages):
         copies, stage = [], []
@@ -215,6 +224,68 @@ def ulysses_by_peer_writes(
         gathered.append(stage)
         sends.append(peers.copy_beside(copies) if copies else None)
     out = q.new_empty(*q.shape[:3], v.shape[-1])
+    return _attend_and_return(peers, stages, gathered, sends, attend, out, sizes)
+
+
+def ulysses_placement(
+    peers: PeerBuffers,
+    sizes: Sequence[int],
+    kv_sizes: Sequence[int],
+    heads: Sequence[int],
+    batch: int,
+    dims: tuple[int, int],
+    dtype: torch.dtype,
+    staged: bool = False,
+) -> Placement:
+    """Where this rank's q, k and v go for ``ulysses_in_place``: rank ``j``'s ``heads[j]`` heads into
+    rank ``j``'s buffer (``[B, all tokens, heads[j], D]``) at this rank's tokens, so their producer does the
+    exchange; attention then takes this rank's buffers. A peer's heads are written straight into its
+    memory, or (``staged``) into a local tensor the copy engine sends on beside other work (``sends``).
+    ``dims``: the head sizes of q and k, and of v."""
+    me, world = peers.rank, peers.world
+    placed, sends = [], []
+    for name, lengths, width in (("q", sizes, dims[0]), ("k", kv_sizes, dims[0]), ("v", kv_sizes, dims[1])):
+        shapes = [(batch, sum(lengths), heads[j], width) for j in range(world)]
+        joined = peers.views(f"{name}_placed", shapes, dtype)
+        at = sum(lengths[:me])
+        pieces = []
+        for j in range(world):
+            if heads[j]:
+                dst = joined[j].narrow(_SEQ, at, lengths[me])
+                if staged and j != me and dst.numel():
+                    staging = torch.empty(dst.shape, dtype=dtype, device=dst.device)
+                    sends += zip(dst.unbind(0), staging.unbind(0), strict=True)
+                    dst = staging
+                pieces.append((sum(heads[:j]), dst))
+        placed.append((tuple(pieces), joined[me]))
+    (q, all_q), (k, all_k), (v, all_v) = placed
+    return Placement(q, k, v, (all_q, all_k, all_v), tuple(sends))
+
+
+def ulysses_in_place(
+    peers: PeerBuffers,
+    placement: Placement,
+    sizes: Sequence[int],
+    heads: Sequence[int],
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    beside: Callable[[], object] | None,
+) -> tuple[torch.Tensor, object]:
+    """Ulysses attention over this rank's heads of the whole sequence, written by every rank where
+    ``ulysses_placement`` said, and ``beside()``'s result: the staged pieces travel by the copy engine
+    while it runs, and once a barrier passes every rank's are here; one kernel over them, and each rank's
+    tokens of its output sent back as ``ulysses_by_peer_writes`` sends a stage's."""
+    sent = peers.copy_beside(placement.sends) if placement.sends else None
+    done = None if beside is None else beside()
+    q, k, v = placement.attend_on
+    out = q.new_empty(q.shape[0], sizes[peers.rank], sum(heads), v.shape[-1])
+    return _attend_and_return(peers, [(0, heads)], [(q, k, v)], [sent], attend, out, sizes), done
+
+
+def _attend_and_return(peers, stages, gathered, sends, attend, out, sizes) -> torch.Tensor:
+    """Each stage's kernel once its inputs have landed (``sends`` joined, a barrier), its outputs sent to
+    the ranks whose tokens they are (the copy engine beside the next stage's kernel, the last by the SM
+    copy), and after a last barrier the peers' outputs unpacked into ``out``."""
+    me, world = peers.rank, peers.world
     returns = []
     for index, (first, heads) in enumerate(stages):
         peers.wait(sends[index])

@@ -25,6 +25,7 @@ import torch
 from ..attention.merge import merge_partials
 from .copies import copy_rows_
 from .peer_exchange import PeerBuffers
+from .placement import Placement
 
 _SEQ = 1
 
@@ -39,9 +40,11 @@ def ring_by_peer_writes(
     kv_sizes: Sequence[int],
     attend: Attend,
     beside: Callable[[], object] | None = None,
+    placed: bool = False,
 ) -> tuple[torch.Tensor, object]:
     """Attention of this rank's queries (BSHD) over every rank's K/V block (``kv_sizes[i]`` tokens on rank
-    ``i``), and ``beside()``'s result (None without it).
+    ``i``), and ``beside()``'s result (None without it). ``placed``: k and v are where ``ring_placement``
+    put them, their producer having written them there.
 
     The copies are fenced (``PeerBuffers.copy_beside``): a rank writes into a peer's buffer only after
     every rank has run the kernels it enqueued before, among them the last call's kernel over that buffer,
@@ -50,11 +53,9 @@ def ring_by_peer_writes(
     total, mine = sum(kv_sizes), kv_sizes[me]
     keys, values = _buffers(peers, kv_sizes, k.shape[0], k.shape[2], k.shape[3], v.shape[3], k.dtype)
     own_k, own_v = keys[me].narrow(_SEQ, 0, mine), values[me].narrow(_SEQ, 0, mine)
-    if _same_view(k, own_k) and _same_view(v, own_v):
-        pass  # their producer wrote them in place (own_block)
-    elif beside is None and k.is_contiguous() and v.is_contiguous():
+    if not placed and beside is None and k.is_contiguous() and v.is_contiguous():
         own_k, own_v = k, v  # sent from where they are: the local block's kernel reads them there
-    elif mine:
+    elif not placed and mine:
         copy_rows_(own_k, k)
         copy_rows_(own_v, v)
     copies = []
@@ -80,7 +81,7 @@ def ring_by_peer_writes(
     return out.to(q.dtype), None
 
 
-def own_block(
+def ring_placement(
     peers: PeerBuffers,
     kv_sizes: Sequence[int],
     batch: int,
@@ -88,12 +89,13 @@ def own_block(
     dim: int,
     v_dim: int,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's K and V block in its own buffers: written there by their producer, they need no copy
-    before they travel."""
+) -> Placement:
+    """This rank's K and V block in its own buffers (q anywhere): written there by their producer, they
+    need no copy before they travel."""
     keys, values = _buffers(peers, kv_sizes, batch, heads, dim, v_dim, dtype)
     mine = kv_sizes[peers.rank]
-    return keys[peers.rank].narrow(_SEQ, 0, mine), values[peers.rank].narrow(_SEQ, 0, mine)
+    k, v = (t[peers.rank].narrow(_SEQ, 0, mine) for t in (keys, values))
+    return Placement(None, ((0, k),), ((0, v),), (None, k, v))
 
 
 def _buffers(peers: PeerBuffers, kv_sizes: Sequence[int], batch, heads, dim, v_dim, dtype):
@@ -101,7 +103,3 @@ def _buffers(peers: PeerBuffers, kv_sizes: Sequence[int], batch, heads, dim, v_d
     keys = peers.views("ring_k", [(batch, total, heads, dim)] * peers.world, dtype)
     values = peers.views("ring_v", [(batch, total, heads, v_dim)] * peers.world, dtype)
     return keys, values
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

@@ -37,8 +37,15 @@ import torch.distributed as dist
 
 from ..attention.merge import merge_partials
 from .copies import copy_rows_
-from .peer_exchange import describe_exchange, peer_buffers, ulysses_by_peer_writes
-from .peer_ring import own_block, ring_by_peer_writes
+from .peer_exchange import (
+    describe_exchange,
+    peer_buffers,
+    ulysses_by_peer_writes,
+    ulysses_in_place,
+    ulysses_placement,
+)
+from .peer_ring import ring_by_peer_writes, ring_placement
+from .placement import Placement
 
 Attend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -63,8 +70,10 @@ def describe_ulysses(group: dist.ProcessGroup | None) -> str:
     """How Ulysses' exchanges travel in ``group``, for ``describe``."""
     return describe_exchange(
         group,
-        "each rank writes its pieces into its peers' symmetric memory (the first head stage by the packing "
-        "copy, later stages and outputs by the copy engine beside the kernel), a barrier per stage",
+        "each rank writes its pieces into its peers' symmetric memory: native blocks' q/k kernel writes "
+        "every head group of q, k and v into the buffer of the rank that attends over it (a peer's straight, "
+        "or staged and sent by the copy engine beside independent work), then one kernel over the rank's "
+        "heads; other calls pack them in head stages; outputs go back by the copy engine and the SM copy",
         "all-to-all in head stages",
     )
 
@@ -222,19 +231,20 @@ def ring_attention(
     group: dist.ProcessGroup | None,
     kv_sizes: Sequence[int],
     beside: Beside = None,
+    placed: bool = False,
 ) -> tuple[torch.Tensor, object]:
     """Attention of the local queries over the K/V blocks of every rank in ``group`` (``kv_sizes[i]`` tokens
     on rank ``i``), and ``beside()``'s result, run while the first blocks travel. Between the GPUs of one
-    machine the blocks are peer writes (``peer_ring``); elsewhere block ``i`` travels rank to rank, the
-    transfer of the next block posted before the kernel runs on the current one, so communication overlaps
-    compute."""
+    machine the blocks are peer writes (``peer_ring``; ``placed``: K/V already in its buffers); elsewhere
+    block ``i`` travels rank to rank, the transfer of the next block posted before the kernel runs on the
+    current one, so communication overlaps compute."""
     world = _size(group)
     if world == 1:
         done = _run(beside)
         return _attend_out(attend, q, k, v), done
     peers = peer_buffers(group)
     if peers is not None:
-        return ring_by_peer_writes(peers, q, k, v, kv_sizes, attend, beside)
+        return ring_by_peer_writes(peers, q, k, v, kv_sizes, attend, beside, placed)
     rank = _rank(group)
     k, v = k.contiguous(), v.contiguous()  # sent as they are
     send_to = dist.get_global_rank(group, (rank + 1) % world)
@@ -337,23 +347,35 @@ class SequenceParallel:
         return gather(chunk, dim, self.ring_group, self._ring_blocks(sizes))
 
     def overlaps_work(self) -> bool:
-        """Whether ``attention_beside`` hides its work behind the exchanges: a ring alone, by peer writes."""
-        return self._ring_peers() is not None
+        """Whether ``attention_beside`` hides its work behind the exchanges: between the GPUs of one
+        machine, a ring alone, or Ulysses alone with its inputs placed (``input_placement(beside=True)``)."""
+        return (
+            self._peers(self.ring_group, self.ulysses_group) is not None
+            or self._peers(self.ulysses_group, self.ring_group) is not None
+        )
 
-    def _ring_peers(self):
-        if _size(self.ulysses_group) > 1 or _size(self.ring_group) == 1:
+    def _peers(self, group: dist.ProcessGroup | None, other: dist.ProcessGroup | None):
+        """``group``'s peer buffers where it is the only group of more than one rank."""
+        if _size(other) > 1 or _size(group) == 1:
             return None
-        return peer_buffers(self.ring_group)
+        return peer_buffers(group)
 
-    def key_value_buffers(
-        self, batch: int, heads: int, head_dim: int, v_dim: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where this rank's K and V can be written for ``attention`` to send them without a copy (a ring's
-        buffers between the GPUs of one machine), or None."""
-        peers = self._ring_peers()
-        if peers is None:
-            return None
-        return own_block(peers, self._sizes(kv=True), batch, heads, head_dim, v_dim, dtype)
+    def input_placement(
+        self, batch: int, heads: int, head_dim: int, v_dim: int, dtype: torch.dtype, beside: bool = False
+    ) -> Placement | None:
+        """Where this rank's q, k and v can be written for ``attention`` to need no copy of them (between
+        the GPUs of one machine: the ring's own K/V block, or Ulysses' buffers of the ranks that attend
+        over each head), or None. ``beside``: attention will run work beside its exchanges
+        (``attention_beside``), which Ulysses' copy engine then sends the peers' heads behind."""
+        ring = self._peers(self.ring_group, self.ulysses_group)
+        if ring is not None:
+            return ring_placement(ring, self._sizes(kv=True), batch, heads, head_dim, v_dim, dtype)
+        ulysses = self._peers(self.ulysses_group, self.ring_group)
+        if ulysses is not None:
+            heads_of = split_sizes(heads, ulysses.world)
+            args = (self.sizes, self._sizes(kv=True), heads_of, batch, (head_dim, v_dim), dtype, beside)
+            return ulysses_placement(ulysses, *args)
+        return None
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Full attention of this rank's queries over the whole sequence; returns this rank's output slice.
@@ -362,22 +384,41 @@ class SequenceParallel:
         return self.attention_beside(q, k, v, attend, None)[0]
 
     def attention_beside(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, beside: Beside
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attend: Attend,
+        beside: Beside,
+        placement: Placement | None = None,
     ) -> tuple[torch.Tensor, object]:
         """``attention``, and ``beside()``'s result: under a ring the work runs once the K/V blocks are
-        posted, while they travel; under Ulysses first (run beside its exchanges it measured no gain)."""
+        posted, while they travel; under Ulysses first (run beside its exchanges it measured no gain).
+        ``placement``: q, k and v are what ``input_placement`` gave, written there."""
+        group, ring = self.ulysses_group, self.ring_group
+        if placement is not None:
+            if any(a is not b for a, b in zip(placement.written(q), (q, k, v), strict=True)):
+                raise ValueError("attention got q, k and v other than those its placement holds")
+            if _size(group) > 1:
+                heads = split_sizes(sum(dst.shape[_HEADS] for _, dst in placement.k), _size(group))
+
+                def attend_here(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                    return _attend_out(attend, q, k, v)
+
+                return ulysses_in_place(
+                    peer_buffers(group), placement, self.sizes, heads, attend_here, beside
+                )
         self._check(q, self.sizes, "query")
         self._check(k, self._sizes(kv=True), "key")
         if k.shape[_HEADS] != q.shape[_HEADS]:
             raise ValueError(
                 f"query has {q.shape[_HEADS]} heads but key {k.shape[_HEADS]}; expand K/V heads first"
             )
-        group, ring = self.ulysses_group, self.ring_group
         chunk = self._chunk(self.sizes)
         kv_sizes = self._sizes(kv=True)
         kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
         if _size(group) == 1:
-            return ring_attention(q, k, v, attend, ring, ring_blocks, beside)
+            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placement is not None)
         done = _run(beside)
 
         def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
