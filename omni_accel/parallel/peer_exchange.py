@@ -248,14 +248,18 @@ def ulysses_placement(
         shapes = [(batch, sum(lengths), heads[j], width) for j in range(world)]
         joined = peers.views(f"{name}_placed", shapes, dtype)
         at = sum(lengths[:me])
+        if staged:  # kept, like the buffers: the kernel's table of destinations stays the same
+            others = [(batch * lengths[r] * (sum(heads) - heads[r]) * width,) for r in range(world)]
+            staging = peers.views(f"{name}_staged", others, dtype)[me]
         pieces = []
         for j in range(world):
             if heads[j]:
                 dst = joined[j].narrow(_SEQ, at, lengths[me])
                 if staged and j != me and dst.numel():
-                    staging = torch.empty(dst.shape, dtype=dtype, device=dst.device)
-                    sends += zip(dst.unbind(0), staging.unbind(0), strict=True)
-                    dst = staging
+                    local, staging = staging.split([dst.numel(), staging.numel() - dst.numel()])
+                    local = local.view(dst.shape)
+                    sends += zip(dst.unbind(0), local.unbind(0), strict=True)
+                    dst = local
                 pieces.append((sum(heads[:j]), dst))
         placed.append((tuple(pieces), joined[me]))
     (q, all_q), (k, all_k), (v, all_v) = placed
