@@ -3,7 +3,7 @@
 A block's q/k kernel (``layers.qkv_norm_rope``) writes every head of q, k and v once anyway; told where each
 head belongs (a ring's own K/V block, or under Ulysses each head group in the buffer of the rank that attends
 over it, a peer's included) it writes there, and the exchange that would have packed and sent the heads is
-done. The layout then recognises its buffers in what attention receives.
+done. Attention is then told so (``placement=``) and takes them from there.
 """
 
 from __future__ import annotations
