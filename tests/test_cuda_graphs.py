@@ -270,7 +270,7 @@ def _parallel_replays(rank: int, world: int) -> None:
         assert stats["eager"] == {} and stats["captures"] == 2 + stacked, (layout, stats)
     _stacked_guidance_is_bitwise_the_two_calls()
     _peer_writes_move_what_nccl_moves()
-    _ring_by_peer_writes_is_nccls_ring_up_to_rounding()
+    _sequence_by_peer_writes_is_nccls_up_to_rounding()
 
 
 def _stacked_guidance_is_bitwise_the_two_calls() -> None:
@@ -288,54 +288,61 @@ def _stacked_guidance_is_bitwise_the_two_calls() -> None:
 
 
 def _peer_writes_move_what_nccl_moves() -> None:
-    """Ulysses' exchanges (the copy engine's for the second head stage) by peer writes into symmetric
-    memory against NCCL's all-to-all: the same kernel calls on the same bytes, so bitwise equal, on even and
-    uneven sequence slices; tensor parallelism's token split by peer writes against every token on every
-    rank (what it does without peer writes: NCCL all-reduces), bitwise equal too (two partial sums add in
-    either order to the same bits, the norms are per token)."""
-    for layout, line in (
-        (ParallelConfig(ulysses=2), "ulysses exchanges"),
-        (ParallelConfig(tp=2), "tensor parallel"),
+    """Tensor parallelism's token split by peer writes into symmetric memory against every token on every
+    rank (what it does without peer writes: NCCL all-reduces), bitwise equal on even and uneven token
+    splits (two partial sums add in either order to the same bits, the norms are per token)."""
+    images = []
+    for peer_writes in (True, False):
+        peer_exchange.ENABLED = peer_writes
+        try:
+            pipe = _gpu_pipeline(parallel=ParallelConfig(tp=2))
+            call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+            sizes = ({}, {"height": 48, "width": 32})
+            images.append(
+                [
+                    pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
+                    for size in sizes
+                ]
+            )
+            report = str(omni_accel.describe(pipe))
+        finally:
+            peer_exchange.ENABLED = True
+        how = "into its peers' symmetric memory" if peer_writes else "peer writes switched off"
+        assert any("tensor parallel" in row and how in row for row in report.splitlines()), report
+    assert all(torch.equal(a, b) for a, b in zip(*images, strict=True))
+
+
+def _sequence_by_peer_writes_is_nccls_up_to_rounding() -> None:
+    """ring=2 and ulysses=2 by peer writes against NCCL's send/recv ring and all-to-all, in float32, even
+    and uneven splits: the same attention up to the order of its sums and the GEMMs' own. By peer writes
+    the q/k kernel writes q, k and v where the exchange wants them; FLUX's single blocks run their QKV
+    and MLP-input GEMMs apart, the MLP's beside the transfer (ring: one kernel over the gathered K/V,
+    double blocks the local block first, then the peer's, merged; Ulysses: one kernel over the rank's
+    heads instead of two head stages)."""
+    for layout, line, how in (
+        (ParallelConfig(ring=2), "ring transfers", "into every peer's symmetric memory"),
+        (ParallelConfig(ulysses=2), "ulysses exchanges", "into its peers' symmetric memory"),
     ):
-        images = []
+        latents = []
         for peer_writes in (True, False):
             peer_exchange.ENABLED = peer_writes
             try:
-                pipe = _gpu_pipeline(parallel=layout)
+                pipe = _gpu_pipeline(torch.float32, parallel=layout)
                 call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
-                sizes = ({}, {"height": 48, "width": 32})
-                images.append(
+                latents.append(
                     [
                         pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
-                        for size in sizes
+                        for size in ({}, {"height": 48, "width": 32})
                     ]
                 )
                 report = str(omni_accel.describe(pipe))
             finally:
                 peer_exchange.ENABLED = True
-            how = "into its peers' symmetric memory" if peer_writes else "peer writes switched off"
-            assert any(line in row and how in row for row in report.splitlines()), report
-        assert all(torch.equal(a, b) for a, b in zip(*images, strict=True)), layout
-
-
-def _ring_by_peer_writes_is_nccls_ring_up_to_rounding() -> None:
-    """ring=2 by peer writes (single blocks: one kernel over the gathered K/V, the MLP's GEMM beside the
-    transfer; double blocks: the local block first, then the peer's, merged) against NCCL's send/recv ring,
-    in float32: the same attention up to the order of its sums."""
-    latents = []
-    for peer_writes in (True, False):
-        peer_exchange.ENABLED = peer_writes
-        try:
-            pipe = _gpu_pipeline(torch.float32, parallel=ParallelConfig(ring=2))
-            call = dict(prompt="a cat", num_inference_steps=2, output_type="latent", height=48, width=32)
-            latents.append(pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images)
-            report = str(omni_accel.describe(pipe))
-        finally:
-            peer_exchange.ENABLED = True
-        how = "into every peer's symmetric memory" if peer_writes else "peer writes switched off"
-        assert any("ring transfers" in row and how in row for row in report.splitlines()), report
-    error = ((latents[0] - latents[1]).abs().max() / latents[1].abs().max()).item()
-    assert error <= 1e-4, error
+            want = how if peer_writes else "peer writes switched off"
+            assert any(line in row and want in row for row in report.splitlines()), report
+        for got, nccl in zip(*latents, strict=True):
+            error = ((got - nccl).abs().max() / nccl.abs().max()).item()
+            assert error <= 1e-4, (layout, error)
 
 
 @pytest.mark.gpu
