@@ -14,8 +14,9 @@ the library's choices changed while that layout is built and timed. Benchmarks o
                       exchanges (a ring by peer writes then attends the local block first everywhere)
     one_kernel        a ring by peer writes always waits for every block and runs one kernel, also where
                       no work runs beside the transfer (FLUX's double blocks, Wan)
-    packed_inputs     Ulysses by peer writes packs and sends q, k and v in two head stages, as before
-                      the q/k kernel wrote each head group into its rank's buffer itself
+    packed_inputs     Ulysses by peer writes packs and sends q, k and v in two head stages and FLUX's
+                      single blocks keep one GEMM, as before the q/k kernel wrote each head group into
+                      its rank's buffer itself (for a Ulysses layout only: it changes the ring's blocks too)
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def _patched(module, name: str, value) -> Iterator[None]:
         yield
     finally:
         setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def _both(*contexts: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _stages_of(counts_for):
@@ -84,7 +93,10 @@ VARIANTS = {
     ),
     "unstacked": lambda: _patched(ParallelConfig, "stacks_guidance", property(lambda self: False)),
     "nothing_beside": lambda: _patched(flux, "overlaps_work", lambda layout: False),
-    "packed_inputs": lambda: _patched(sequence, "ulysses_placement", lambda *args: None),
+    "packed_inputs": lambda: _both(
+        _patched(sequence, "ulysses_placement", lambda *args: None),
+        _patched(flux, "overlaps_work", lambda layout: False),
+    ),
     "one_kernel": lambda: _patched(
         sequence, "ring_by_peer_writes", _one_kernel(sequence.ring_by_peer_writes)
     ),
