@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from timing import graphed, timed
 
-from omni_accel.layers import fused
+from omni_accel.layers import fused, fused_kernels
+from omni_accel.parallel.copies import copy_rows_
 from omni_accel.parallel.placement import Placement
 
 TOKENS, TEXT, DIM, MLP, HEAD_DIM = 4608, 512, 3072, 12288, 128
@@ -46,6 +47,14 @@ def main() -> None:
         [torch.empty(1, TOKENS, heads // 2, HEAD_DIM, device=device, dtype=dtype) for _ in range(2)]
         for _ in range(3)
     ]
+    gather = [torch.empty(1, 2 * TOKENS, DIM, device=device, dtype=dtype) for _ in range(2)]
+    mine = [buffer.narrow(1, 0, TOKENS) for buffer in gather]  # tp=2: this rank's rows in both buffers
+
+    def modulated_then_gathered() -> None:
+        h = fused.norm_modulate(x, mod, mod, 1e-6)
+        for rows in mine:
+            copy_rows_(rows, h)
+
     ulysses = Placement(*(((0, a), (heads // 2, b)) for a, b in groups), tuple(g[0] for g in groups))
     cases = {  # name: (call, bytes read and written)
         "device copy (ceiling)": (flat.clone, 2 * flat.numel() * 2),
@@ -74,6 +83,11 @@ def main() -> None:
             6 * act,
         ),
         "norm_modulate": (lambda: fused.norm_modulate(x, mod, mod, 1e-6), 2 * act),
+        "norm_modulate, then copied into two gather buffers": (modulated_then_gathered, 3 * act),
+        "norm_modulate into two gather buffers": (
+            lambda: fused_kernels.norm_modulate_into(x, mod, mod, 1e-6, mine),
+            3 * act,
+        ),
         "gated_residual": (lambda: fused.gated_residual(x, mod, y), 3 * act),
     }
     for name, (call, nbytes) in cases.items():

@@ -54,6 +54,14 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
             magnitude = (normed * (1 + scale[:, None])).abs() + shift[:, None].abs()
             got = kernels.norm_modulate(t, shift, scale, 1e-6)
             _check(f"norm_modulate{label} {dtype}", got, modulate(normed, shift, scale), magnitude)
+        # Into every rank's buffer of a gather at once (a token split's rows at an offset in one).
+        buffers = torch.zeros(2, batch, image + 7, dim, dtype=dtype, device=device)
+        outs = [buffers[0].narrow(1, 3, image), buffers[1].narrow(1, 0, image)]
+        kernels.norm_modulate_into(x, shift, scale, 1e-6, outs)
+        want = kernels.norm_modulate(x, shift, scale, 1e-6)
+        assert all(torch.equal(out, want) for out in outs), f"norm_modulate_into {dtype}"
+        assert not buffers[0, :, :3].any() and not buffers[0, :, 3 + image :].any()
+        assert not buffers[1, :, image:].any(), f"norm_modulate_into wrote outside its rows {dtype}"
 
         y = randn(batch, image, dim, dtype=dtype)
         product = gate.unsqueeze(1) * y

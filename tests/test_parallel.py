@@ -411,8 +411,8 @@ def _tokens_split_never_pays():
             module.split_pays = original
 
 
-def _flux_with_lora(layout: ParallelConfig | None) -> torch.Tensor:
-    pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=3, attention_head_dim=16)
+def _flux_with_lora(layout: ParallelConfig | None, heads: int = 3) -> torch.Tensor:
+    pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=heads, attention_head_dim=16)
     pipe.load_lora_weights(
         random_lora(pipe.transformer, ["to_q", "to_v", "proj_mlp"], seed=3), adapter_name="a"
     )
@@ -435,37 +435,43 @@ def _counted(module, name: str, calls: list) -> Iterator[None]:
         setattr(module, name, original)
 
 
-def _sequence_by_peer_writes() -> None:
-    """ring=2 and ulysses=2 by peer writes in whole models, each rank's buffers shared files (as the GPUs'
-    symmetric memory), within 1e-5 of one rank. The blocks' q/k kernel (here its reference) writes q, k
-    and v where the layout wants them: the ring's K/V into its buffers (FLUX's single blocks then attend
-    in one kernel beside the MLP's GEMM, its double blocks and Wan's attend the local block first), each
-    head group into the buffer of the Ulysses rank that attends over it."""
+def _layouts_by_peer_writes() -> None:
+    """ring=2, ulysses=2 and tp=2 by peer writes in whole models, each rank's buffers shared files (as the
+    GPUs' symmetric memory), within 1e-5 of one rank. The blocks' kernels (here their references) write
+    where the exchanges want: q/k/v of the ring's K/V into its buffers (FLUX's single blocks then attend in
+    one kernel beside the MLP's GEMM, its double blocks and Wan's attend the local block first), each head
+    group into the buffer of the Ulysses rank that attends over it, and under tp the norm-modulate's rows
+    into every rank's buffer of the gather before the column-split projections."""
     from test_sequence_parallel import peer_writes_over_files
+
+    from omni_accel.layers import fused
 
     directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(directory)
     one = _wan_forward(torch.float32, None)
-    lora_one = _flux_with_lora(None)
-    ring_calls, ulysses_calls = [], []
+    lora_one = {heads: _flux_with_lora(None, heads) for heads in (3, 4)}
+    ring_calls, ulysses_calls, gathers = [], [], []
     with (
         peer_writes_over_files(directory[0]) as made,
         _counted(sequence, "ring_by_peer_writes", ring_calls),
         _counted(sequence, "ulysses_in_place", ulysses_calls),
+        _counted(fused, "gather_targets", gathers),
     ):
-        for layout in (ParallelConfig(ring=2), ParallelConfig(ulysses=2)):
-            _check(layout, _oracle(heads=3), heads=3)
+        for layout in (ParallelConfig(ring=2), ParallelConfig(ulysses=2), ParallelConfig(tp=2)):
+            heads = 4 if layout.tp > 1 else 3  # Ulysses splits 3 heads unevenly
+            _check(layout, _oracle(heads=heads), heads=heads)
             wan = _wan_forward(torch.float32, layout)
             assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5, layout
-            lora = _flux_with_lora(layout)  # adapters on both GEMMs the single blocks split
-            assert ((lora - lora_one).abs().max() / lora_one.abs().max()).item() <= 1e-5, layout
-    assert made and ring_calls and ulysses_calls
+            lora = _flux_with_lora(layout, heads)  # adapters on both GEMMs the single blocks split
+            want = lora_one[heads]
+            assert ((lora - want).abs().max() / want.abs().max()).item() <= 1e-5, layout
+    assert made and ring_calls and ulysses_calls and gathers
     assert all(args[7] for args in ring_calls), "the ring took K/V not written in place"  # placed
 
 
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
-    _sequence_by_peer_writes()
+    _layouts_by_peer_writes()
     _bf16_as_accurate_as_one_rank(
         _wan_forward, ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2)
     )

@@ -3,7 +3,14 @@ tensor-parallel), the MLP, norms, modulation, RoPE and the provider-routed atten
 
 from .attention import AttentionSite, attention
 from .feed_forward import feed_forward
-from .fused import concat_gelu, gated_residual, gelu_tanh, norm_modulate, qkv_norm_rope
+from .fused import (
+    concat_gelu,
+    gated_residual,
+    gelu_tanh,
+    norm_modulate,
+    norm_modulate_gathered,
+    qkv_norm_rope,
+)
 from .modulation import modulate
 from .norms import layer_norm
 from .projection import LinearWeights, apply_linear, apply_one, read_linear, read_packed
@@ -23,6 +30,7 @@ __all__ = [
     "layer_norm",
     "modulate",
     "norm_modulate",
+    "norm_modulate_gathered",
     "qkv_norm_rope",
     "read_linear",
     "read_packed",

@@ -17,8 +17,10 @@ def feed_forward(
     down: LinearWeights,
     activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh,
     rows: Rows | None = None,
+    gathered: bool = False,
 ) -> torch.Tensor:
     """``down(activation(up(x)))``; under tensor parallelism ``up`` splits its outputs and ``down`` its
     inputs, so the activation runs on the local slice and one all-reduce (with the tokens split, ``rows``:
-    a gather before and a reduce-scatter after) frames the MLP."""
-    return apply_one(activation(apply_one(x, up, rows)), down, rows)
+    a gather before and a reduce-scatter after) frames the MLP. ``gathered``: ``x`` holds every rank's
+    tokens already (``norm_modulate_gathered``)."""
+    return apply_one(activation(apply_one(x, up, None if gathered else rows)), down, rows)

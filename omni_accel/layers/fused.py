@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.placement import Placement
+from ..parallel.token_rows import Rows, gather_targets
 from ..utils.kernels import HAS_TRITON, kernels_can_run
 from .modulation import modulate
 from .norms import layer_norm
@@ -39,6 +40,24 @@ def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     if shift.ndim == 2 and x.stride(-1) == 1 and kernels_can_run(x, shift, scale):
         return torch.ops.omni_accel.norm_modulate(x, shift, scale, eps)
     return modulate(layer_norm(x.to(shift.dtype), eps), shift, scale).to(x.dtype)
+
+
+def norm_modulate_gathered(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, rows: Rows | None
+) -> tuple[torch.Tensor, Rows | None]:
+    """``norm_modulate`` for the input of a column-split projection under tensor parallelism with the
+    tokens split (``rows``): where the gather is by peer writes, every rank's tokens joined, written into
+    the gather's buffers by the kernel itself (no copy), and None; else this rank's tokens and ``rows``,
+    which the projection then gathers (``apply_linear(h, weights, rows)`` either way)."""
+    targets = None if rows is None else gather_targets(x, rows)
+    if targets is None:
+        return norm_modulate(x, shift, scale, eps), rows
+    if shift.ndim == 2 and x.stride(-1) == 1 and kernels_can_run(x, shift, scale):
+        for start, length, places in targets.segments:
+            fused_kernels.norm_modulate_into(x.narrow(1, start, length), shift, scale, eps, list(places))
+    else:
+        targets.write(norm_modulate(x, shift, scale, eps))
+    return targets.done(), None
 
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ folded away on an H200), so the kernels do not pretend to round in between.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -21,8 +23,25 @@ _GELU_KAPPA = tl.constexpr(0.044715)
 
 @triton.jit
 def _norm_modulate_kernel(
-    X, SHIFT, SCALE, OUT, seq, dim, stride_xb, stride_xs, stride_shift, stride_scale, eps, BLOCK: tl.constexpr
+    X,
+    SHIFT,
+    SCALE,
+    OUT,
+    TABLE,
+    seq,
+    dim,
+    stride_xb,
+    stride_xs,
+    stride_shift,
+    stride_scale,
+    stride_ob,
+    eps,
+    BLOCK: tl.constexpr,
+    DESTINATIONS: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
+    """One row, written to ``OUT`` (rows of ``dim``, samples ``stride_ob`` apart) or, with a ``TABLE``,
+    to each of ``DESTINATIONS`` places at its offsets from ``OUT`` (the ranks' buffers of a gather)."""
     row = tl.program_id(0)
     b = row // seq
     s = row % seq
@@ -35,7 +54,13 @@ def _norm_modulate_kernel(
     rstd = tl.rsqrt(tl.sum(centred * centred, 0) / dim + eps)
     scale = tl.load(SCALE + b * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
     shift = tl.load(SHIFT + b * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + row * dim + cols, (centred * rstd * (1.0 + scale) + shift).to(dtype), mask=mask)
+    y = (centred * rstd * (1.0 + scale) + shift).to(dtype)
+    at = b.to(tl.int64) * stride_ob + s * dim + cols
+    if TABLE is None:
+        tl.store(OUT + at, y, mask=mask)
+    else:
+        for d in tl.static_range(DESTINATIONS):
+            tl.store(OUT + tl.multiple_of(tl.load(TABLE + d), ALIGN) + at, y, mask=mask)
 
 
 @triton.jit
@@ -170,14 +195,35 @@ def _scattered(TABLE, which, h, heads, b, token, ALIGN: tl.constexpr):
 
 @torch.library.custom_op("omni_accel::norm_modulate", mutates_args=())
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    batch, seq, dim = x.shape
-    out = torch.empty((batch, seq, dim), dtype=x.dtype, device=x.device)
-    if out.numel():
-        _norm_modulate_kernel[(batch * seq,)](
-            x, shift, scale, out, seq, dim, x.stride(0), x.stride(1), shift.stride(0), scale.stride(0), eps,
-            BLOCK=triton.next_power_of_2(dim),
-        )  # fmt: skip
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    norm_modulate_into(x, shift, scale, eps, [out])
     return out
+
+
+def norm_modulate_into(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, outs: list[torch.Tensor]
+) -> None:
+    """``norm_modulate`` written into each of ``outs`` (``[B, S, D]`` with contiguous rows, the same
+    strides, maybe peers' memory: a gather's buffers)."""
+    batch, seq, dim = x.shape
+    if not batch * seq:
+        return
+    stride_ob = outs[0].stride(0)
+    if any(
+        out.shape != x.shape or out.stride()[1:] != (dim, 1) or out.stride(0) != stride_ob for out in outs
+    ):
+        raise ValueError(
+            f"norm_modulate: destinations {[tuple(out.stride()) for out in outs]} are not alike rows"
+        )
+    table, base, align = None, outs[0], 1
+    if len(outs) > 1:
+        base = min(outs, key=torch.Tensor.data_ptr)
+        offsets = tuple((out.data_ptr() - base.data_ptr()) // out.element_size() for out in outs)
+        table, align = _table(offsets, x.device), _alignment(offsets, base.element_size())
+    _norm_modulate_kernel[(batch * seq,)](
+        x, shift, scale, base, table, seq, dim, x.stride(0), x.stride(1), shift.stride(0), scale.stride(0),
+        stride_ob, eps, BLOCK=triton.next_power_of_2(dim), DESTINATIONS=len(outs), ALIGN=align,
+    )  # fmt: skip
 
 
 @norm_modulate.register_fake
@@ -317,10 +363,15 @@ def _destinations(outs: list[HeadPieces], heads: int, head_dim: int):
         ]
         rows += [list(field) for field in zip(*heads_of, strict=True)]
     values = tuple(value for row in rows for value in row)
-    align = 16 // bases[0].element_size()
+    return _table(values, bases[0].device), bases, _alignment(values, bases[0].element_size())
+
+
+def _alignment(values: Sequence[int], itemsize: int) -> int:
+    """The largest power of two, up to 16 bytes' worth of elements, dividing every value."""
+    align = 16 // itemsize
     while align > 1 and any(value % align for value in values):
         align //= 2
-    return _table(values, bases[0].device), bases, align
+    return align
 
 
 # Kept for good: a captured CUDA graph reads its table at every replay (and, if it was built inside the

@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate, qkv_norm_rope
+from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate_gathered, qkv_norm_rope
 from ..layers.attention import (
     AttentionSite,
     attention,
@@ -95,8 +95,10 @@ def double_block(
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=1)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=1)
     eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
-    iq, ik, iv = apply_linear(norm_modulate(img, i_shift, i_scale, eps), w["img_qkv"], i_rows)
-    tq, tk, tv = apply_linear(norm_modulate(txt, t_shift, t_scale, eps), w["txt_qkv"], t_rows)
+    h, gather = norm_modulate_gathered(img, i_shift, i_scale, eps, i_rows)
+    iq, ik, iv = apply_linear(h, w["img_qkv"], gather)
+    h, gather = norm_modulate_gathered(txt, t_shift, t_scale, eps, t_rows)
+    tq, tk, tv = apply_linear(h, w["txt_qkv"], gather)
     placement = input_placement(c.layout, img.shape[0], iq.shape[-1] // head_dim, head_dim, img.dtype)
     q, k, v = qkv_norm_rope(
         [(tq, tk, tv), (iq, ik, iv)],
@@ -110,10 +112,12 @@ def double_block(
     txt_attn, img_attn = out.split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
 
     img = gated_residual(img, i_gate, apply_one(img_attn.contiguous(), w["img_out"], i_rows))
-    ff = feed_forward(norm_modulate(img, i_shift2, i_scale2, eps), w["img_up"], w["img_down"], rows=i_rows)
+    h, gather = norm_modulate_gathered(img, i_shift2, i_scale2, eps, i_rows)
+    ff = feed_forward(h, w["img_up"], w["img_down"], rows=i_rows, gathered=gather is None)
     img = gated_residual(img, i_gate2, ff)
     txt = gated_residual(txt, t_gate, apply_one(txt_attn.contiguous(), w["txt_out"], t_rows))
-    ff = feed_forward(norm_modulate(txt, t_shift2, t_scale2, eps), w["txt_up"], w["txt_down"], rows=t_rows)
+    h, gather = norm_modulate_gathered(txt, t_shift2, t_scale2, eps, t_rows)
+    ff = feed_forward(h, w["txt_up"], w["txt_down"], rows=t_rows, gathered=gather is None)
     txt = gated_residual(txt, t_gate2, ff)
     return _clip_fp16(txt), img
 
@@ -131,13 +135,13 @@ def single_block(
     output projection's input) instead of concatenated to it."""
     shift, scale, gate = mod.chunk(3, dim=1)
     rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
-    h = norm_modulate(x, shift, scale, c.eps)
+    h, gather = norm_modulate_gathered(x, shift, scale, c.eps, rows)
     qk_norms = [(norms["q"], norms["k"])]
     if c.overlaps_work:  # QKV's GEMM first, so the MLP input's runs while the exchanges travel
         qkv_weights, mlp_weights = split_packed(w["qkv_mlp"], 3)
         q, k, v = apply_linear(h, qkv_weights)
     else:
-        q, k, v, mlp = apply_linear(h, w["qkv_mlp"], rows)
+        q, k, v, mlp = apply_linear(h, w["qkv_mlp"], gather)
     heads = q.shape[-1] // c.head_dim
     placement = input_placement(c.layout, x.shape[0], heads, c.head_dim, x.dtype, c.overlaps_work)
     q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, placement=placement)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
-from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate, qkv_norm_rope
+from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate_gathered, qkv_norm_rope
 from ..layers.attention import AttentionSite, attention, input_placement
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -83,8 +83,8 @@ def wan_block(
     shift, scale, gate, c_shift, c_scale, c_gate = _modulations(table, temb)
 
     # Self-attention.
-    h = norm_modulate(x, shift, scale, c.eps)
-    q, k, v = apply_linear(h, w["qkv"], c.rows)
+    h, gather = norm_modulate_gathered(x, shift, scale, c.eps, c.rows)
+    q, k, v = apply_linear(h, w["qkv"], gather)
     placement = None
     if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
         placement = input_placement(c.layout, x.shape[0], q.shape[-1] // c.head_dim, c.head_dim, q.dtype)
@@ -116,7 +116,8 @@ def wan_block(
     x = x + apply_one(out, w["out2"], c.rows)
 
     # Feed-forward.
-    ff = feed_forward(norm_modulate(x, c_shift, c_scale, c.eps), w["up"], w["down"], rows=c.rows)
+    h, gather = norm_modulate_gathered(x, c_shift, c_scale, c.eps, c.rows)
+    ff = feed_forward(h, w["up"], w["down"], rows=c.rows, gathered=gather is None)
     return gated_residual(x, c_gate, ff)
 
 

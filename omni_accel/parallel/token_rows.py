@@ -59,6 +59,48 @@ def gather_rows(x: torch.Tensor, rows: Rows | None) -> torch.Tensor:
     return _gather(x, rows.name, rows.group, rows.sizes)
 
 
+@dataclass(frozen=True)
+class GatherTargets:
+    """Where this rank's tokens of a tensor go for a gather by peer writes: for each of its segments, its
+    ``(local start, length)`` and the places in every rank's buffer (``[B, length, ...]`` views, maybe a
+    peer's memory). Once a producer has written them there, ``done`` gives the gathered tensor."""
+
+    segments: tuple[tuple[int, int, tuple[torch.Tensor, ...]], ...]
+    joined: torch.Tensor
+    peers: object
+
+    def write(self, x: torch.Tensor) -> None:
+        """Copies ``x`` (this rank's tokens, made elsewhere) into its places."""
+        for start, length, places in self.segments:
+            for place in places:
+                copy_rows_(place, x.narrow(_SEQ, start, length))
+
+    def done(self) -> torch.Tensor:
+        """Every rank's tokens, once every rank has written its own (a barrier): valid until the next
+        exchange of the same ``Rows.name``, so feed it to the GEMM at once."""
+        self.peers.barrier()
+        return self.joined
+
+
+def gather_targets(x: torch.Tensor, rows: Rows) -> GatherTargets | None:
+    """Where a producer of ``x`` (this rank's tokens, ``[B, local, ...]``) can write it for ``gather_rows``
+    to need no copy: between the GPUs of one machine, every rank's buffer of the gather; else None."""
+    if torch.compiler.is_compiling():
+        return None
+    group = _resolve_process_group(rows.group)
+    peers = peer_buffers(group)
+    if peers is None:
+        return None
+    shape = _shape(x, sum(map(sum, rows.sizes)))
+    joined = peers.views(f"gather:{rows.name}", [shape] * peers.world, x.dtype)
+    segments = tuple(
+        (start, length, tuple(buffer.narrow(_SEQ, at, length) for buffer in joined))
+        for at, start, length in _pieces(rows.sizes, peers.rank)
+        if length
+    )
+    return GatherTargets(segments, joined[peers.rank], peers)
+
+
 def linear_of_gathered(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: Rows
 ) -> torch.Tensor:
@@ -143,15 +185,12 @@ def _shape(x: torch.Tensor, tokens: int) -> tuple[int, ...]:
 
 def _gather(x: torch.Tensor, name: str, group_name: str, sizes) -> torch.Tensor:
     group = _resolve_process_group(group_name)
-    me, world = dist.get_rank(group), dist.get_world_size(group)
+    world = dist.get_world_size(group)
     shape = _shape(x, sum(map(sum, sizes)))
-    peers = peer_buffers(group)
-    if peers is not None:
-        joined = peers.views(f"gather:{name}", [shape] * world, x.dtype)
-        for buffer in joined:
-            _place(buffer, x, sizes, me)
-        peers.barrier()
-        return joined[me]
+    targets = gather_targets(x, Rows(name, group_name, sizes))
+    if targets is not None:
+        targets.write(x)
+        return targets.done()
     received = _all_to_all(
         [x.contiguous()] * world, [_shape(x, _local(sizes, r)) for r in range(world)], group
     )
