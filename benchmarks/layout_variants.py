@@ -14,6 +14,8 @@ the library's choices changed while that layout is built and timed. Benchmarks o
                       exchanges (a ring by peer writes then attends the local block first everywhere)
     one_kernel        a ring by peer writes always waits for every block and runs one kernel, also where
                       no work runs beside the transfer (FLUX's double blocks, Wan)
+    copied_gathers    tensor parallelism's gathers copy the norm-modulate's output into every rank's
+                      buffer, as before that kernel wrote its rows there itself
     packed_inputs     Ulysses by peer writes packs and sends q, k and v in two head stages and FLUX's
                       single blocks keep one GEMM, as before the q/k kernel wrote each head group into
                       its rank's buffer itself (for a Ulysses layout only: it changes the ring's blocks too)
@@ -25,6 +27,7 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 
+import omni_accel.layers.fused as fused
 import omni_accel.models.flux as flux
 import omni_accel.parallel.peer_exchange as peer_exchange
 import omni_accel.parallel.sequence as sequence
@@ -93,6 +96,7 @@ VARIANTS = {
     ),
     "unstacked": lambda: _patched(ParallelConfig, "stacks_guidance", property(lambda self: False)),
     "nothing_beside": lambda: _patched(flux, "overlaps_work", lambda layout: False),
+    "copied_gathers": lambda: _patched(fused, "gather_targets", lambda x, rows: None),
     "packed_inputs": lambda: _both(
         _patched(sequence, "ulysses_placement", lambda *args: None),
         _patched(flux, "overlaps_work", lambda layout: False),
