@@ -19,8 +19,8 @@ kernel, took SMs from it and held them waiting for the slower peer (docs/PARALLE
 One buffer per slot serves every attention call of a group without a handshake of its own (see
 ``ulysses_by_peer_writes`` for the order that makes it safe; a placed call's writes come after the same
 barriers). Buffers grow when a call needs more and are never freed while the group lives, because captured
-CUDA graphs hold their addresses: per rank ~56 MB for FLUX at 1024x1024 (packed; as much again placed),
-~0.7 GB for Wan 14B at 480p and 81 frames.
+CUDA graphs hold their addresses: per rank ~56 MB for FLUX at 1024x1024 (placed: 42 MB and 21 MB of
+staging), ~0.7 GB for Wan 14B at 480p and 81 frames.
 """
 
 from __future__ import annotations
