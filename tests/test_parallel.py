@@ -594,8 +594,34 @@ def _two_ranks(rank: int, world: int) -> None:
         omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
 
 
+def _hybrids_by_peer_writes() -> None:
+    """tp=2 x ulysses=2 and ulysses=4 by peer writes over shared files: q, k and v placed by the q/k
+    kernel (its reference here) within each Ulysses group, of the TP rank's heads, and the gathers written
+    by the norm-modulate; within 1e-5 of one rank (Wan under tp keeps its q/k norm apart, so its Ulysses
+    packs)."""
+    from test_sequence_parallel import peer_writes_over_files
+
+    from omni_accel.layers import fused
+
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    oracle, one = _oracle(heads=4), _wan_forward(torch.float32, None)
+    placed, gathers = [], []
+    with (
+        peer_writes_over_files(directory[0]) as made,
+        _counted(sequence, "ulysses_in_place", placed),
+        _counted(fused, "gather_targets", gathers),
+    ):
+        for layout in (ParallelConfig(tp=2, ulysses=2), ParallelConfig(ulysses=4)):
+            _check(layout, oracle, heads=4)
+        wan = _wan_forward(torch.float32, ParallelConfig(tp=2, ulysses=2))
+    assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5
+    assert made and placed and gathers
+
+
 def _four_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
+    _hybrids_by_peer_writes()
     _bf16_as_accurate_as_one_rank(
         _wan_forward, ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2),
         ParallelConfig(tp=2, ulysses=2), ParallelConfig(tp=4),
