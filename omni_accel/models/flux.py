@@ -238,7 +238,8 @@ class _FluxNative(NativeBlock):
             runtime.layout_index,
             runtime.rows("image"),
             runtime.rows("text"),
-            overlaps_work(runtime.layout_index) and runtime.rows("text") is None,
+            # compiled, attention_beside runs attention then the work: one GEMM serves better there
+            runtime.compiler is None and overlaps_work(runtime.layout_index) and runtime.rows("text") is None,
         )
         return modulation, weights, self._norms(), constants
 
