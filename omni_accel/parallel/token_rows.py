@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .copies import copy_rows_
-from .peer_exchange import describe_exchange, peer_buffers
+from .peer_exchange import PeerBuffers, describe_exchange, peer_buffers
 
 _SEQ = 1
 
@@ -67,7 +67,7 @@ class GatherTargets:
 
     segments: tuple[tuple[int, int, tuple[torch.Tensor, ...]], ...]
     joined: torch.Tensor
-    peers: object
+    peers: PeerBuffers
 
     def write(self, x: torch.Tensor) -> None:
         """Copies ``x`` (this rank's tokens, made elsewhere) into its places."""
