@@ -138,7 +138,8 @@ def describe_rows(group: dist.ProcessGroup) -> str:
         )
     how = describe_exchange(
         group,
-        "each rank writes its tokens into its peers' symmetric memory, a barrier per exchange",
+        "each rank writes its tokens into its peers' symmetric memory (native blocks' norm-modulate "
+        "kernel writes a gather's rows there itself), a barrier per exchange",
         "all-to-all",
     )
     return (
