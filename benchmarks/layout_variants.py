@@ -1,5 +1,5 @@
 """Variants of a layout for A/B runs in one launch: ``ulysses2+three_stages`` is ``ulysses2`` with one of
-the library's choices changed while that layout is built and timed. Benchmarks only.
+the library's choices changed while that layout is built and timed (suffixes combine). Benchmarks only.
 
     three_stages      Ulysses attention in three head stages (a quarter, a half, a quarter) instead of two
     four_stages       Ulysses attention in four equal head stages
@@ -108,6 +108,7 @@ VARIANTS = {
 
 
 def split(name: str) -> tuple[str, contextlib.AbstractContextManager]:
-    """``"ulysses2+three_stages"`` -> ``("ulysses2", the variant's context)``; no suffix, no change."""
-    base, _, variant = name.partition("+")
-    return base, VARIANTS[variant]() if variant else contextlib.nullcontext()
+    """``"ulysses2+three_stages"`` -> ``("ulysses2", the variant's context)``; several suffixes combine
+    (``"ulysses2+unstacked+packed_inputs"``); no suffix, no change."""
+    base, *variants = name.split("+")
+    return base, _both(*(VARIANTS[variant]() for variant in variants))
