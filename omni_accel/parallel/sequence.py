@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -393,18 +394,16 @@ class SequenceParallel:
         placement: Placement | None = None,
     ) -> tuple[torch.Tensor, object]:
         """``attention``, and ``beside()``'s result: under a ring the work runs once the K/V blocks are
-        posted, while they travel; under Ulysses first (run beside its exchanges it measured no gain).
-        ``placement``: q, k and v are what ``input_placement`` gave, written there."""
+        posted, while they travel; under Ulysses with its inputs placed while the staged heads travel,
+        otherwise first (beside the packed stages it measured no gain). ``placement``: q, k and v are what
+        ``input_placement`` gave, written there."""
         group, ring = self.ulysses_group, self.ring_group
         if placement is not None:
             if any(a is not b for a, b in zip(placement.written(q), (q, k, v), strict=True)):
                 raise ValueError("attention got q, k and v other than those its placement holds")
             if _size(group) > 1:
                 heads = split_sizes(sum(dst.shape[_HEADS] for _, dst in placement.k), _size(group))
-
-                def attend_here(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                    return _attend_out(attend, q, k, v)
-
+                attend_here = partial(_attend_out, attend)
                 return ulysses_in_place(
                     peer_buffers(group), placement, self.sizes, heads, attend_here, beside
                 )
