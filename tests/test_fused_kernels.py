@@ -271,34 +271,68 @@ def test_custom_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.omni_accel.merge_attention.default, args)
 
 
-def test_qkv_norm_rope_writes_where_the_placement_asks():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_qkv_norm_rope_writes_where_the_placement_asks(device):
     """A ring's placement (q anywhere, k and v into its buffer) and a Ulysses one (each tensor's heads split
     between two buffers, at an offset in one): what comes back is what the placement says attention
-    takes, each piece holds its heads of the unplaced result, nothing is written around them."""
+    takes, each piece holds its heads of the unplaced result, nothing is written around them. On the GPU
+    the kernel writes them (heads of 16: the kernel's smallest tile), on CPU the reference and copies."""
     from omni_accel.layers import qkv_norm_rope
     from omni_accel.parallel.placement import Placement
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 2, 5, 24, generator=g)  # [B, S, H * D] with 3 heads of 8
-    norms = [tuple(torch.randn(2, 8, generator=g))]
-    angles = torch.rand(5, 4, generator=g) * 10
-    rope = tuple(f(angles).repeat_interleave(2, dim=1) for f in (torch.cos, torch.sin))
-    want = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope)
+    q, k, v = torch.randn(3, 2, 5, 48, generator=g).to(device)  # [B, S, H * D] with 3 heads of 16
+    norms = [tuple(torch.randn(2, 16, generator=g).to(device))]
+    angles = torch.rand(5, 8, generator=g) * 10
+    rope = tuple(f(angles).repeat_interleave(2, dim=1).to(device) for f in (torch.cos, torch.sin))
+    want = qkv_norm_rope([(q, k, v)], norms, 16, 1e-6, rope)
 
-    ring_buffers = torch.zeros(2, 2, 7, 3, 8)
+    ring_buffers = torch.zeros(2, 2, 7, 3, 16, device=device)
     own = tuple(b.narrow(1, 0, 5) for b in ring_buffers)
     ring = Placement(None, ((0, own[0]),), ((0, own[1]),), (None, *own))
-    got = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope, placement=ring)
+    got = qkv_norm_rope([(q, k, v)], norms, 16, 1e-6, rope, placement=ring)
     assert got[1] is own[0] and got[2] is own[1]
     assert all(map(torch.equal, got, want))
     assert not ring_buffers[:, :, 5:].any()
 
-    first, second = torch.zeros(3, 2, 7, 1, 8), torch.zeros(3, 2, 5, 2, 8)
+    first, second = torch.zeros(3, 2, 7, 1, 16, device=device), torch.zeros(3, 2, 5, 2, 16, device=device)
     pieces = [((0, a.narrow(1, 2, 5)), (1, b)) for a, b in zip(first, second, strict=True)]
     ulysses = Placement(*pieces, tuple(first))
-    got = qkv_norm_rope([(q, k, v)], norms, 8, 1e-6, rope, placement=ulysses)
+    got = qkv_norm_rope([(q, k, v)], norms, 16, 1e-6, rope, placement=ulysses)
     assert all(a is b for a, b in zip(got, ulysses.attend_on, strict=True))
     for placed, t in zip(pieces, want, strict=True):
         for head, dst in placed:
             assert torch.equal(dst, t.narrow(2, head, dst.shape[2]))
     assert not first[:, :, :2].any()
+
+
+@pytest.mark.gpu
+def test_norm_modulate_writes_a_gathers_rows_itself(monkeypatch):
+    """``norm_modulate_gathered`` where the gather goes by peer writes: the kernel writes this rank's
+    tokens of two segments (text, image) into every rank's buffer at their places, and what comes back
+    is the gathered tensor: here one process plays rank 1 of 2, both buffers its own."""
+    from omni_accel.layers import fused
+    from omni_accel.parallel.token_rows import GatherTargets, Rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3 + 5, 64, generator=g).cuda().bfloat16()  # rank 1's 3 text and 5 image tokens
+    shift, scale = (torch.randn(2, 64, generator=g).cuda().bfloat16() for _ in range(2))
+    buffers = torch.zeros(2, 2, 4 + 3 + 6 + 5, 64, device="cuda", dtype=torch.bfloat16)  # texts, images
+    segments = (
+        (0, 3, tuple(b.narrow(1, 4, 3) for b in buffers)),
+        (3, 5, tuple(b.narrow(1, 13, 5) for b in buffers)),
+    )
+
+    class OnePeer:
+        def barrier(self) -> None:
+            torch.cuda.synchronize()
+
+    joined = buffers[1]
+    monkeypatch.setattr(fused, "gather_targets", lambda x, rows: GatherTargets(segments, joined, OnePeer()))
+    rows = Rows("tokens", "tp", ((4, 3), (6, 5)))
+    got, left = fused.norm_modulate_gathered(x, shift, scale, 1e-6, rows)
+    want = fused.norm_modulate(x, shift, scale, 1e-6)
+    assert got is joined and left is None
+    for buffer in buffers:
+        assert torch.equal(buffer[:, 4:7], want[:, :3]) and torch.equal(buffer[:, 13:], want[:, 3:])
+        assert not buffer[:, :4].any() and not buffer[:, 7:13].any()
