@@ -37,7 +37,7 @@ def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     """``modulate(layer_norm(x, eps), shift, scale)`` for ``x`` ``[B, S, D]`` and ``[B, D]`` (per sample) or
     ``[B, S, D]`` (per token) modulation. The modulation's dtype is the precision of the math (Wan keeps
     it in float32, FLUX in the activations' dtype); the result has ``x``'s dtype."""
-    if shift.ndim == 2 and x.stride(-1) == 1 and kernels_can_run(x, shift, scale):
+    if _norm_modulate_kernel_serves(x, shift, scale):
         return torch.ops.omni_accel.norm_modulate(x, shift, scale, eps)
     return modulate(layer_norm(x.to(shift.dtype), eps), shift, scale).to(x.dtype)
 
@@ -52,12 +52,17 @@ def norm_modulate_gathered(
     targets = None if rows is None else gather_targets(x, rows)
     if targets is None:
         return norm_modulate(x, shift, scale, eps), rows
-    if shift.ndim == 2 and x.stride(-1) == 1 and kernels_can_run(x, shift, scale):
+    if _norm_modulate_kernel_serves(x, shift, scale):
         for start, length, places in targets.segments:
             fused_kernels.norm_modulate_into(x.narrow(1, start, length), shift, scale, eps, list(places))
     else:
         targets.write(norm_modulate(x, shift, scale, eps))
     return targets.done(), None
+
+
+def _norm_modulate_kernel_serves(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> bool:
+    """The kernel takes per-sample modulation and rows with unit stride."""
+    return shift.ndim == 2 and x.stride(-1) == 1 and kernels_can_run(x, shift, scale)
 
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
