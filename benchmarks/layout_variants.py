@@ -19,6 +19,9 @@ the library's choices changed while that layout is built and timed (suffixes com
     packed_inputs     Ulysses by peer writes packs and sends q, k and v in two head stages and FLUX's
                       single blocks keep one GEMM, as before the q/k kernel wrote each head group into
                       its rank's buffer itself (for a Ulysses layout only: it changes the ring's blocks too)
+    returned_apart    Ulysses by peer writes returns the outputs by the SM copy into a tensor of their own,
+                      copied into the output projection's input after, and FLUX's single blocks run their
+                      GELU after that, as before the GELU ran beside the outputs' copy-engine return
 """
 
 from __future__ import annotations
@@ -86,6 +89,13 @@ def _one_kernel(original):
     return ring
 
 
+def _returned_apart(original):
+    def placed(peers, placement, sizes, heads, attend, beside, then=None, out=None):
+        return sequence.finish(*original(peers, placement, sizes, heads, attend, beside), then, out)
+
+    return placed
+
+
 VARIANTS = {
     "three_stages": lambda: _patched(sequence, "head_stages", _stages_of(_three)),
     "four_stages": lambda: _patched(sequence, "head_stages", _stages_of(_four)),
@@ -100,6 +110,9 @@ VARIANTS = {
     "packed_inputs": lambda: _both(
         _patched(sequence, "ulysses_placement", lambda *args: None),
         _patched(flux, "overlaps_work", lambda layout: False),
+    ),
+    "returned_apart": lambda: _patched(
+        sequence, "ulysses_in_place", _returned_apart(sequence.ulysses_in_place)
     ),
     "one_kernel": lambda: _patched(
         sequence, "ring_by_peer_writes", _one_kernel(sequence.ring_by_peer_writes)

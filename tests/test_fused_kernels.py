@@ -93,6 +93,11 @@ def run_checks(device: str, dtypes: list[torch.dtype], batch=2, text=64, image=1
         _check(
             f"concat_gelu {dtype}", kernels.concat_gelu(x, mlp), ref, torch.cat([x.abs(), magnitude], dim=-1)
         )
+        # Into the columns of a wider tensor (a projection's input whose other columns are written apart).
+        wide = torch.zeros(batch, image, dim + 4 * dim + 3, dtype=dtype, device=device)
+        kernels.concat_gelu_into(mlp[..., :0], mlp, wide[..., dim : 5 * dim])
+        assert torch.equal(wide[..., dim : 5 * dim], kernels.concat_gelu(x[..., :0], mlp)), f"into {dtype}"
+        assert not wide[..., :dim].any() and not wide[..., 5 * dim :].any(), f"gelu wrote outside {dtype}"
 
         # q, k, v are strided views of a QKV GEMM's output; text and image have their own norm weights.
         packed = randn(batch, image, 3 * dim, dtype=dtype)
@@ -229,6 +234,9 @@ def test_gelu_is_as_accurate_as_pytorchs_on_the_gpu(dtype):
     exact = x * torch.sigmoid(2 * 0.7978845608028654 * (x + 0.044715 * x**3))
     theirs, ours = F.gelu(mlp, approximate="tanh"), gelu_tanh(mlp)
     assert torch.equal(concat_gelu(attn, mlp), torch.cat([attn, ours], dim=-1))
+    joined = torch.cat([attn, torch.zeros_like(mlp)], dim=-1)
+    assert gelu_tanh(mlp, out=joined[..., 3072:]).data_ptr() == joined[..., 3072:].data_ptr()
+    assert torch.equal(joined, torch.cat([attn, ours], dim=-1))  # the kernel, into the columns
     if dtype == torch.float32:
         worst = [
             ((t.double() - exact).abs() / exact.abs().clamp_min(1e-2)).max().item() for t in (ours, theirs)

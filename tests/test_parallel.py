@@ -467,6 +467,8 @@ def _layouts_by_peer_writes() -> None:
             assert ((lora - want).abs().max() / want.abs().max()).item() <= 1e-5, layout
     assert made and ring_calls and ulysses_calls and gathers
     assert all(args[7] for args in ring_calls), "the ring took K/V not written in place"  # placed
+    # FLUX's single blocks: the GELU beside the outputs' return, which lands in the projection's input
+    assert any(args[6] is not None and args[7] is not None for args in ulysses_calls)
 
 
 def _two_ranks(rank: int, world: int) -> None:

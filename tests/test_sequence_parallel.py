@@ -68,7 +68,8 @@ def check_attention(
     placed: bool = False,
 ) -> None:
     """Against one process; ``beside``: through ``attention_beside`` with work that must run exactly once
-    and come back (the ring by peer writes then attends with one kernel instead of two and a merge);
+    and come back, work on its result after the kernel and the output written into given columns (the ring
+    by peer writes then attends with one kernel instead of two and a merge);
     ``placed``: q, k and v written where the layout's ``input_placement`` asks, as a block's kernel does
     (with work beside, Ulysses' peers' heads staged for the copy engine)."""
     q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim, batch)
@@ -79,13 +80,18 @@ def check_attention(
     if placed:
         assert placement is not None, "no placement where peer writes serve"
         local = placement.place(*local)
-    if beside:
-        runs = []
-        out, done = sp.attention_beside(*local, attend, lambda: runs.append(1) or "done", placement)
-        assert (runs, done) == ([1], "done")
+    local_q = sp.shard(q)
+    if beside:  # and work on its result beside the outputs' return, which go into a wider tensor's columns
+        runs, width = [], heads * v_dim
+        wide = torch.zeros(*local_q.shape[:2], width + 3)
+        into = wide[..., :width].unflatten(-1, (heads, v_dim))
+        out, done = sp.attention_beside(
+            *local, attend, lambda: runs.append(1) or "done", placement, lambda d: f"{d}, then", into
+        )
+        assert (runs, done) == ([1], "done, then")
+        assert out.data_ptr() == wide.data_ptr() and not wide[..., width:].any()
     else:
         out = sp.attention_beside(*local, attend, None, placement)[0]
-    local_q = sp.shard(q)
     assert out.shape == (*local_q.shape[:3], v_dim)
     err = rel_err(sp.gather(out), want)
     assert err <= TOLERANCE, f"relative error {err:.2e}"

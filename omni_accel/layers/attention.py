@@ -18,8 +18,10 @@ from ..attention.base import AttentionRequest
 from ..attention.selection import AttentionSelector, selector_by_index
 from ..parallel.parallelize import current_sequence
 from ..parallel.placement import Placement
+from ..parallel.sequence import finish
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 def _attend(
@@ -50,9 +52,12 @@ def _attend_in_layout(
     attn_mask: torch.Tensor | None = None,
     beside: Callable[[], T] | None = None,
     placement: Placement | None = None,
-) -> tuple[torch.Tensor, T | None]:
+    then: Callable[[T], U] | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, T | U | None]:
     """The kernel call, wrapped in the sequence-parallel communication when the layout splits the sequence,
-    and ``beside()``'s result (run while that communication travels)."""
+    and ``beside()``'s result (run while that communication travels; ``then`` on it: see
+    ``attention_beside``)."""
 
     def attend(q, k, v, need_lse=False):
         return _attend(selector_by_index(selector), role, category, scale, q, k, v, need_lse, attn_mask)
@@ -64,8 +69,8 @@ def _attend_in_layout(
                 f"Attention role {role!r}: masked attention under sequence parallelism is not supported; "
                 "run this model with ulysses=1 and ring=1."
             )
-        return sp.attention_beside(query, key, value, attend, beside, placement)
-    return attend(query, key, value), None if beside is None else beside()
+        return sp.attention_beside(query, key, value, attend, beside, placement, then, out)
+    return finish(attend(query, key, value), None if beside is None else beside(), then, out)
 
 
 @torch.library.custom_op("omni_accel::routed_attention", mutates_args=())
@@ -153,13 +158,18 @@ def attention_beside(
     layout: int,
     work: Callable[[], T],
     placement: Placement | None = None,
-) -> tuple[torch.Tensor, T]:
+    then: Callable[[T], U] | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, T | U]:
     """``(attention(...), work())`` for ``work`` that does not depend on the attention: under a layout that
     splits the sequence it runs once the exchanges are posted, while they travel (a ring's K/V blocks then
-    meet one kernel over the whole sequence instead of two and a merge). Compiled, the two are traced
-    apart and the compiler orders them."""
+    meet one kernel over the whole sequence instead of two and a merge). ``then(work())``, when given, is
+    work on its result that does not depend on the attention either: it runs after the kernel, while the
+    outputs travel back (Ulysses by peer writes), and its result is returned instead. ``out``: where the
+    output goes (``[B, tokens, heads, Dv]``, maybe columns of the next projection's input), written there by
+    the exchange itself where it can. Compiled, the parts are traced apart and the compiler orders them."""
     if torch.compiler.is_compiling():
-        return attention(query, key, value, site, selector, layout), work()
+        return finish(attention(query, key, value, site, selector, layout), work(), then, out)
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
     args = (selector, layout, site.role, site.category, scale, query, key, value)
-    return _attend_in_layout(*args, beside=work, placement=placement)
+    return _attend_in_layout(*args, beside=work, placement=placement, then=then, out=out)

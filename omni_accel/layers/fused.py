@@ -79,23 +79,31 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
     return (x + (gate.unsqueeze(1) if gate.ndim == 2 else gate) * y).to(x.dtype)
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(x, approximate="tanh")`` for ``[B, S, D]`` activations (rows maybe strided)."""
-    return concat_gelu(x[..., :0], x)
+def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")`` for ``[B, S, D]`` activations (rows maybe strided), written into
+    ``out`` when given (maybe columns of a wider tensor) and returned."""
+    if out is None:
+        return concat_gelu(x[..., :0], x)
+    if _gelu_kernel_serves(x, out) and not torch.compiler.is_compiling():
+        fused_kernels.concat_gelu_into(x[..., :0], x, out)
+        return out
+    return out.copy_(F.gelu(x, approximate="tanh"))
 
 
 def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``cat([a, gelu_tanh(b)], dim=-1)`` for ``[B, S, D]`` tensors (rows maybe strided)."""
-    if (
-        a.ndim == b.ndim == 3
-        and _evenly_spaced_rows(a)
-        and _evenly_spaced_rows(b)
-        and a.dtype == b.dtype
-        and kernels_can_run(a, b, when_compiling=True)  # inductor's GELU is tanhf's, compute-bound
-    ):
+    if _gelu_kernel_serves(a, b):
         return torch.ops.omni_accel.concat_gelu(a, b)
     activated = F.gelu(b, approximate="tanh")
     return activated if a.shape[-1] == 0 else torch.cat([a, activated], dim=-1)
+
+
+def _gelu_kernel_serves(*tensors: torch.Tensor) -> bool:
+    """The GELU kernel takes ``[B, S, D]`` tensors of one dtype with evenly spaced rows."""
+    return (
+        all(t.ndim == 3 and _evenly_spaced_rows(t) and t.dtype == tensors[0].dtype for t in tensors)
+        and kernels_can_run(*tensors, when_compiling=True)  # inductor's GELU is tanhf's, compute-bound
+    )
 
 
 def _evenly_spaced_rows(x: torch.Tensor) -> bool:

@@ -76,7 +76,7 @@ def _gated_residual_kernel(X, GATE, Y, OUT, seq, dim, stride_gb, numel, BLOCK: t
 
 
 @triton.jit
-def _concat_gelu_kernel(A, B, OUT, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.constexpr):
+def _concat_gelu_kernel(A, B, OUT, dim_a, dim_b, stride_a, stride_b, stride_out, BLOCK: tl.constexpr):
     """One block of one row of ``cat([a, gelu_tanh(b)], -1)`` (rows of every sample ``stride_*`` apart).
     GELU as ``x * sigmoid(2u)``, which is ``0.5 x (1 + tanh(u))`` exactly: one exponential instead of
     CUDA's ``tanhf``, whose arithmetic made the kernel compute-bound (3.0 TB/s against 3.7 at FLUX's shapes
@@ -92,7 +92,7 @@ def _concat_gelu_kernel(A, B, OUT, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.c
     x = tl.load(B + row * stride_b + (cols - dim_a), mask=in_b, other=0.0).to(tl.float32)
     u = _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
     gelu = x / (1.0 + tl.exp(-2.0 * u))
-    tl.store(OUT + row * dim + cols, tl.where(in_a, a.to(dtype), gelu.to(dtype)), mask=cols < dim)
+    tl.store(OUT + row * stride_out + cols, tl.where(in_a, a.to(dtype), gelu.to(dtype)), mask=cols < dim)
 
 
 @triton.jit
@@ -251,15 +251,21 @@ def _(x, gate, y):
 @torch.library.custom_op("omni_accel::concat_gelu", mutates_args=())
 def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Rows evenly spaced across samples (contiguous, or columns of a packed projection)."""
+    out = torch.empty((*b.shape[:2], a.shape[2] + b.shape[2]), dtype=b.dtype, device=b.device)
+    concat_gelu_into(a, b, out)
+    return out
+
+
+def concat_gelu_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``concat_gelu`` written into ``out`` (rows evenly spaced across samples, maybe columns of a wider
+    tensor: a projection's input whose other columns are written elsewhere)."""
     batch, seq, dim_a = a.shape
     dim_b = b.shape[2]
-    out = torch.empty((batch, seq, dim_a + dim_b), dtype=b.dtype, device=b.device)
     if out.numel():
         block = 1024
         _concat_gelu_kernel[(batch * seq, triton.cdiv(dim_a + dim_b, block))](
-            a, b, out, dim_a, dim_b, a.stride(1), b.stride(1), BLOCK=block
+            a, b, out, dim_a, dim_b, a.stride(1), b.stride(1), out.stride(1), BLOCK=block
         )
-    return out
 
 
 @concat_gelu.register_fake

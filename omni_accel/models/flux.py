@@ -20,7 +20,14 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from ..layers import concat_gelu, feed_forward, gated_residual, norm_modulate_gathered, qkv_norm_rope
+from ..layers import (
+    concat_gelu,
+    feed_forward,
+    gated_residual,
+    gelu_tanh,
+    norm_modulate_gathered,
+    qkv_norm_rope,
+)
 from ..layers.attention import (
     AttentionSite,
     attention,
@@ -145,14 +152,18 @@ def single_block(
     heads = q.shape[-1] // c.head_dim
     placement = input_placement(c.layout, x.shape[0], heads, c.head_dim, x.dtype, c.overlaps_work)
     q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, placement=placement)
-    if c.overlaps_work:
-        out, mlp = attention_beside(
-            q, k, v, c.site, c.selector, c.layout, lambda: apply_one(h, mlp_weights), placement
-        )
+    if c.overlaps_work:  # the MLP's GEMM beside the inputs' exchange, its GELU beside the outputs'
+        width = heads * c.head_dim
+        joined = h.new_empty(*h.shape[:2], width + sum(mlp_weights.sizes))  # [attention, GELU(mlp)]
+        attended, activated = joined.split([width, joined.shape[-1] - width], dim=-1)
+        attention_beside(
+            q, k, v, c.site, c.selector, c.layout, lambda: apply_one(h, mlp_weights), placement,
+            then=lambda mlp: gelu_tanh(mlp, out=activated), out=attended.unflatten(-1, (heads, c.head_dim)),
+        )  # fmt: skip
     else:
         out = attention(q, k, v, c.site, c.selector, c.layout, placement=placement)
-    out = out.flatten(2, 3).to(q.dtype)
-    x = gated_residual(x, gate, apply_one(concat_gelu(out, mlp), w["out"], rows))
+        joined = concat_gelu(out.flatten(2, 3).to(q.dtype), mlp)
+    x = gated_residual(x, gate, apply_one(joined, w["out"], rows))
     return _clip_fp16(x)
 
 

@@ -12,9 +12,10 @@ ways in:
 * packed (any other caller): the first head stage's pieces are written by the packing copy itself
   (``copy_rows_``), the later stages' by the copy engine beside the stage before's kernel.
 
-Outputs go back by the copy engine beside a later stage's kernel, the last stage's by the SM copy. No
-communication kernel runs beside compute: NCCL's all-to-alls, posted on a side stream to overlap the
-kernel, took SMs from it and held them waiting for the slower peer (docs/PARALLELISM.md).
+Outputs go back by the copy engine beside a later stage's kernel or beside work the caller has for that
+time (a single-stream block's GELU), else by the SM copy. No communication kernel runs beside compute:
+NCCL's all-to-alls, posted on a side stream to overlap the kernel, took SMs from it and held them waiting
+for the slower peer (docs/PARALLELISM.md).
 
 One buffer per slot serves every attention call of a group without a handshake of its own (see
 ``ulysses_by_peer_writes`` for the order that makes it safe; a placed call's writes come after the same
@@ -224,7 +225,7 @@ def ulysses_by_peer_writes(
         gathered.append(stage)
         sends.append(peers.copy_beside(copies) if copies else None)
     out = q.new_empty(*q.shape[:3], v.shape[-1])
-    return _attend_and_return(peers, stages, gathered, sends, attend, out, sizes)
+    return _attend_and_return(peers, stages, gathered, sends, attend, out, sizes)[0]
 
 
 def ulysses_placement(
@@ -273,30 +274,38 @@ def ulysses_in_place(
     heads: Sequence[int],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     beside: Callable[[], object] | None,
+    then: Callable[[object], object] | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, object]:
     """Ulysses attention over this rank's heads of the whole sequence, written by every rank where
-    ``ulysses_placement`` said, and ``beside()``'s result: the staged pieces travel by the copy engine
-    while it runs, and once a barrier passes every rank's are here; one kernel over them, and each rank's
-    tokens of its output sent back as ``ulysses_by_peer_writes`` sends a stage's."""
+    ``ulysses_placement`` said, and ``beside()``'s result (or ``then``'s of it): the staged pieces travel by
+    the copy engine while ``beside`` runs, and once a barrier passes every rank's are here; one kernel over
+    them, then each rank's tokens of its output sent back as ``ulysses_by_peer_writes`` sends a stage's,
+    by the copy engine while ``then`` runs. ``out``: where this rank's output goes."""
     sent = peers.copy_beside(placement.sends) if placement.sends else None
     done = None if beside is None else beside()
     q, k, v = placement.attend_on
-    out = q.new_empty(q.shape[0], sizes[peers.rank], sum(heads), v.shape[-1])
-    return _attend_and_return(peers, [(0, heads)], [(q, k, v)], [sent], attend, out, sizes), done
+    if out is None:
+        out = q.new_empty(q.shape[0], sizes[peers.rank], sum(heads), v.shape[-1])
+    after = None if then is None else lambda: then(done)
+    out, later = _attend_and_return(peers, [(0, heads)], [(q, k, v)], [sent], attend, out, sizes, after)
+    return out, (done if then is None else later)
 
 
-def _attend_and_return(peers, stages, gathered, sends, attend, out, sizes) -> torch.Tensor:
+def _attend_and_return(peers, stages, gathered, sends, attend, out, sizes, after=None):
     """Each stage's kernel once its inputs have landed (``sends`` joined, a barrier), its outputs sent to
-    the ranks whose tokens they are (the copy engine beside the next stage's kernel, the last by the SM
-    copy), and after a last barrier the peers' outputs unpacked into ``out``."""
+    the ranks whose tokens they are (the copy engine beside the next stage's kernel, or beside ``after()``
+    for the last; else the SM copy), and after a last barrier the peers' outputs unpacked into ``out``.
+    Returns ``out`` and ``after()``'s result."""
     me, world = peers.rank, peers.world
     returns = []
     for index, (first, heads) in enumerate(stages):
         peers.wait(sends[index])
         peers.barrier()
         o = attend(*gathered[index])
-        later = index < len(stages) - 1
+        later = index < len(stages) - 1 or after is not None
         returns.append(_scatter_tokens(peers, f"out{index}", o, out, first, heads, sizes, later))
+    done = None if after is None else after()
     for sent in returns:
         peers.wait(sent)
     peers.barrier()
@@ -305,7 +314,7 @@ def _attend_and_return(peers, stages, gathered, sends, attend, out, sizes) -> to
         for i in range(world):
             if i != me:
                 _write(out.narrow(_HEADS, first + sum(heads[:i]), heads[i]), received[i])
-    return out
+    return out, done
 
 
 def _gather_heads(

@@ -54,6 +54,9 @@ Attend = Callable[
 """``attend(q, k, v, need_lse)`` on BSHD tensors: the output, or ``(output, lse)`` when ``need_lse``."""
 Beside = Callable[[], object] | None
 """Work that does not depend on the attention, run while its exchanges travel (None: no such work)."""
+Then = Callable[[object], object] | None
+"""Work on ``beside``'s result that does not depend on the attention either, run once the kernel has run,
+while the outputs travel back (None: no such work)."""
 
 _SEQ, _HEADS = 1, 2
 
@@ -278,6 +281,16 @@ def _run(beside: Beside) -> object:
     return None if beside is None else beside()
 
 
+def finish(
+    o: torch.Tensor, done: object, then: Then, out: torch.Tensor | None
+) -> tuple[torch.Tensor, object]:
+    """Attention's output ``o`` written into ``out`` (if given), and ``then``'s result on ``done`` (``beside``'s),
+    where nothing travels back beside ``then``."""
+    if out is not None:
+        copy_rows_(out, o)
+    return (o if out is None else out), (done if then is None else then(done))
+
+
 @dataclass(frozen=True)
 class SequenceParallel:
     """How one sequence is spread over a Ulysses x ring grid of ranks, and attention over it.
@@ -392,21 +405,31 @@ class SequenceParallel:
         attend: Attend,
         beside: Beside,
         placement: Placement | None = None,
+        then: Then = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, object]:
-        """``attention``, and ``beside()``'s result: under a ring the work runs once the K/V blocks are
-        posted, while they travel; under Ulysses with its inputs placed while the staged heads travel,
-        otherwise first (beside the packed stages it measured no gain). ``placement``: q, k and v are what
-        ``input_placement`` gave, written there."""
-        group, ring = self.ulysses_group, self.ring_group
+        """``attention``, and ``beside()``'s result (or ``then``'s of it): under a ring the work runs once
+        the K/V blocks are posted, while they travel; under Ulysses with its inputs placed while the staged
+        heads travel, and ``then`` while the outputs travel back; otherwise first (beside the packed stages
+        it measured no gain). ``placement``: q, k and v are what ``input_placement`` gave, written there.
+        ``out``: where the output goes (``[B, tokens, heads, Dv]``, maybe columns of a wider tensor),
+        written there by the exchange itself where the outputs travel back by peer writes."""
         if placement is not None:
             if any(a is not b for a, b in zip(placement.written(q), (q, k, v), strict=True)):
                 raise ValueError("attention got q, k and v other than those its placement holds")
-            if _size(group) > 1:
-                heads = split_sizes(sum(dst.shape[_HEADS] for _, dst in placement.k), _size(group))
-                attend_here = partial(_attend_out, attend)
-                return ulysses_in_place(
-                    peer_buffers(group), placement, self.sizes, heads, attend_here, beside
+            if _size(self.ulysses_group) > 1:
+                heads = split_sizes(
+                    sum(dst.shape[_HEADS] for _, dst in placement.k), _size(self.ulysses_group)
                 )
+                attend_here = partial(_attend_out, attend)
+                args = (self.sizes, heads, attend_here, beside, then, out)
+                return ulysses_in_place(peer_buffers(self.ulysses_group), placement, *args)
+        return finish(*self._attention_beside(q, k, v, attend, beside, placement is not None), then, out)
+
+    def _attention_beside(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, beside: Beside, placed: bool
+    ) -> tuple[torch.Tensor, object]:
+        group, ring = self.ulysses_group, self.ring_group
         self._check(q, self.sizes, "query")
         self._check(k, self._sizes(kv=True), "key")
         if k.shape[_HEADS] != q.shape[_HEADS]:
@@ -417,7 +440,7 @@ class SequenceParallel:
         kv_sizes = self._sizes(kv=True)
         kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
         if _size(group) == 1:
-            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placement is not None)
+            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placed)
         done = _run(beside)
 
         def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
