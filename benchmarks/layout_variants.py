@@ -19,6 +19,9 @@ the library's choices changed while that layout is built and timed (suffixes com
     packed_inputs     Ulysses by peer writes packs and sends q, k and v in two head stages and FLUX's
                       single blocks keep one GEMM, as before the q/k kernel wrote each head group into
                       its rank's buffer itself (for a Ulysses layout only: it changes the ring's blocks too)
+    streams_apart     tensor parallelism's exchanges in FLUX's double blocks one stream at a time (a barrier
+                      each, no transfer beside the other stream's GEMMs), as before image and text ended
+                      theirs together
     returned_apart    Ulysses by peer writes returns the outputs by the SM copy into a tensor of their own,
                       copied into the output projection's input after, and FLUX's single blocks run their
                       GELU after that, as before the GELU ran beside the outputs' copy-engine return
@@ -89,6 +92,18 @@ def _one_kernel(original):
     return ring
 
 
+def _one_at_a_time(together):
+    def apart(items, *args):
+        return [out for item in items for out in together([item], *args)]
+
+    return apart
+
+
+def _streams_apart() -> contextlib.AbstractContextManager:
+    names = ("norm_modulate_gathered_together", "apply_together", "feed_forwards_together")
+    return _both(*(_patched(flux, name, _one_at_a_time(getattr(flux, name))) for name in names))
+
+
 def _returned_apart(original):
     def placed(peers, placement, sizes, heads, attend, beside, then=None, out=None):
         return sequence.finish(*original(peers, placement, sizes, heads, attend, beside), then, out)
@@ -111,6 +126,7 @@ VARIANTS = {
         _patched(sequence, "ulysses_placement", lambda *args: None),
         _patched(flux, "overlaps_work", lambda layout: False),
     ),
+    "streams_apart": _streams_apart,
     "returned_apart": lambda: _patched(
         sequence, "ulysses_in_place", _returned_apart(sequence.ulysses_in_place)
     ),

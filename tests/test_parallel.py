@@ -441,21 +441,24 @@ def _layouts_by_peer_writes() -> None:
     where the exchanges want: q/k/v of the ring's K/V into its buffers (FLUX's single blocks then attend in
     one kernel beside the MLP's GEMM, its double blocks and Wan's attend the local block first), each head
     group into the buffer of the Ulysses rank that attends over it, and under tp the norm-modulate's rows
-    into every rank's buffer of the gather before the column-split projections."""
+    into every rank's buffer of the gather before the column-split projections (the double blocks' image
+    and text exchanges ending together)."""
     from test_sequence_parallel import peer_writes_over_files
 
-    from omni_accel.layers import fused
+    from omni_accel.layers import fused, projection
 
     directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(directory)
     one = _wan_forward(torch.float32, None)
     lora_one = {heads: _flux_with_lora(None, heads) for heads in (3, 4)}
-    ring_calls, ulysses_calls, gathers = [], [], []
+    ring_calls, ulysses_calls, gathers, gathers_ended, sums_ended = [], [], [], [], []
     with (
         peer_writes_over_files(directory[0]) as made,
         _counted(sequence, "ring_by_peer_writes", ring_calls),
         _counted(sequence, "ulysses_in_place", ulysses_calls),
         _counted(fused, "gather_targets", gathers),
+        _counted(fused, "gathered_together", gathers_ended),
+        _counted(projection, "sum_together", sums_ended),
     ):
         for layout in (ParallelConfig(ring=2), ParallelConfig(ulysses=2), ParallelConfig(tp=2)):
             heads = 4 if layout.tp > 1 else 3  # Ulysses splits 3 heads unevenly
@@ -469,6 +472,8 @@ def _layouts_by_peer_writes() -> None:
     assert all(args[7] for args in ring_calls), "the ring took K/V not written in place"  # placed
     # FLUX's single blocks: the GELU beside the outputs' return, which lands in the projection's input
     assert any(args[6] is not None and args[7] is not None for args in ulysses_calls)
+    # FLUX's double blocks under tp: the image and text streams' exchanges end behind one barrier
+    assert any(len(args[0]) == 2 for args in gathers_ended) and any(len(args[0]) == 2 for args in sums_ended)
 
 
 def _two_ranks(rank: int, world: int) -> None:

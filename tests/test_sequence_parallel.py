@@ -32,7 +32,15 @@ from omni_accel.parallel.sequence import (
     shard,
     split_sizes,
 )
-from omni_accel.parallel.token_rows import Rows, gather_rows, sum_rows
+from omni_accel.parallel.token_rows import (
+    Rows,
+    gather_rows,
+    gather_targets,
+    gathered_together,
+    start_sum,
+    sum_rows,
+    sum_together,
+)
 
 PROVIDER = SdpaMathProvider()
 TOLERANCE = 1e-5
@@ -176,10 +184,23 @@ def check_token_rows(group, lengths: tuple[int, ...], batch: int, directory: str
     expected = partials[0] + partials[1]
     for partial_sum in partials[2:]:
         expected += partial_sum
+    other = Rows("other", rows.group, rows.sizes)  # a second stream's exchanges, ended with the first's
     with peer_writes_over_files(directory) if directory else contextlib.nullcontext() as made:
         for _ in range(2):  # a second round reuses the buffers
             assert torch.equal(gather_rows(local(full), rows), torch.cat(segments, dim=1))
             assert torch.equal(sum_rows(partials[me], rows), local(expected))
+            # the first stream's sends by the copy engine, one barrier for both (by peer writes)
+            started = [start_sum(partials[me], rows, beside=True), start_sum(2 * partials[me], other)]
+            first, second = sum_together(started)
+            assert torch.equal(first, local(expected)) and torch.equal(second, local(2 * expected))
+            targets = [gather_targets(local(t), r) for t, r in ((full, rows), (2 * full, other))]
+            if directory:
+                for target, t in zip(targets, (full, 2 * full), strict=True):
+                    target.write(local(t))
+                first, second = gathered_together(targets)
+                assert torch.equal(first, torch.cat(segments, dim=1)) and torch.equal(second, 2 * first)
+            else:
+                assert targets == [None, None]
     assert directory is None or made, "the peer-write path was not taken"
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.placement import Placement
-from ..parallel.token_rows import Rows, gather_targets
+from ..parallel.token_rows import Rows, gather_targets, gathered_together
 from ..utils.kernels import HAS_TRITON, kernels_can_run
 from .modulation import modulate
 from .norms import layer_norm
@@ -49,15 +49,29 @@ def norm_modulate_gathered(
     tokens split (``rows``): where the gather is by peer writes, every rank's tokens joined, written into
     the gather's buffers by the kernel itself (no copy), and None; else this rank's tokens and ``rows``,
     which the projection then gathers (``apply_linear(h, weights, rows)`` either way)."""
-    targets = None if rows is None else gather_targets(x, rows)
-    if targets is None:
-        return norm_modulate(x, shift, scale, eps), rows
-    if _norm_modulate_kernel_serves(x, shift, scale):
-        for start, length, places in targets.segments:
-            fused_kernels.norm_modulate_into(x.narrow(1, start, length), shift, scale, eps, list(places))
-    else:
-        targets.write(norm_modulate(x, shift, scale, eps))
-    return targets.done(), None
+    return norm_modulate_gathered_together([(x, shift, scale, rows)], eps)[0]
+
+
+def norm_modulate_gathered_together(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rows | None]], eps: float
+) -> list[tuple[torch.Tensor, Rows | None]]:
+    """``norm_modulate_gathered`` of each ``(x, shift, scale, rows)`` (independent streams of a block, of
+    one TP group): their gathers by peer writes end behind one barrier."""
+    results, targets = [], []
+    for x, shift, scale, rows in items:
+        target = None if rows is None else gather_targets(x, rows)
+        if target is None:
+            results.append((norm_modulate(x, shift, scale, eps), rows))
+            continue
+        if _norm_modulate_kernel_serves(x, shift, scale):
+            for start, length, places in target.segments:
+                fused_kernels.norm_modulate_into(x.narrow(1, start, length), shift, scale, eps, list(places))
+        else:
+            target.write(norm_modulate(x, shift, scale, eps))
+        targets.append(target)
+        results.append(None)
+    joined = iter(gathered_together(targets))
+    return [(next(joined), None) if result is None else result for result in results]
 
 
 def _norm_modulate_kernel_serves(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> bool:

@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.comm import all_gather_dim, all_reduce_sum
-from ..parallel.token_rows import Rows, gather_rows, linear_of_gathered, sum_rows
+from ..parallel.token_rows import (
+    Rows,
+    SumInFlight,
+    gather_rows,
+    linear_of_gathered,
+    start_sum,
+    sum_together,
+)
 
 _PACK_LOCK = threading.Lock()
 
@@ -273,15 +280,58 @@ def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights, rows: Rows | Non
     """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
     summed over the ranks by one all-reduce, or for this rank's ``rows`` only. (Summing row chunks, each
     chunk's all-reduce beside the next chunk's GEMM, was slower on two H200s: 84.3-85.6 against 80.4-80.9 ms
-    per FLUX step for two chunks.) Only the first rank holds the bias (``read_linear``): its GEMM adds it in
-    the epilogue, so the sum has it once without a broadcast add over the whole output after the collective."""
+    per FLUX step for two chunks.)"""
+    if rows is not None:
+        return finish_projections([start_projection(x, weights, rows)])[0]
+    return _with_adapter_biases(all_reduce_sum(_partial_products(x, weights), weights.reduce), weights)
+
+
+def _partial_products(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
+    """This rank's share of an input-split projection. Only the first rank holds the bias (``read_linear``):
+    its GEMM adds it in the epilogue, so the sum has it once without a broadcast add over the whole output
+    after the collective."""
     (terms,) = weights.adapters
-    partial = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
-    y = all_reduce_sum(partial, weights.reduce) if rows is None else sum_rows(partial, rows)
-    for term in terms:
+    return _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
+
+
+def _with_adapter_biases(y: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
+    for term in weights.adapters[0]:
         if term.up_bias is not None:
             y = y + term.up_bias * term.scale
     return y
+
+
+@dataclass(frozen=True)
+class ProjectionInFlight:
+    """``apply_one`` started (``start_projection``): its output, or its partial sums on their way."""
+
+    weights: LinearWeights
+    out: torch.Tensor | None
+    sums: SumInFlight | None
+
+
+def start_projection(
+    x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None, beside: bool = False
+) -> ProjectionInFlight:
+    """``apply_one(x, weights, rows)`` up to its exchange: an input-split projection with the tokens split
+    runs its GEMM and sends its partial sums (by the copy engine when ``beside``: work enqueued next runs
+    while they travel); ``finish_projections`` ends several such behind one barrier. Any other is done."""
+    if weights.reduce is None or rows is None:
+        return ProjectionInFlight(weights, apply_one(x, weights, rows), None)
+    return ProjectionInFlight(weights, None, start_sum(_partial_products(x, weights), rows, beside))
+
+
+def finish_projections(started: Sequence[ProjectionInFlight]) -> list[torch.Tensor]:
+    """The outputs of projections ``start_projection`` began (of independent streams, one TP group)."""
+    sums = iter(sum_together([p.sums for p in started if p.sums is not None]))
+    return [p.out if p.sums is None else _with_adapter_biases(next(sums), p.weights) for p in started]
+
+
+def apply_together(items: Sequence[tuple[torch.Tensor, LinearWeights, Rows | None]]) -> list[torch.Tensor]:
+    """``apply_one`` of each ``(x, weights, rows)`` (independent streams' projections): the partial sums of
+    each but the last travel while the next GEMM runs, and one barrier ends them all."""
+    last = len(items) - 1
+    return finish_projections([start_projection(*item, beside=i < last) for i, item in enumerate(items)])
 
 
 def _add_adapters(

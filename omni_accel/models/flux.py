@@ -21,11 +21,13 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from ..layers import (
+    apply_together,
     concat_gelu,
-    feed_forward,
+    feed_forwards_together,
     gated_residual,
     gelu_tanh,
     norm_modulate_gathered,
+    norm_modulate_gathered_together,
     qkv_norm_rope,
 )
 from ..layers.attention import (
@@ -102,10 +104,12 @@ def double_block(
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=1)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=1)
     eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
-    h, gather = norm_modulate_gathered(img, i_shift, i_scale, eps, i_rows)
-    iq, ik, iv = apply_linear(h, w["img_qkv"], gather)
-    h, gather = norm_modulate_gathered(txt, t_shift, t_scale, eps, t_rows)
-    tq, tk, tv = apply_linear(h, w["txt_qkv"], gather)
+    # The two streams in step: under tensor parallelism each pair of exchanges ends behind one barrier.
+    (hi, i_gather), (ht, t_gather) = norm_modulate_gathered_together(
+        [(img, i_shift, i_scale, i_rows), (txt, t_shift, t_scale, t_rows)], eps
+    )
+    iq, ik, iv = apply_linear(hi, w["img_qkv"], i_gather)
+    tq, tk, tv = apply_linear(ht, w["txt_qkv"], t_gather)
     placement = input_placement(c.layout, img.shape[0], iq.shape[-1] // head_dim, head_dim, img.dtype)
     q, k, v = qkv_norm_rope(
         [(tq, tk, tv), (iq, ik, iv)],
@@ -118,14 +122,20 @@ def double_block(
     out = attention(q, k, v, c.site, c.selector, c.layout, placement=placement).flatten(2, 3).to(q.dtype)
     txt_attn, img_attn = out.split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
 
-    img = gated_residual(img, i_gate, apply_one(img_attn.contiguous(), w["img_out"], i_rows))
-    h, gather = norm_modulate_gathered(img, i_shift2, i_scale2, eps, i_rows)
-    ff = feed_forward(h, w["img_up"], w["img_down"], rows=i_rows, gathered=gather is None)
-    img = gated_residual(img, i_gate2, ff)
-    txt = gated_residual(txt, t_gate, apply_one(txt_attn.contiguous(), w["txt_out"], t_rows))
-    h, gather = norm_modulate_gathered(txt, t_shift2, t_scale2, eps, t_rows)
-    ff = feed_forward(h, w["txt_up"], w["txt_down"], rows=t_rows, gathered=gather is None)
-    txt = gated_residual(txt, t_gate2, ff)
+    img_out, txt_out = apply_together(
+        [(img_attn.contiguous(), w["img_out"], i_rows), (txt_attn.contiguous(), w["txt_out"], t_rows)]
+    )
+    img, txt = gated_residual(img, i_gate, img_out), gated_residual(txt, t_gate, txt_out)
+    (hi, i_gather), (ht, t_gather) = norm_modulate_gathered_together(
+        [(img, i_shift2, i_scale2, i_rows), (txt, t_shift2, t_scale2, t_rows)], eps
+    )
+    img_ff, txt_ff = feed_forwards_together(
+        [
+            (hi, w["img_up"], w["img_down"], i_rows, i_gather is None),
+            (ht, w["txt_up"], w["txt_down"], t_rows, t_gather is None),
+        ]
+    )
+    img, txt = gated_residual(img, i_gate2, img_ff), gated_residual(txt, t_gate2, txt_ff)
     return _clip_fp16(txt), img
 
 

@@ -12,10 +12,13 @@ holds its slice of each, in the same order, and the full tensor holds each strea
 
 Between the GPUs of one machine both are peer writes into symmetric memory (``peer_exchange.PeerBuffers``):
 each rank writes its rows into its peers' buffers and a barrier says they landed, with no NCCL kernel.
-Elsewhere (gloo, CPU, several hosts) they are an all-to-all. The buffers need no handshake of their own: a
-rank uses what its buffer of an exchange received (the GEMM reads the gathered tokens, the sum the partial
-sums) before the barrier of the next exchange, and a block never repeats an exchange of the same name
-(``Rows.name``) without another exchange in between, so a peer writes again only after this rank is done.
+Elsewhere (gloo, CPU, several hosts) they are an all-to-all. Exchanges of independent streams (FLUX's
+double blocks: image and text) may end together, behind one barrier (``gathered_together``,
+``sum_together``), the first stream's partial sums travelling by the copy engine while the next stream's
+GEMMs run. The buffers need no handshake of their own: a rank uses what its buffer of an exchange received
+(the GEMM reads the gathered tokens, the sum the partial sums) before the barrier of the next exchange, and
+a block never repeats an exchange of the same name (``Rows.name``) without another barrier in between, so
+a peer writes again only after this rank is done.
 """
 
 from __future__ import annotations
@@ -78,8 +81,15 @@ class GatherTargets:
     def done(self) -> torch.Tensor:
         """Every rank's tokens, once every rank has written its own (a barrier): valid until the next
         exchange of the same ``Rows.name``, so feed it to the GEMM at once."""
-        self.peers.barrier()
-        return self.joined
+        return gathered_together([self])[0]
+
+
+def gathered_together(targets: Sequence[GatherTargets]) -> list[torch.Tensor]:
+    """``done`` of several gathers (of one TP group, written by every rank in the same order): one barrier
+    for them all."""
+    if targets:
+        targets[0].peers.barrier()
+    return [target.joined for target in targets]
 
 
 def gather_targets(x: torch.Tensor, rows: Rows) -> GatherTargets | None:
@@ -114,9 +124,65 @@ def linear_of_gathered(
 def sum_rows(partial: torch.Tensor, rows: Rows) -> torch.Tensor:
     """This rank's tokens of ``partial`` (``[B, all tokens, ...]``, a row-split GEMM's partial sums) summed
     over the ranks, in rank order (every rank rounds the same way)."""
+    return sum_together([start_sum(partial, rows)])[0]
+
+
+@dataclass(frozen=True)
+class SumInFlight:
+    """A ``sum_rows`` started: by peer writes, this rank's partial sums of each peer's tokens on their way
+    into that peer's buffer (``sent``: copy-engine transfers still travelling) and this rank's buffer, where
+    the peers' land (``inbox[r]``: rank ``r``'s); ``sum_together`` ends it."""
+
+    partial: torch.Tensor
+    rows: Rows
+    peers: PeerBuffers | None = None
+    inbox: torch.Tensor | None = None
+    sent: object = None
+
+
+def start_sum(partial: torch.Tensor, rows: Rows, beside: bool = False) -> SumInFlight:
+    """Starts ``sum_rows(partial, rows)``: between the GPUs of one machine its sends to the peers go out
+    now, by the copy engine when ``beside`` (work enqueued next runs while they travel), else by the SM copy;
+    elsewhere the whole exchange waits for ``sum_together``."""
+    peers = None if torch.compiler.is_compiling() else peer_buffers(_resolve_process_group(rows.group))
+    if peers is None:
+        return SumInFlight(partial, rows)
+    me, world = peers.rank, peers.world
+    shapes = [(world, *_shape(partial, _local(rows.sizes, r))) for r in range(world)]
+    inbox = peers.views(f"sum:{rows.name}", shapes, partial.dtype)
+    copies = []
+    for rank in range(world):
+        if rank == me:
+            continue
+        if not beside:
+            _take(inbox[rank][me], partial, rows.sizes, rank)
+            continue
+        for at, start, length in _pieces(rows.sizes, rank):
+            if length:  # the copy engine moves contiguous pairs: a sample's rows
+                dst, src = inbox[rank][me].narrow(_SEQ, start, length), partial.narrow(_SEQ, at, length)
+                copies += zip(dst.unbind(0), src.unbind(0), strict=True)
+    sent = peers.copy_beside(copies) if copies else None
+    return SumInFlight(partial, rows, peers, inbox[me], sent)
+
+
+def sum_together(sums: Sequence[SumInFlight]) -> list[torch.Tensor]:
+    """Ends the ``sums`` (started in order by every rank, on the same TP group): by peer writes one barrier
+    says every rank's sends of all of them have landed; each result is this rank's tokens summed in rank
+    order."""
+    if not sums:
+        return []
     if torch.compiler.is_compiling():
-        return _sum_op(partial, rows.name, rows.group, _flat(rows.sizes), len(rows.sizes))
-    return _sum(partial, rows.name, rows.group, rows.sizes)
+        return [
+            _sum_op(s.partial, s.rows.name, s.rows.group, _flat(s.rows.sizes), len(s.rows.sizes))
+            for s in sums
+        ]
+    peers = sums[0].peers
+    if peers is None:
+        return [_sum(s.partial, s.rows.group, s.rows.sizes) for s in sums]
+    for s in sums:
+        peers.wait(s.sent)
+    peers.barrier()
+    return [_add_in_rank_order(s.partial, list(s.inbox), s.rows.sizes, peers.rank) for s in sums]
 
 
 def split_pays(group: dist.ProcessGroup) -> bool:
@@ -201,27 +267,26 @@ def _gather(x: torch.Tensor, name: str, group_name: str, sizes) -> torch.Tensor:
     return full
 
 
-def _sum(partial: torch.Tensor, name: str, group_name: str, sizes) -> torch.Tensor:
+def _sum(partial: torch.Tensor, group_name: str, sizes) -> torch.Tensor:
+    """``sum_rows`` by the group's all-to-all (no peer writes)."""
     group = _resolve_process_group(group_name)
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = _shape(partial, _local(sizes, me))
-    peers = peer_buffers(group)
-    if peers is not None:
-        shapes = [(world, *_shape(partial, _local(sizes, r))) for r in range(world)]
-        inbox = peers.views(f"sum:{name}", shapes, partial.dtype)
-        for rank in range(world):
-            if rank != me:
-                _take(inbox[rank][me], partial, sizes, rank)
-        peers.barrier()
-        received = list(inbox[me])
-    else:
-        sends = []
-        for rank in range(world):
-            piece = partial.new_empty(_shape(partial, _local(sizes, rank)))
-            _take(piece, partial, sizes, rank)
-            sends.append(piece)
-        received = _all_to_all(sends, [mine] * world, group)
-    out = partial.new_empty(mine)
+    sends = []
+    for rank in range(world):
+        piece = partial.new_empty(_shape(partial, _local(sizes, rank)))
+        _take(piece, partial, sizes, rank)
+        sends.append(piece)
+    received = _all_to_all(sends, [_shape(partial, _local(sizes, me))] * world, group)
+    return _add_in_rank_order(partial, received, sizes, me)
+
+
+def _add_in_rank_order(
+    partial: torch.Tensor, received: Sequence[torch.Tensor], sizes, me: int
+) -> torch.Tensor:
+    """This rank's tokens of ``partial`` plus what every other rank sent of them (``received[r]``, this
+    rank's tokens of rank ``r``'s partial sums), added in rank order."""
+    world = len(received)
+    out = partial.new_empty(_shape(partial, _local(sizes, me)))
     for at, start, length in _pieces(sizes, me):
         if not length:
             continue
@@ -284,7 +349,7 @@ def _(x, weight, bias, name, group, sizes, segments):
 
 @torch.library.custom_op("omni_accel::sum_rows", mutates_args=())
 def _sum_op(partial: torch.Tensor, name: str, group: str, sizes: list[int], segments: int) -> torch.Tensor:
-    return _sum(partial, name, group, _table(sizes, segments))
+    return sum_rows(partial, Rows(name, group, _table(sizes, segments)))
 
 
 @_sum_op.register_fake
