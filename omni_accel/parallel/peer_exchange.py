@@ -288,8 +288,8 @@ def ulysses_in_place(
     if out is None:
         out = q.new_empty(q.shape[0], sizes[peers.rank], sum(heads), v.shape[-1])
     after = None if then is None else lambda: then(done)
-    out, later = _attend_and_return(peers, [(0, heads)], [(q, k, v)], [sent], attend, out, sizes, after)
-    return out, (done if then is None else later)
+    out, then_done = _attend_and_return(peers, [(0, heads)], [(q, k, v)], [sent], attend, out, sizes, after)
+    return out, (done if then is None else then_done)
 
 
 def _attend_and_return(peers, stages, gathered, sends, attend, out, sizes, after=None):
