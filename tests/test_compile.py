@@ -52,6 +52,21 @@ def test_routed_attention_op_passes_opcheck():
     torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, args)
 
 
+def test_placed_attention_op_passes_opcheck():
+    """The op compiled blocks call where a layout places q, k and v (here one rank: nothing placed)."""
+    import importlib
+
+    from omni_accel.attention.selection import default_selector
+
+    importlib.import_module("omni_accel.layers.attention")  # registers the op
+    g = torch.Generator().manual_seed(0)
+    qs, ks, vs = ([torch.randn(1, n, 3 * 8, generator=g) for n in (2, 5)] for _ in range(3))
+    weights = [torch.rand(8, generator=g) + 0.5 for _ in range(2)], [None, torch.rand(8, generator=g)]
+    cos, sin = torch.rand(7, 8, generator=g), torch.rand(7, 8, generator=g)
+    args = (qs, ks, vs, *weights, 8, 1e-6, cos, sin, False, default_selector().index, -1, "test", "self", 0.3)
+    torch.library.opcheck(torch.ops.omni_accel.placed_attention.default, args)
+
+
 def test_blocks_of_one_class_share_one_compiled_graph():
     """Per-layer constants in the traced code would recompile every block (torch's limit is 8)."""
     torch._dynamo.reset()

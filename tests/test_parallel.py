@@ -474,6 +474,40 @@ def _layouts_by_peer_writes() -> None:
     assert any(args[6] is not None and args[7] is not None for args in ulysses_calls)
     # FLUX's double blocks under tp: the image and text streams' exchanges end behind one barrier
     assert any(len(args[0]) == 2 for args in gathers_ended) and any(len(args[0]) == 2 for args in sums_ended)
+    # compiled (no spy in the traced code: a list growing there recompiles), new buffers
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    with (
+        peer_writes_over_files(directory[0]),
+        _counted(sequence, "ring_by_peer_writes", ring_calls),
+        _counted(sequence, "ulysses_in_place", ulysses_calls),
+    ):
+        placed = _compiled_by_peer_writes(ulysses_calls, ring_calls)
+    assert placed == [True, True], "compiled blocks did not place q, k and v"
+
+
+def _compiled_by_peer_writes(ulysses_calls: list, ring_calls: list) -> list[bool]:
+    """ulysses=2 and ring=2 by peer writes, compiled: the q/k kernel and attention as one op that places
+    q, k and v, still one graph per block class, no graph break, within 1e-5 of one rank. Returns, per
+    layout, whether the placed exchange ran (``ulysses_calls``/``ring_calls``: the spies' records)."""
+    oracle, placed = _oracle(heads=3), []
+    for layout in (ParallelConfig(ulysses=2), ParallelConfig(ring=2)):
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        ulysses_calls.clear()
+        ring_calls.clear()
+        pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=3, attention_head_dim=16)
+        omni_accel.accelerate(
+            pipe, parallel=layout, compile={"backend": "aot_eager"}, compile_in_background=False
+        )
+        got = _latents(pipe)
+        assert ((got - oracle).abs().max() / oracle.abs().max()).item() <= 1e-5, f"{layout} compiled"
+        graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+        assert graphs == 2 and not breaks, f"{layout}: {graphs} graphs, {breaks}"
+        calls = ulysses_calls if layout.ulysses > 1 else [args for args in ring_calls if args[7]]
+        placed.append(bool(calls))
+    return placed
 
 
 def _two_ranks(rank: int, world: int) -> None:

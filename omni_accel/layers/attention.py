@@ -8,7 +8,7 @@ provider with the needed capability (the log-sum-exp, for ring attention) works 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,6 +19,7 @@ from ..attention.selection import AttentionSelector, selector_by_index
 from ..parallel.parallelize import current_sequence
 from ..parallel.placement import Placement
 from ..parallel.sequence import finish
+from .fused import Segment, qkv_norm_rope
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -129,12 +130,19 @@ def attention(
     return _attend_in_layout(*args, placement=placement)[0]
 
 
+def places_inputs(layout: int) -> bool:
+    """Whether attention under ``layout`` takes q, k and v written where its exchange wants them
+    (``input_placement`` gives a placement: between the GPUs of one machine, a ring or Ulysses alone).
+    Decided eagerly (it may map the peer buffers), so compiled code gets it as a constant."""
+    sp = current_sequence(layout)
+    return sp is not None and sp.places_inputs()
+
+
 def overlaps_work(layout: int) -> bool:
     """Whether attention under ``layout`` hides work run beside it (``attention_beside``) behind its
-    exchanges: a ring by peer writes (whose K/V then meet one kernel) or Ulysses by peer writes (whose
-    peers' heads then travel by the copy engine); docs/PERFORMANCE.md."""
-    sp = current_sequence(layout)
-    return sp is not None and sp.overlaps_work()
+    exchanges: where its inputs are placed, a ring's K/V then meet one kernel, Ulysses' peers' heads travel
+    by the copy engine (docs/PERFORMANCE.md)."""
+    return places_inputs(layout)
 
 
 def input_placement(
@@ -173,3 +181,84 @@ def attention_beside(
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
     args = (selector, layout, site.role, site.category, scale, query, key, value)
     return _attend_in_layout(*args, beside=work, placement=placement, then=then, out=out)
+
+
+def qkv_attention(
+    segments: Sequence[Segment],
+    weights: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
+    head_dim: int,
+    eps: float | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    site: AttentionSite,
+    selector: int,
+    layout: int = -1,
+    across_heads: bool = False,
+    placed: bool = False,
+) -> torch.Tensor:
+    """``attention(*qkv_norm_rope(segments, weights, ...))``. ``placed`` (``places_inputs(layout)``): q, k
+    and v are written where the layout's exchange wants them; compiled, the two are then one opaque op,
+    since a compiled graph cannot hand the q/k kernel a peer's buffer."""
+    scale = site.scale if site.scale is not None else 1 / math.sqrt(head_dim)
+    if placed and rope is not None and torch.compiler.is_compiling():
+        qs, ks, vs = (list(t) for t in zip(*segments, strict=True))
+        q_weights, k_weights = (list(w) for w in zip(*weights, strict=True))
+        args = (qs, ks, vs, q_weights, k_weights, head_dim, eps, *rope, across_heads)
+        return _placed_attention(*args, selector, layout, site.role, site.category, scale)
+    placement = None
+    if placed:
+        first = segments[0][0]
+        heads = first.shape[-1] // head_dim
+        placement = input_placement(layout, first.shape[0], heads, head_dim, first.dtype)
+    q, k, v = qkv_norm_rope(segments, weights, head_dim, eps, rope, across_heads, placement)
+    return attention(q, k, v, site, selector, layout, placement=placement)
+
+
+@torch.library.custom_op("omni_accel::placed_attention", mutates_args=())
+def _placed_attention(
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    q_weights: list[torch.Tensor | None],
+    k_weights: list[torch.Tensor | None],
+    head_dim: int,
+    eps: float | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    across_heads: bool,
+    selector: int,
+    layout: int,
+    role: str,
+    category: str,
+    scale: float,
+) -> torch.Tensor:
+    """``qkv_attention`` with its inputs placed, as one op in compiled graphs."""
+    segments = list(zip(qs, ks, vs, strict=True))
+    weights = list(zip(q_weights, k_weights, strict=True))
+    site = AttentionSite(role, category, scale)
+    out = qkv_attention(
+        segments, weights, head_dim, eps, (cos, sin), site, selector, layout, across_heads, True
+    )
+    return out.contiguous()  # as the fake promises
+
+
+@_placed_attention.register_fake
+def _(
+    qs,
+    ks,
+    vs,
+    q_weights,
+    k_weights,
+    head_dim,
+    eps,
+    cos,
+    sin,
+    across_heads,
+    selector,
+    layout,
+    role,
+    category,
+    scale,
+):
+    first = qs[0]
+    heads = first.shape[-1] // head_dim
+    return first.new_empty(first.shape[0], sum(q.shape[1] for q in qs), heads, vs[0].shape[-1] // heads)

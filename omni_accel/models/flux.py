@@ -32,10 +32,11 @@ from ..layers import (
 )
 from ..layers.attention import (
     AttentionSite,
-    attention,
     attention_beside,
     input_placement,
     overlaps_work,
+    places_inputs,
+    qkv_attention,
 )
 from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -87,7 +88,8 @@ class BlockConstants:
     layout: int  # Parallelized.index, -1 on one rank
     image_rows: Rows | None  # the image and text tokens this rank holds in its TP group (None: all)
     text_rows: Rows | None
-    overlaps_work: bool  # attention hides work beside it behind its exchanges (peer writes)
+    placed: bool  # q, k and v are written where the layout's exchange wants them (peer writes)
+    overlaps_work: bool  # attention hides work beside it behind its exchanges (eager blocks, placed)
 
 
 def double_block(
@@ -110,17 +112,18 @@ def double_block(
     )
     iq, ik, iv = apply_linear(hi, w["img_qkv"], i_gather)
     tq, tk, tv = apply_linear(ht, w["txt_qkv"], t_gather)
-    placement = input_placement(c.layout, img.shape[0], iq.shape[-1] // head_dim, head_dim, img.dtype)
-    q, k, v = qkv_norm_rope(
+    out = qkv_attention(
         [(tq, tk, tv), (iq, ik, iv)],
         [(norms["added_q"], norms["added_k"]), (norms["q"], norms["k"])],
         head_dim,
         c.qk_eps,
         rope,
-        placement=placement,
+        c.site,
+        c.selector,
+        c.layout,
+        placed=c.placed,
     )
-    out = attention(q, k, v, c.site, c.selector, c.layout, placement=placement).flatten(2, 3).to(q.dtype)
-    txt_attn, img_attn = out.split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
+    txt_attn, img_attn = out.flatten(2, 3).to(iq.dtype).split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
 
     img_out, txt_out = apply_together(
         [(img_attn.contiguous(), w["img_out"], i_rows), (txt_attn.contiguous(), w["txt_out"], t_rows)]
@@ -154,15 +157,14 @@ def single_block(
     rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
     h, gather = norm_modulate_gathered(x, shift, scale, c.eps, rows)
     qk_norms = [(norms["q"], norms["k"])]
-    if c.overlaps_work:  # QKV's GEMM first, so the MLP input's runs while the exchanges travel
+    if (
+        c.overlaps_work
+    ):  # QKV's GEMM, the MLP input's beside the inputs' exchange, its GELU beside the outputs'
         qkv_weights, mlp_weights = split_packed(w["qkv_mlp"], 3)
         q, k, v = apply_linear(h, qkv_weights)
-    else:
-        q, k, v, mlp = apply_linear(h, w["qkv_mlp"], gather)
-    heads = q.shape[-1] // c.head_dim
-    placement = input_placement(c.layout, x.shape[0], heads, c.head_dim, x.dtype, c.overlaps_work)
-    q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, placement=placement)
-    if c.overlaps_work:  # the MLP's GEMM beside the inputs' exchange, its GELU beside the outputs'
+        heads = q.shape[-1] // c.head_dim
+        placement = input_placement(c.layout, x.shape[0], heads, c.head_dim, x.dtype, beside=True)
+        q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, placement=placement)
         width = heads * c.head_dim
         joined = h.new_empty(*h.shape[:2], width + sum(mlp_weights.sizes))  # [attention, GELU(mlp)]
         attended, activated = joined.split([width, joined.shape[-1] - width], dim=-1)
@@ -171,7 +173,9 @@ def single_block(
             then=lambda mlp: gelu_tanh(mlp, out=activated), out=attended.unflatten(-1, (heads, c.head_dim)),
         )  # fmt: skip
     else:
-        out = attention(q, k, v, c.site, c.selector, c.layout, placement=placement)
+        q, k, v, mlp = apply_linear(h, w["qkv_mlp"], gather)
+        args = (c.head_dim, c.qk_eps, rope, c.site, c.selector, c.layout)
+        out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
         joined = concat_gelu(out.flatten(2, 3).to(q.dtype), mlp)
     x = gated_residual(x, gate, apply_one(joined, w["out"], rows))
     return _clip_fp16(x)
@@ -250,17 +254,19 @@ class _FluxNative(NativeBlock):
             self.project_conditioning(name, temb, lambda name=name: apply_one(F.silu(temb), weights[name]))
             for name in self.modulations
         ]
+        layout = runtime.layout_index
         constants = BlockConstants(
             self.attn.head_dim,
             self._layer_norm_eps(),
             self.attn.norm_q.eps,
             type(self).site,
             runtime.selector.index,
-            runtime.layout_index,
+            layout,
             runtime.rows("image"),
             runtime.rows("text"),
+            places_inputs(layout),  # decided here, eagerly: it may map the peer buffers
             # compiled, attention_beside runs attention then the work: one GEMM serves better there
-            runtime.compiler is None and overlaps_work(runtime.layout_index) and runtime.rows("text") is None,
+            runtime.compiler is None and overlaps_work(layout) and runtime.rows("text") is None,
         )
         return modulation, weights, self._norms(), constants
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
-from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate_gathered, qkv_norm_rope
-from ..layers.attention import AttentionSite, attention, input_placement
+from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate_gathered
+from ..layers.attention import AttentionSite, attention, places_inputs, qkv_attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.comm import all_reduce_sum
@@ -43,6 +43,7 @@ class BlockConstants:
     tp_group: Any = None  # the heads are split over this group: the QK norms reduce across it
     inner_dim: int = 0  # all heads' width (the QK norms' size)
     rows: Rows | None = None  # the video tokens this rank holds in its TP group (None: all)
+    placed: bool = False  # q, k and v are written where the layout's exchange wants them (peer writes)
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -85,17 +86,15 @@ def wan_block(
     # Self-attention.
     h, gather = norm_modulate_gathered(x, shift, scale, c.eps, c.rows)
     q, k, v = apply_linear(h, w["qkv"], gather)
-    placement = None
     if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
-        placement = input_placement(c.layout, x.shape[0], q.shape[-1] // c.head_dim, c.head_dim, q.dtype)
-        q, k, v = qkv_norm_rope(
-            [(q, k, v)], [(norms["q"], norms["k"])], c.head_dim, c.qk_eps, rope, True, placement
-        )
+        qk_norms = [(norms["q"], norms["k"])]
+        args = (c.head_dim, c.qk_eps, rope, SELF, c.selector, c.layout, True)
+        out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
     else:
         q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
         k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
-        v = _heads(v, c.head_dim)
-    out = attention(q, k, v, SELF, c.selector, c.layout, placement=placement).flatten(2, 3).type_as(q)
+        out = attention(q, k, _heads(v, c.head_dim), SELF, c.selector, c.layout)
+    out = out.flatten(2, 3).type_as(q)
     x = gated_residual(x, gate, apply_one(out, w["out"], c.rows))
 
     # Cross-attention over the text (and, for I2V, the image tokens before it). Under sequence parallelism
@@ -224,6 +223,7 @@ class _WanNative(NativeBlock):
             None if shard is None else shard.group,
             attn1.inner_dim,
             runtime.rows("video"),
+            shard is None and places_inputs(runtime.layout_index),  # eagerly: it may map the peer buffers
         )
         return weights, norms, constants
 

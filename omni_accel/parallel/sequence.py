@@ -360,9 +360,9 @@ class SequenceParallel:
         chunk = gather(x_local, dim, self.ulysses_group, self._chunk(sizes))
         return gather(chunk, dim, self.ring_group, self._ring_blocks(sizes))
 
-    def overlaps_work(self) -> bool:
-        """Whether ``attention_beside`` hides its work behind the exchanges: between the GPUs of one
-        machine, a ring alone, or Ulysses alone with its inputs placed (``input_placement(beside=True)``)."""
+    def places_inputs(self) -> bool:
+        """Whether ``input_placement`` gives a placement: between the GPUs of one machine, a ring alone or
+        Ulysses alone. ``attention_beside`` then hides its work behind the exchanges."""
         return (
             self._peers(self.ring_group, self.ulysses_group) is not None
             or self._peers(self.ulysses_group, self.ring_group) is not None
