@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--tiny", action="store_true", help="a two-layer model on CPU with gloo: a smoke test"
     )
     parser.add_argument(
-        "--compile", action="store_true", help="accelerate with compile=True (omni_accel only)"
+        "--compile",
+        action="store_true",
+        help="accelerate with compile=True; Diffusers' runs compile_repeated_blocks(fullgraph=True)",
     )
     parser.add_argument(
         "--layouts", nargs="+", help="a subset of the layouts (default: all), each with an optional +variant"
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
                 from diffusers import ContextParallelConfig
 
                 model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses))
+            if args.compile:
+                model.compile_repeated_blocks(fullgraph=True)
             result, latents = _measure(bare_pipeline(model), args.steps, args.repeats, False, device)
             result["rel_err_vs_1gpu"] = rel_err(latents, oracle["plain"].float())
         except Exception as exc:  # record why instead of losing the other measurements
