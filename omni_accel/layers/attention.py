@@ -3,6 +3,9 @@
 ``attention`` is where sequence parallelism plugs in: pre-communication -> provider kernel ->
 post-communication. The provider never knows about the layout, and the model never knows the kernel: any
 provider with the needed capability (the log-sum-exp, for ring attention) works under any layout.
+``qkv_attention`` makes q, k and v (the fused q/k kernel) and attends over them, so that where a layout
+wants its inputs in its exchange's buffers the kernel writes them there (eager or compiled);
+``attention_beside`` runs independent work while the exchanges travel.
 """
 
 from __future__ import annotations
@@ -242,23 +245,7 @@ def _placed_attention(
 
 
 @_placed_attention.register_fake
-def _(
-    qs,
-    ks,
-    vs,
-    q_weights,
-    k_weights,
-    head_dim,
-    eps,
-    cos,
-    sin,
-    across_heads,
-    selector,
-    layout,
-    role,
-    category,
-    scale,
-):
+def _(qs, ks, vs, q_weights, k_weights, head_dim, *rest):
     first = qs[0]
     heads = first.shape[-1] // head_dim
     return first.new_empty(first.shape[0], sum(q.shape[1] for q in qs), heads, vs[0].shape[-1] // heads)
