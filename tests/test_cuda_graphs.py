@@ -318,7 +318,7 @@ def _sequence_by_peer_writes_is_nccls_up_to_rounding() -> None:
     the q/k kernel writes q, k and v where the exchange wants them; FLUX's single blocks run their QKV
     and MLP-input GEMMs apart, the MLP's beside the transfer (ring: one kernel over the gathered K/V,
     double blocks the local block first, then the peer's, merged; Ulysses: one kernel over the rank's
-    heads instead of two head stages)."""
+    heads instead of two head stages, the single blocks' outputs returned beside their GELU)."""
     for layout, line, how in (
         (ParallelConfig(ring=2), "ring transfers", "into every peer's symmetric memory"),
         (ParallelConfig(ulysses=2), "ulysses exchanges", "into its peers' symmetric memory"),
