@@ -205,7 +205,8 @@ def describe_rows(group: dist.ProcessGroup) -> str:
     how = describe_exchange(
         group,
         "each rank writes its tokens into its peers' symmetric memory (native blocks' norm-modulate "
-        "kernel writes a gather's rows there itself), a barrier per exchange (per pair where a block's two streams exchange together)",
+        "kernel writes a gather's rows there itself), a barrier per exchange (per pair where a block's "
+        "two streams exchange together)",
         "all-to-all",
     )
     return (
