@@ -19,6 +19,9 @@ the library's choices changed while that layout is built and timed (suffixes com
     packed_inputs     Ulysses by peer writes packs and sends q, k and v in two head stages and FLUX's
                       single blocks keep one GEMM, as before the q/k kernel wrote each head group into
                       its rank's buffer itself (for a Ulysses layout only: it changes the ring's blocks too)
+    one_placed_stage  Ulysses with placed inputs in one kernel over all a rank's heads at every length, as
+                      before long sequences (Wan 14B) ran two head stages, the second's heads sent by the
+                      copy engine beside the first's kernel
     streams_apart     tensor parallelism's exchanges in FLUX's double blocks one stream at a time (a barrier
                       each, no transfer beside the other stream's GEMMs), as before image and text ended
                       theirs together
@@ -126,6 +129,7 @@ VARIANTS = {
         _patched(sequence, "ulysses_placement", lambda *args: None),
         _patched(flux, "overlaps_work", lambda layout: False),
     ),
+    "one_placed_stage": lambda: _patched(sequence, "PLACED_STAGES_FROM", float("inf")),
     "streams_apart": _streams_apart,
     "returned_apart": lambda: _patched(
         sequence, "ulysses_in_place", _returned_apart(sequence.ulysses_in_place)

@@ -468,6 +468,10 @@ def _layouts_by_peer_writes() -> None:
             lora = _flux_with_lora(layout, heads)  # adapters on both GEMMs the single blocks split
             want = lora_one[heads]
             assert ((lora - want).abs().max() / want.abs().max()).item() <= 1e-5, layout
+        with _stages_from(0):  # Ulysses placed in two head stages, as at Wan 14B's length
+            wan = _wan_forward(torch.float32, ParallelConfig(ulysses=2))
+        assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5
+        assert any(len(args[3]) == 2 for args in ulysses_calls), "no call placed in two head stages"
     assert made and ring_calls and ulysses_calls and gathers
     assert all(args[7] for args in ring_calls), "the ring took K/V not written in place"  # placed
     # FLUX's single blocks: the GELU beside the outputs' return, which lands in the projection's input
@@ -484,6 +488,16 @@ def _layouts_by_peer_writes() -> None:
     ):
         placed = _compiled_by_peer_writes(ulysses_calls, ring_calls)
     assert placed == [True, True], "compiled blocks did not place q, k and v"
+
+
+@contextlib.contextmanager
+def _stages_from(tokens: int) -> Iterator[None]:
+    default = sequence.PLACED_STAGES_FROM
+    sequence.PLACED_STAGES_FROM = tokens
+    try:
+        yield
+    finally:
+        sequence.PLACED_STAGES_FROM = default
 
 
 def _compiled_by_peer_writes(ulysses_calls: list, ring_calls: list) -> list[bool]:

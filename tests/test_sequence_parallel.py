@@ -146,11 +146,18 @@ def _file_backed_peers(group, directory: str) -> PeerBuffers:
 def check_peer_writes(groups: dict, directory: str, placed: bool = True, **case) -> None:
     """Ulysses and ring by peer writes on ``case``, then on a longer sequence (the buffers grow), with and
     without work beside the exchanges, with inputs sent by the layout and (``placed``, where one group
-    splits the sequence) written in place by their producer."""
+    splits the sequence) written in place by their producer, Ulysses' in one kernel and in head stages."""
+    ways = [(False, None)] + ([(True, None), (True, 0)] if placed else [])  # 0: placed in head stages
+    default = sequence.PLACED_STAGES_FROM
     with peer_writes_over_files(directory) as made:
-        for beside, in_place in itertools.product((False, True), (False, True) if placed else (False,)):
-            check_attention(groups, beside=beside, placed=in_place, **case)
-            check_attention(groups, beside=beside, placed=in_place, **{**case, "q_len": case["q_len"] + 3})
+        for beside, (in_place, stages_from) in itertools.product((False, True), ways):
+            sequence.PLACED_STAGES_FROM = default if stages_from is None else stages_from
+            try:
+                check_attention(groups, beside=beside, placed=in_place, **case)
+                longer = {**case, "q_len": case["q_len"] + 3}
+                check_attention(groups, beside=beside, placed=in_place, **longer)
+            finally:
+                sequence.PLACED_STAGES_FROM = default
     assert made, "the peer-write path was not taken"
 
 

@@ -8,7 +8,8 @@ ways in:
 * placed (``ulysses_placement``, the native blocks): the q/k kernel that writes q, k and v anyway writes
   each head group into the buffer of the rank that attends over it, a peer's as NVLink stores, or into a
   local tensor the copy engine sends on a side stream beside independent work (a FLUX single block's MLP
-  GEMM); then one kernel over the rank's heads (``ulysses_in_place``);
+  GEMM); then one kernel over the rank's heads (``ulysses_in_place``), or for long sequences one per head
+  stage, the later stage's heads staged and sent by the copy engine beside the kernel before;
 * packed (any other caller): the first head stage's pieces are written by the packing copy itself
   (``copy_rows_``), the later stages' by the copy engine beside the stage before's kernel.
 
@@ -232,63 +233,75 @@ def ulysses_placement(
     peers: PeerBuffers,
     sizes: Sequence[int],
     kv_sizes: Sequence[int],
-    heads: Sequence[int],
+    stages: Sequence[tuple[int, Sequence[int]]],
     batch: int,
     dims: tuple[int, int],
     dtype: torch.dtype,
     staged: bool = False,
 ) -> Placement:
-    """Where this rank's q, k and v go for ``ulysses_in_place``: rank ``j``'s ``heads[j]`` heads into
-    rank ``j``'s buffer (``[B, all tokens, heads[j], D]``) at this rank's tokens, so their producer does the
-    exchange; attention then takes this rank's buffers. A peer's heads are written straight into its
-    memory, or (``staged``) into a local tensor the copy engine sends on beside other work (``sends``).
-    ``dims``: the head sizes of q and k, and of v."""
+    """Where this rank's q, k and v go for ``ulysses_in_place``, by head stage (``(first head, heads of
+    each rank)``): rank ``j``'s heads of a stage into rank ``j``'s buffer of it (``[B, all tokens, heads,
+    D]``) at this rank's tokens, so their producer does the exchange; attention then takes this rank's
+    buffers. The first stage's peers' heads are written straight into their memory, or (``staged``) into a
+    local tensor the copy engine sends on beside other work; a later stage's always so, sent beside the
+    stage before's kernel. ``dims``: the head sizes of q and k, and of v."""
     me, world = peers.rank, peers.world
-    placed, sends = [], []
-    for name, lengths, width in (("q", sizes, dims[0]), ("k", kv_sizes, dims[0]), ("v", kv_sizes, dims[1])):
-        shapes = [(batch, sum(lengths), heads[j], width) for j in range(world)]
-        joined = peers.views(f"{name}_placed", shapes, dtype)
-        at = sum(lengths[:me])
-        if staged:  # kept, like the buffers: the kernel's table of destinations stays the same
-            others = [(batch * lengths[r] * (sum(heads) - heads[r]) * width,) for r in range(world)]
-            staging = peers.views(f"{name}_staged", others, dtype)[me]
-        pieces = []
-        for j in range(world):
-            if heads[j]:
-                dst = joined[j].narrow(_SEQ, at, lengths[me])
-                if staged and j != me and dst.numel():
-                    local, staging = staging.split([dst.numel(), staging.numel() - dst.numel()])
-                    local = local.view(dst.shape)
-                    sends += zip(dst.unbind(0), local.unbind(0), strict=True)
-                    dst = local
-                pieces.append((sum(heads[:j]), dst))
-        placed.append((tuple(pieces), joined[me]))
-    (q, all_q), (k, all_k), (v, all_v) = placed
-    return Placement(q, k, v, (all_q, all_k, all_v), tuple(sends))
+    pieces, attend_on, sends = {"q": [], "k": [], "v": []}, [], []
+    for index, (first, heads) in enumerate(stages):
+        stage_sends, joined_here = [], []
+        staging = staged or index > 0
+        for name, lengths, width in (
+            ("q", sizes, dims[0]),
+            ("k", kv_sizes, dims[0]),
+            ("v", kv_sizes, dims[1]),
+        ):
+            shapes = [(batch, sum(lengths), heads[j], width) for j in range(world)]
+            joined = peers.views(f"{name}_placed{index}", shapes, dtype)
+            at = sum(lengths[:me])
+            if staging:  # kept, like the buffers: the kernel's table of destinations stays the same
+                others = [(batch * lengths[r] * (sum(heads) - heads[r]) * width,) for r in range(world)]
+                rest = peers.views(f"{name}_staged{index}", others, dtype)[me]
+            for j in range(world):
+                if heads[j]:
+                    dst = joined[j].narrow(_SEQ, at, lengths[me])
+                    if staging and j != me and dst.numel():
+                        local, rest = rest.split([dst.numel(), rest.numel() - dst.numel()])
+                        local = local.view(dst.shape)
+                        stage_sends += zip(dst.unbind(0), local.unbind(0), strict=True)
+                        dst = local
+                    pieces[name].append((first + sum(heads[:j]), dst))
+            joined_here.append(joined[me])
+        attend_on.append(tuple(joined_here))
+        sends.append(tuple(stage_sends))
+    later = tuple(zip(attend_on[1:], sends[1:], strict=True))
+    q, k, v = (tuple(pieces[name]) for name in "qkv")
+    return Placement(q, k, v, attend_on[0], sends[0], later)
 
 
 def ulysses_in_place(
     peers: PeerBuffers,
     placement: Placement,
     sizes: Sequence[int],
-    heads: Sequence[int],
+    stages: Sequence[tuple[int, Sequence[int]]],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     beside: Callable[[], object] | None,
     then: Callable[[object], object] | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, object]:
-    """Ulysses attention over this rank's heads of the whole sequence, written by every rank where
-    ``ulysses_placement`` said, and ``beside()``'s result (or ``then``'s of it): the staged pieces travel by
-    the copy engine while ``beside`` runs, and once a barrier passes every rank's are here; one kernel over
-    them, then each rank's tokens of its output sent back as ``ulysses_by_peer_writes`` sends a stage's,
-    by the copy engine while ``then`` runs. ``out``: where this rank's output goes."""
-    sent = peers.copy_beside(placement.sends) if placement.sends else None
+    """Ulysses attention over this rank's heads of the whole sequence, stage by stage (as
+    ``ulysses_placement`` placed them), and ``beside()``'s result (or ``then``'s of it): the staged pieces
+    travel by the copy engine while ``beside`` runs (a later stage's, while the stage before's kernel runs),
+    and once a barrier passes every rank's are here; one kernel per stage, then each rank's tokens of its
+    output sent back as ``ulysses_by_peer_writes`` sends a stage's, the last stage's by the copy engine
+    while ``then`` runs. ``out``: where this rank's output goes."""
+    gathered = [placement.attend_on, *(on for on, _ in placement.later)]
+    sent = [peers.copy_beside(copies) if copies else None for copies in placement.all_sends()]
     done = None if beside is None else beside()
-    q, k, v = placement.attend_on
+    q, _, v = placement.attend_on
     if out is None:
-        out = q.new_empty(q.shape[0], sizes[peers.rank], sum(heads), v.shape[-1])
+        out = q.new_empty(q.shape[0], sizes[peers.rank], sum(sum(heads) for _, heads in stages), v.shape[-1])
     after = None if then is None else lambda: then(done)
-    out, then_done = _attend_and_return(peers, [(0, heads)], [(q, k, v)], [sent], attend, out, sizes, after)
+    out, then_done = _attend_and_return(peers, stages, gathered, sent, attend, out, sizes, after)
     return out, (done if then is None else then_done)
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+Copy = tuple[torch.Tensor, torch.Tensor]
+"""``(dst, src)``: a copy the layout makes once the pieces are written."""
 HeadPieces = tuple[tuple[int, torch.Tensor], ...]
 """``(first head, destination)`` pairs covering a tensor's heads in order, each destination a
 ``[B, tokens, heads, D]`` view (maybe of a peer's memory) for the heads from ``first head`` on."""
@@ -21,13 +23,19 @@ HeadPieces = tuple[tuple[int, torch.Tensor], ...]
 class Placement:
     """Where q, k and v of ``[B, tokens, heads, D]`` go (``q`` None: anywhere, a fresh tensor), the
     tensors attention is then called with (``attend_on``; its q None: the q written), and the copies the
-    layout makes once they are written (``sends``, ``(dst, src)``: pieces staged for the copy engine)."""
+    layout makes once they are written (``sends``: pieces staged for the copy engine). Under Ulysses in
+    head stages those two are the first stage's, and ``later`` holds the other stages' pairs of them."""
 
     q: HeadPieces | None
     k: HeadPieces
     v: HeadPieces
     attend_on: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]
-    sends: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    sends: tuple[Copy, ...] = ()
+    later: tuple[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[Copy, ...]], ...] = ()
+
+    def all_sends(self) -> list[tuple[Copy, ...]]:
+        """Each stage's copies, in order."""
+        return [self.sends, *(copies for _, copies in self.later)]
 
     def pieces(self, q: torch.Tensor) -> list[HeadPieces]:
         """The pieces of q, k and v, with ``q`` (the fresh tensor) where q may go anywhere."""

@@ -220,6 +220,20 @@ def head_stages(heads: int, degree: int) -> list[tuple[int, int]]:
     return [(sum(counts[:i]), count) for i, count in enumerate(counts)]
 
 
+PLACED_STAGES_FROM = 16384
+"""Sequences at least this long run Ulysses with placed inputs in two head stages: there a kernel over
+half a rank's heads keeps its efficiency (Wan 14B's 32760 tokens on FlashInfer: 8.28 ms over 10 heads,
+16.87 over 20), and the second stage's heads travel by the copy engine beside the first stage's kernel
+instead of as stores from the q/k kernel. Shorter ones run one kernel over all a rank's heads (FLUX's
+4608 tokens on cuDNN: a kernel over 6 heads is ~1.2x slower per head than over 12; docs/PERFORMANCE.md)."""
+
+
+def placed_stages(heads: int, degree: int, tokens: int) -> list[tuple[int, list[int]]]:
+    """``(first head, heads of each rank)`` of each head stage of Ulysses with placed inputs."""
+    stages = head_stages(heads, degree) if tokens >= PLACED_STAGES_FROM else [(0, heads)]
+    return [(first, split_sizes(count, degree)) for first, count in stages]
+
+
 def _attend_out(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The output alone; a rank with no queries or no heads skips the kernel, which may not take empties."""
     if q.numel() == 0:
@@ -386,8 +400,8 @@ class SequenceParallel:
             return ring_placement(ring, self._sizes(kv=True), batch, heads, head_dim, v_dim, dtype)
         ulysses = self._peers(self.ulysses_group, self.ring_group)
         if ulysses is not None:
-            heads_of = split_sizes(heads, ulysses.world)
-            args = (self.sizes, self._sizes(kv=True), heads_of, batch, (head_dim, v_dim), dtype, beside)
+            stages = placed_stages(heads, ulysses.world, sum(self._sizes(kv=True)))
+            args = (self.sizes, self._sizes(kv=True), stages, batch, (head_dim, v_dim), dtype, beside)
             return ulysses_placement(ulysses, *args)
         return None
 
@@ -418,11 +432,10 @@ class SequenceParallel:
             if any(a is not b for a, b in zip(placement.written(q), (q, k, v), strict=True)):
                 raise ValueError("attention got q, k and v other than those its placement holds")
             if _size(self.ulysses_group) > 1:
-                heads = split_sizes(
-                    sum(dst.shape[_HEADS] for _, dst in placement.k), _size(self.ulysses_group)
-                )
+                heads = sum(dst.shape[_HEADS] for _, dst in placement.k)
+                stages = placed_stages(heads, _size(self.ulysses_group), sum(self._sizes(kv=True)))
                 attend_here = partial(_attend_out, attend)
-                args = (self.sizes, heads, attend_here, beside, then, out)
+                args = (self.sizes, stages, attend_here, beside, then, out)
                 return ulysses_in_place(peer_buffers(self.ulysses_group), placement, *args)
         return finish(*self._attention_beside(q, k, v, attend, beside, placement is not None), then, out)
 
