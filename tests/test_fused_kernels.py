@@ -313,6 +313,23 @@ def test_qkv_norm_rope_writes_where_the_placement_asks(device):
             assert torch.equal(dst, t.narrow(2, head, dst.shape[2]))
     assert not first[:, :, :2].any()
 
+    # Ulysses in head stages: every head in a buffer of its own (a stage's rank each), at its own offset
+    offsets = (0, 3, 1)
+    buffers = [torch.zeros(3, 2, 5 + at, 1, 16, device=device) for at in offsets]
+    pieces = [
+        tuple(
+            (h, buffer[i].narrow(1, at, 5))
+            for h, (buffer, at) in enumerate(zip(buffers, offsets, strict=True))
+        )
+        for i in range(3)
+    ]
+    staged = Placement(*pieces, tuple(p[0][1] for p in pieces))
+    got = qkv_norm_rope([(q, k, v)], norms, 16, 1e-6, rope, placement=staged)
+    for placed, t in zip(pieces, want, strict=True):
+        for head, dst in placed:
+            assert torch.equal(dst, t.narrow(2, head, 1))
+    assert not buffers[1][:, :, :3].any() and not buffers[2][:, :, :1].any()
+
 
 @pytest.mark.gpu
 def test_norm_modulate_writes_a_gathers_rows_itself(monkeypatch):
