@@ -108,8 +108,8 @@ def _streams_apart() -> contextlib.AbstractContextManager:
 
 
 def _returned_apart(original):
-    def placed(peers, placement, sizes, heads, attend, beside, then=None, out=None):
-        return sequence.finish(*original(peers, placement, sizes, heads, attend, beside), then, out)
+    def placed(peers, placement, sizes, stages, attend, beside, then=None, out=None):
+        return sequence.finish(*original(peers, placement, sizes, stages, attend, beside), then, out)
 
     return placed
 

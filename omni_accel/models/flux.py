@@ -255,6 +255,7 @@ class _FluxNative(NativeBlock):
             for name in self.modulations
         ]
         layout = runtime.layout_index
+        placed = places_inputs(layout)  # decided here, eagerly: it may map the peer buffers
         constants = BlockConstants(
             self.attn.head_dim,
             self._layer_norm_eps(),
@@ -264,9 +265,9 @@ class _FluxNative(NativeBlock):
             layout,
             runtime.rows("image"),
             runtime.rows("text"),
-            places_inputs(layout),  # decided here, eagerly: it may map the peer buffers
+            placed,
             # compiled, attention_beside runs attention then the work: one GEMM serves better there
-            runtime.compiler is None and overlaps_work(layout) and runtime.rows("text") is None,
+            placed and runtime.compiler is None and overlaps_work(layout) and runtime.rows("text") is None,
         )
         return modulation, weights, self._norms(), constants
 
