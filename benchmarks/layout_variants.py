@@ -28,6 +28,9 @@ the library's choices changed while that layout is built and timed (suffixes com
     returned_apart    Ulysses by peer writes returns the outputs by the SM copy into a tensor of their own,
                       copied into the output projection's input after, and FLUX's single blocks run their
                       GELU after that, as before the GELU ran beside the outputs' copy-engine return
+    modulation_per_block  each block computes its own AdaLN modulation, as before every block's was
+                      computed at once, split over the ranks: whole on every rank under Ulysses and the
+                      ring, its tensor-parallel slice all-gathered block by block under tp
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ import omni_accel.models.flux as flux
 import omni_accel.parallel.peer_exchange as peer_exchange
 import omni_accel.parallel.sequence as sequence
 from omni_accel import ParallelConfig
+from omni_accel.layers.projection import apply_one, read_linear
+from omni_accel.layers.split_modulation import SplitModulation
 from omni_accel.parallel.sequence_hooks import SequenceState
+from omni_accel.parallel.tensor import shard_of
 
 # The module, not the function ``omni_accel.parallel`` exports under the same name.
 parallelize = importlib.import_module("omni_accel.parallel.parallelize")
@@ -114,6 +120,13 @@ def _returned_apart(original):
     return placed
 
 
+def _modulation_per_block(self, key, conditioning):
+    site = next(site for site in self.sites if site.key == key)
+    if shard_of(site.module()) is not None:
+        return self.project_sites([site], conditioning)[key]
+    return apply_one(site.input(conditioning), read_linear(site.module(), key))
+
+
 VARIANTS = {
     "three_stages": lambda: _patched(sequence, "head_stages", _stages_of(_three)),
     "four_stages": lambda: _patched(sequence, "head_stages", _stages_of(_four)),
@@ -134,6 +147,7 @@ VARIANTS = {
     "returned_apart": lambda: _patched(
         sequence, "ulysses_in_place", _returned_apart(sequence.ulysses_in_place)
     ),
+    "modulation_per_block": lambda: _patched(SplitModulation, "project", _modulation_per_block),
     "one_kernel": lambda: _patched(
         sequence, "ring_by_peer_writes", _one_kernel(sequence.ring_by_peer_writes)
     ),

@@ -29,7 +29,8 @@ from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
 from .config import AccelConfig
-from .models.base import NativeBlock, NativeRuntime, swap_blocks
+from .layers.split_modulation import SplitModulation
+from .models.base import NativeBlock, NativeRuntime, modulation_sites, swap_blocks
 from .models.registry import ModelSpec, output_class, registered_natives, spec_for
 from .parallel import check_parallel, parallelize
 from .parallel import vae as vae_split
@@ -513,6 +514,11 @@ def _parallelize(component: _Component) -> None:
     component.runtime.layout = layout
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
+    group = _modulation_group(component.parallel)
+    sites = modulation_sites(component.original)
+    if group is not None and sites:
+        component.runtime.modulation = SplitModulation(sites, group)
+        component.undo.append(lambda: setattr(component.runtime, "modulation", None))
     if component.graphs is not None:  # graphs of parallel steps hold NCCL operations
         patches.apply("release_graphs_at_destroy", "torch.distributed")
         component.undo.append(lambda: patches.revert("release_graphs_at_destroy", "torch.distributed"))
@@ -523,6 +529,12 @@ def _parallelize(component: _Component) -> None:
     if layout.sequence is not None and patches.applicable(_CACHE_OVER_RANKS[0]):
         patches.apply(*_CACHE_OVER_RANKS)
         component.undo.append(lambda: patches.revert(*_CACHE_OVER_RANKS))
+
+
+def _modulation_group(parallel: ParallelState) -> dist.ProcessGroup | None:
+    """The ranks that hold the same batch and share the blocks' modulation work: the tensor-parallel group
+    (its weights are split there), else the Ulysses group, else the ring's (None: no such ranks)."""
+    return parallel.group("tp") or parallel.group("ulysses") or parallel.group("ring")
 
 
 # Diffusers' first-block cache under a token split. Where this diffusers is not the checked one, the cache

@@ -74,6 +74,8 @@ class ComponentReport:
         if self.runtime is not None:
             if self.runtime.compiler is not None:
                 out.extend(f"  compiled: {line}" for line in self.runtime.compiler.summary())
+            if self.runtime.modulation is not None:
+                out.append(f"  modulation: {self.runtime.modulation.describe()}")
             for reason, count in sorted(self.runtime.fallbacks.items()):
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)

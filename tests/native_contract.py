@@ -26,6 +26,7 @@ from torch import nn
 import omni_accel
 from omni_accel import ParallelConfig
 from omni_accel.models.registry import spec_for
+from omni_accel.parallel import Colwise
 
 
 class _Holder(DiffusionPipeline):
@@ -139,6 +140,13 @@ class NativeContract:
         expected = _run(self.make_module(0, **overrides), inputs)
         assert rel_err(_run(fast, inputs), expected) <= 1e-5
         assert counters["stats"]["unique_graphs"] == len(_block_lists(fast))
+
+    def test_modulations_are_column_split_linears(self):
+        """What ``SplitModulation`` computes for a block: linears it reads, split by outputs under tp."""
+        model = spec_for(self.make_module(0, **self.cases[0][0])).native_model()
+        for block in model.blocks.values():
+            for name in block.modulations:
+                assert isinstance(block.tp_plan.get(block.linears.get(name)), Colwise), (block, name)
 
     @pytest.mark.multirank
     def test_parallel_layouts_match_one_rank(self):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.comm import all_gather_dim, all_reduce_sum
+from ..parallel.comm import all_reduce_sum
 from ..parallel.token_rows import (
     Rows,
     SumInFlight,
@@ -59,7 +59,6 @@ class LinearWeights:
     sizes: tuple[int, ...]
     adapters: tuple[tuple[LowRank, ...], ...]  # per packed output
     reduce: dist.ProcessGroup | None = None  # tensor-parallel input split: outputs are summed over this group
-    gather: dist.ProcessGroup | None = None  # tensor-parallel output split whose output every rank needs
 
 
 class Unsupported(Exception):
@@ -145,9 +144,8 @@ def read_linear(module: nn.Module, where: str) -> LinearWeights:
     base, terms = _resolve(module, where)
     shard = getattr(base, "omni_tp", None)
     reduce = shard.group if shard is not None and shard.reduces else None
-    gather = shard.group if shard is not None and shard.gathers_output else None
     bias = None if reduce is not None and shard.rank != 0 else base.bias  # summed over the ranks: once
-    return LinearWeights(base.weight, bias, (_local_size(base),), (terms,), reduce, gather)
+    return LinearWeights(base.weight, bias, (_local_size(base),), (terms,), reduce)
 
 
 def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
@@ -235,7 +233,7 @@ def pack(bases: Sequence[nn.Linear]) -> None:
 def split_packed(weights: LinearWeights, count: int) -> tuple[LinearWeights, LinearWeights]:
     """The first ``count`` packed projections and the others, as two (views of the same weights), for
     callers that run their GEMMs apart."""
-    if weights.reduce is not None or weights.gather is not None:
+    if weights.reduce is not None:
         raise ValueError("only output-packed projections without a collective can be split")
     at = sum(weights.sizes[:count])
 
@@ -252,6 +250,19 @@ def split_packed(weights: LinearWeights, count: int) -> tuple[LinearWeights, Lin
     return part(slice(None, at), slice(None, count)), part(slice(at, None), slice(count, None))
 
 
+def output_rows(weights: LinearWeights, start: int, size: int) -> LinearWeights:
+    """The projection of outputs ``start:start + size`` of one unpacked projection (views of its weights)."""
+    if len(weights.sizes) != 1 or weights.reduce is not None:
+        raise ValueError("only one projection without a collective can be sliced by outputs")
+    rows = slice(start, start + size)
+    (terms,) = weights.adapters
+    terms = tuple(
+        replace(t, up=t.up[rows], up_bias=None if t.up_bias is None else t.up_bias[rows]) for t in terms
+    )
+    bias = None if weights.bias is None else weights.bias[rows]
+    return replace(weights, weight=weights.weight[rows], bias=bias, sizes=(size,), adapters=(terms,))
+
+
 def apply_linear(
     x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None
 ) -> tuple[torch.Tensor, ...]:
@@ -261,10 +272,6 @@ def apply_linear(
     one sums its partial sums of them over the ranks)."""
     if weights.reduce is not None:
         return (_summed_over_ranks(x, weights, rows),)
-    if weights.gather is not None:  # this rank's slice of the outputs, then every rank's
-        (terms,) = weights.adapters
-        local = _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms)
-        return (all_gather_dim(local, -1, weights.gather),)
     if rows is None:
         y = F.linear(x, weights.weight, weights.bias)
     elif any(weights.adapters):  # the adapters read the gathered tokens too
@@ -372,3 +379,15 @@ def apply_one(x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None)
     """``apply_linear`` for a projection that is not packed."""
     (out,) = apply_linear(x, weights, rows)
     return out
+
+
+def project_into(x: torch.Tensor, weights: LinearWeights, out: torch.Tensor) -> torch.Tensor:
+    """``apply_one(x, weights)`` of a 2-D ``x`` (one projection without a collective), computed into ``out``
+    (F.linear's own product, in place)."""
+    if weights.bias is None:
+        torch.mm(x, weights.weight.t(), out=out)
+    else:
+        torch.addmm(weights.bias, x, weights.weight.t(), out=out)
+    (terms,) = weights.adapters
+    result = _add_adapters(x, out, terms)
+    return out if result is out else out.copy_(result)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omni_accel.patches import hook_chains
@@ -34,7 +35,8 @@ from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
 from ..forward_hooks import hooked_submodule
 from ..layers.attention import AttentionSite
-from ..layers.projection import LinearWeights, Unsupported, read_linear, read_packed
+from ..layers.projection import LinearWeights, Unsupported, apply_one, read_linear, read_packed
+from ..layers.split_modulation import ModulationSite, SplitModulation
 from ..parallel.parallelize import Parallelized, ParallelPlan
 from ..parallel.tensor import TensorPlan
 from ..parallel.token_rows import Rows
@@ -80,6 +82,7 @@ class NativeRuntime:
     compile_in_background: bool = True
     fallbacks: Counter = field(default_factory=Counter)
     layout: Parallelized | None = None
+    modulation: SplitModulation | None = None  # under a layout: every block's modulation at once
     compiler: BlockCompiler | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +137,9 @@ class NativeBlock:
     linears: ClassVar[Mapping[str, str]] = {}
     tp_plan: ClassVar[TensorPlan] = {}
     sites: ClassVar[tuple[AttentionSite, ...]] = ()  # the block's attention call sites (roles)
+    modulations: ClassVar[
+        tuple[str, ...]
+    ] = ()  # names in ``linears`` of its AdaLN projections (``modulate``)
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
 
@@ -191,12 +197,32 @@ class NativeBlock:
             logger.warning("%s runs Diffusers' forward: %s (counted in describe)", self.omni_name, reason)
         return None
 
+    @staticmethod
+    def modulation_input(conditioning: torch.Tensor) -> torch.Tensor:
+        """What the AdaLN projections read of the per-sample conditioning (Diffusers' AdaLN: its SiLU)."""
+        return F.silu(conditioning)
+
+    def modulate(
+        self, name: str, conditioning: torch.Tensor, weights: Mapping[str, LinearWeights]
+    ) -> torch.Tensor:
+        """The AdaLN projection ``linears[name]`` (one of ``modulations``) of ``conditioning``, shared by
+        every block of a forward: through the exact projection cache, and under a parallel layout from the
+        runtime's ``SplitModulation`` (every block's at once, split over the ranks)."""
+        split = self.omni_runtime.modulation
+        if split is None:
+            compute = lambda: apply_one(self.modulation_input(conditioning), weights[name])  # noqa: E731
+        else:
+            compute = lambda: split.project(f"{self.omni_name}.{name}", conditioning)  # noqa: E731
+        return self.project_conditioning(name, conditioning, compute)
+
     def project_conditioning(
         self, name: str, conditioning: torch.Tensor, compute: Callable[[], torch.Tensor]
     ) -> torch.Tensor:
         """``compute()`` of the projection ``linears[name]`` of ``conditioning`` (a tensor every block of a
         forward shares, such as the timestep embedding), reused through the exact projection cache. Not
-        while a CUDA graph captures the step: a replay could not consult the cache, so the graph computes it."""
+        while a CUDA graph captures the step: a replay could not consult the cache, so the graph computes it.
+        Under a layout ``compute`` may be a collective: every rank decides hits alike (same tensors, calls
+        and budget), so every rank calls it or none does."""
         cache = self.omni_runtime.cache
         if cache is None or (conditioning.is_cuda and torch.cuda.is_current_stream_capturing()):
             return compute()
@@ -229,6 +255,20 @@ class NativeBlock:
 @functools.cache
 def _split_path(path: str) -> tuple[str, ...]:
     return tuple(path.split("."))
+
+
+def modulation_sites(transformer: nn.Module) -> list[ModulationSite]:
+    """Every native block's AdaLN projections in ``transformer``, in module order (the same on every rank)."""
+    return [
+        ModulationSite(
+            f"{block.omni_name}.{name}",
+            functools.partial(block._submodule, block.linears[name]),
+            block.modulation_input,
+        )
+        for block in transformer.modules()
+        if isinstance(block, NativeBlock)
+        for name in block.modulations
+    ]
 
 
 @dataclass

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.transformers.transformer_flux import (
     FluxAttnProcessor,
     FluxSingleTransformerBlock,
@@ -250,10 +249,7 @@ class _FluxNative(NativeBlock):
         if weights is None:
             return None
         runtime = self.omni_runtime
-        modulation = [
-            self.project_conditioning(name, temb, lambda name=name: apply_one(F.silu(temb), weights[name]))
-            for name in self.modulations
-        ]
+        modulation = [self.modulate(name, temb, weights) for name in self.modulations]
         layout = runtime.layout_index
         placed = places_inputs(layout)  # decided here, eagerly: it may map the peer buffers
         constants = BlockConstants(
@@ -293,8 +289,8 @@ class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
         **dict.fromkeys(packed["img_qkv"] + packed["txt_qkv"], Colwise()),
         "attn.to_out.0": Rowwise(),
         "attn.to_add_out": Rowwise(),
-        "norm1.linear": Colwise(gather=True),
-        "norm1_context.linear": Colwise(gather=True),
+        "norm1.linear": Colwise(),  # modulations: gathered whole (NativeBlock.modulate)
+        "norm1_context.linear": Colwise(),
         "ff.net.0.proj": Colwise(),
         "ff.net.2": Rowwise(),
         "ff_context.net.0.proj": Colwise(),
@@ -320,7 +316,7 @@ class NativeFluxSingleTransformerBlock(_FluxNative, FluxSingleTransformerBlock):
     tp_plan = {
         **dict.fromkeys(packed["qkv_mlp"], Colwise()),
         "proj_out": Rowwise(input_parts=("attn.to_q", "proj_mlp")),  # its input: cat([attention, mlp])
-        "norm.linear": Colwise(gather=True),
+        "norm.linear": Colwise(),  # the modulation: gathered whole (NativeBlock.modulate)
     }
     modulations = ("mod",)
     site = AttentionSite("flux.single", "self")

@@ -26,14 +26,12 @@ from .comm import all_gather_dim
 @dataclass(frozen=True)
 class Colwise:
     """Output features split over the TP ranks: each rank computes its slice of the outputs. ``optional``:
-    the linear exists only in some variants of the model (skipped where it is None). ``gather``: every
-    rank needs the whole output, so it is all-gathered after the GEMM: for a large weight with a small
-    output (an AdaLN modulation: one vector per sample from a 3072 x 18432 weight), whose weight would
-    otherwise be held and read in full by every rank. (Its all-gather is eager: for projections the native
-    blocks make in their host-side preparation, outside compiled math.)"""
+    the linear exists only in some variants of the model (skipped where it is None). A block's AdaLN
+    modulation linears (a large weight, a small output every rank needs whole) split this way too: the
+    native model computes them for every block at once and gathers them in one collective
+    (``layers/split_modulation.py``)."""
 
     optional: bool = False
-    gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,6 @@ class LinearShard:
     group: dist.ProcessGroup
     rank: int
     size: int
-    gathers_output: bool = False
 
     @property
     def reduces(self) -> bool:
@@ -130,8 +127,7 @@ def plan_shards(
                 f"tp={size} does not divide the {bad} {'output' if dim == 0 else 'input'} features of {path}; "
                 "use a tp that divides them."
             )
-        gathers = isinstance(style, Colwise) and style.gather
-        shards.append((path, linear, LinearShard(dim, parts, group, rank, size, gathers)))
+        shards.append((path, linear, LinearShard(dim, parts, group, rank, size)))
     return shards
 
 
