@@ -8,12 +8,15 @@ four 14B models is what fits on one H200). A denoising step with CFG is two forw
 
     python benchmarks/wan_step.py --model 14b --compile --cuda-graphs --out wan14b.json
     python benchmarks/wan_step.py --model 1.3b --frames 81 --height 480 --width 832
+    python benchmarks/wan_step.py --model 14b --gelu-apart --rounds 2 --calls 2   # the GELU epilogue's A/B
     python benchmarks/wan_step.py --tiny                    # CPU smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+from unittest import mock
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
@@ -41,6 +44,15 @@ def rel_err(got: torch.Tensor, reference: torch.Tensor) -> float:
     return ((got.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
 
 
+def gelu_apart(call):
+    """``call()`` with the MLP's up projection and its GELU as two passes (the path before the epilogue)."""
+    module = importlib.import_module(
+        "omni_accel.layers.feed_forward"
+    )  # the package re-exports a function of that name
+    with mock.patch.object(module, "_gelu_epilogue_serves", lambda *args: False):
+        return call()
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -50,6 +62,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", action="store_true", help="add (b) and omni_accel compile=True")
     parser.add_argument("--cuda-graphs", action="store_true", help="add graph-replayed omni_accel variants")
     parser.add_argument("--attention", default="auto", help="omni_accel's attention provider")
+    parser.add_argument(
+        "--gelu-apart",
+        action="store_true",
+        help="add omni_accel eager with the MLP's GELU as a kernel after the GEMM, not in its epilogue",
+    )
     parser.add_argument("--tiny", action="store_true", help="a two-block model on CPU: a smoke test")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -97,6 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
         variants["diffusers_best"] = lambda: best(**x)[0]
     omni = accelerated()
     variants["omni_accel"] = variant(omni, graphs_on=False)
+    if args.gelu_apart:
+        eager = variants["omni_accel"]
+        variants["omni_accel_gelu_apart"] = lambda: gelu_apart(eager)
     if args.cuda_graphs:
         variants["omni_accel_cuda_graphs"] = variant(omni, graphs_on=True)
     if args.compile:

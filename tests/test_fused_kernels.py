@@ -361,3 +361,53 @@ def test_norm_modulate_writes_a_gathers_rows_itself(monkeypatch):
     for buffer in buffers:
         assert torch.equal(buffer[:, 4:7], want[:, :3]) and torch.equal(buffer[:, 13:], want[:, 3:])
         assert not buffer[:, :4].any() and not buffer[:, 7:13].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_mlps_gelu_runs_in_the_gemms_epilogue_on_the_gpu(dtype, monkeypatch):
+    """In half precision a plain MLP's tanh-GELU runs in cuBLASLt's epilogue (one row too: torch's
+    fallback is the same tanh-GELU) and is no further from a float64 MLP than the GEMM followed by the
+    GELU kernel; float32 and a projection with an adapter keep the kernel."""
+    from omni_accel.layers import LinearWeights, apply_one, feed_forward, gelu_tanh
+    from omni_accel.layers.projection import LowRank
+
+    epilogues = []
+    real = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **k: epilogues.append(k) or real(*a, **k))
+    g = torch.Generator("cuda").manual_seed(0)
+    dim, width = 256, 1024
+    w_up, w_down = (
+        torch.randn(*s, generator=g, device="cuda").div(s[1] ** 0.5) for s in ((width, dim), (dim, width))
+    )
+    b_up, b_down = (torch.randn(n, generator=g, device="cuda") for n in (width, dim))
+    up, down = (
+        LinearWeights(w.to(dtype), b.to(dtype), (w.shape[0],), ((),))
+        for w, b in ((w_up, b_up), (w_down, b_down))
+    )
+
+    def exact(x):
+        h = F.linear(x.double(), w_up.to(dtype).double(), b_up.to(dtype).double())
+        h = h * torch.sigmoid(2 * 0.7978845608028654 * (h + 0.044715 * h**3))
+        return F.linear(h, w_down.to(dtype).double(), b_down.to(dtype).double())
+
+    for tokens in (1, 300):
+        x = torch.randn(2, tokens, dim, generator=g, device="cuda").mul(2).to(dtype)
+        ref = exact(x)
+        errors = [
+            ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            for y in (feed_forward(x, up, down), apply_one(gelu_tanh(apply_one(x, up)), down))
+        ]
+        assert errors[0] <= 1.25 * errors[1] + 1e-6, errors
+    assert len(epilogues) == (0 if dtype == torch.float32 else 2)
+    scale = torch.tensor(0.5)
+    adapter = LowRank(
+        torch.zeros(4, dim, device="cuda", dtype=dtype),
+        torch.zeros(width, 4, device="cuda", dtype=dtype),
+        None,
+        scale,
+        False,
+    )
+    adapted = LinearWeights(up.weight, up.bias, up.sizes, ((adapter,),))
+    assert torch.equal(feed_forward(x, adapted, down), apply_one(gelu_tanh(apply_one(x, up)), down))
+    assert len(epilogues) == (0 if dtype == torch.float32 else 2)
