@@ -137,9 +137,8 @@ class NativeBlock:
     linears: ClassVar[Mapping[str, str]] = {}
     tp_plan: ClassVar[TensorPlan] = {}
     sites: ClassVar[tuple[AttentionSite, ...]] = ()  # the block's attention call sites (roles)
-    modulations: ClassVar[
-        tuple[str, ...]
-    ] = ()  # names in ``linears`` of its AdaLN projections (``modulate``)
+    # The names in ``linears`` of its AdaLN projections (``modulate``).
+    modulations: ClassVar[tuple[str, ...]] = ()
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
 
