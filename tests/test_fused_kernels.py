@@ -370,7 +370,7 @@ def test_the_mlps_gelu_runs_in_the_gemms_epilogue_on_the_gpu(dtype, monkeypatch)
     fallback is the same tanh-GELU) and is no further from a float64 MLP than the GEMM followed by the
     GELU kernel; float32 and a projection with an adapter keep the kernel."""
     from omni_accel.layers import LinearWeights, apply_one, feed_forward, gelu_tanh
-    from omni_accel.layers.projection import LowRank
+    from omni_accel.layers.projection import LowRank, read_linear
 
     epilogues = []
     real = torch._addmm_activation
@@ -381,10 +381,14 @@ def test_the_mlps_gelu_runs_in_the_gemms_epilogue_on_the_gpu(dtype, monkeypatch)
         torch.randn(*s, generator=g, device="cuda").div(s[1] ** 0.5) for s in ((width, dim), (dim, width))
     )
     b_up, b_down = (torch.randn(n, generator=g, device="cuda") for n in (width, dim))
-    up, down = (
-        LinearWeights(w.to(dtype), b.to(dtype), (w.shape[0],), ((),))
-        for w, b in ((w_up, b_up), (w_down, b_down))
-    )
+
+    def read(w, b):  # parameters of a linear, as a block reads them
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], device="cuda", dtype=dtype).requires_grad_(False)
+        linear.weight.copy_(w)
+        linear.bias.copy_(b)
+        return read_linear(linear, "mlp")
+
+    up, down = read(w_up, b_up), read(w_down, b_down)
 
     def exact(x):
         h = F.linear(x.double(), w_up.to(dtype).double(), b_up.to(dtype).double())

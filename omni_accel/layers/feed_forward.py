@@ -60,12 +60,15 @@ def _activated_up(
 
 
 def _gelu_epilogue_serves(x: torch.Tensor, up: LinearWeights, plain: bool) -> bool:
+    """A plain GEMM (no collective, packing or adapter) over plain half-precision tensors of one dtype
+    (a tensor subclass, such as a quantized weight, keeps ``F.linear``'s dispatch)."""
     return (
         plain
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
-        and up.weight.dtype == x.dtype
         and up.bias is not None
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, up.weight, up.bias))
+        and up.weight.dtype == up.bias.dtype == x.dtype
         and up.reduce is None
         and len(up.sizes) == 1
         and not any(up.adapters)
