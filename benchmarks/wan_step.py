@@ -46,9 +46,8 @@ def rel_err(got: torch.Tensor, reference: torch.Tensor) -> float:
 
 def gelu_apart(call):
     """``call()`` with the MLP's up projection and its GELU as two passes (the path before the epilogue)."""
-    module = importlib.import_module(
-        "omni_accel.layers.feed_forward"
-    )  # the package re-exports a function of that name
+    # By import_module: ``omni_accel.layers.feed_forward`` as an attribute is the function the package re-exports.
+    module = importlib.import_module("omni_accel.layers.feed_forward")
     with mock.patch.object(module, "_gelu_epilogue_serves", lambda *args: False):
         return call()
 
