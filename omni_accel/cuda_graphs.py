@@ -4,12 +4,14 @@ about two thousand kernel launches, eager or compiled.
 A graph replays the kernels it recorded, with the pointers and host-side values of that moment. So a graph
 is keyed by everything the host decides a step with: the arguments' structure, shapes, dtypes and
 non-tensor values; each parameter's storage (a reloaded or re-packed weight is a new graph; an in-place
-edit is seen by the graph, as it is by eager code); adapter state (active adapters, scales, merged or
-disabled); attention processors; training flags; and the global switches that pick kernels (autocast,
-reduced-precision matmuls, an ``attention_scope``). A new key runs eagerly once (lazy initialisation,
-compilation and weight packing happen there), is captured on its next call and replayed after that.
-Calls a graph cannot serve exactly run eagerly and are counted by reason: hooks that decide per call (step
-caches, offload), autograd, tensors off the GPU, capture errors.
+edit is seen by the graph, as it is by eager code); the value of every other attribute of every module
+(adapter state, an IP-adapter processor's scale, training flags, a processor's backend...); and the global
+switches that pick kernels (autocast, reduced-precision matmuls, SDPA kernels, an ``attention_scope``,
+Diffusers' attention backend). The key fails closed: an argument or attribute whose value it cannot name
+makes the call run eagerly. A new key runs eagerly once (lazy initialisation, compilation and weight
+packing happen there), is captured on its next call and replayed after that. Calls a graph cannot serve
+exactly run eagerly and are counted by reason: hooks that decide per call (step caches, offload),
+autograd, tensors off the GPU, capture errors.
 
 Under a parallel layout the step's collectives (NCCL all-reduces, all-to-alls, ring transfers) are captured
 with its kernels. Our layout hooks decide only from shapes, and say what they decided (``replay_key``):
@@ -22,16 +24,21 @@ unconditional one runs).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import enum
+import functools
 import threading
+import types
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from torch import nn
 
 from .attention.selection import current_scope
@@ -143,8 +150,8 @@ class StepGraphs:
         state = self.hooks.begin_step() if self.hooks is not None else None
         try:
             key = step_key(module, leaves, spec, state)
-        except TypeError:  # an unhashable argument: its value cannot key a graph
-            return self._eager("an argument that cannot be compared between calls", forward, args, kwargs)
+        except Unkeyable as exc:  # fail closed: what the key cannot name, a replay could get wrong
+            return self._eager(f"{exc} that cannot be compared between calls", forward, args, kwargs)
         if key is None:
             return self._eager(_HOOKED, forward, args, kwargs)
         device = next(leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor))
@@ -157,8 +164,8 @@ class StepGraphs:
                     out = forward(*args, **kwargs)
                     if len(self.warmed) >= 64:
                         self.warmed.clear()
-                    packed = step_key(module, leaves, spec, state)  # after the first call's weight packing
-                    self.warmed.add(packed)
+                    with contextlib.suppress(Unkeyable):  # the key as the call left it (weights packed...)
+                        self.warmed.add(step_key(module, leaves, spec, state))
                     return out
                 if self.hooks is not None and not self.hooks.may_capture():
                     return self._eager(
@@ -245,18 +252,38 @@ def step_key(
     module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, step_state: Hashable = None
 ) -> tuple | None:
     """Everything the host decides a forward with (see the module docstring), or None when a hook on the
-    module or below decides per call; raises TypeError for an argument that cannot be hashed."""
-    arguments = tuple(
-        (leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
-    )
-    hash(arguments)
+    module or below decides per call; raises ``Unkeyable`` for state it cannot compare between calls."""
+    arguments = tuple(_argument(leaf) for leaf in leaves)
     state = _module_state(module)
     return None if state is None else (spec, arguments, state, _global_state(), step_state)
 
 
+class Unkeyable(TypeError):
+    """A call's argument or a module's attribute whose value a key cannot name (fail closed: eager)."""
+
+
+# Values compared as they are: immutable, with an equality that says what the host decides with.
+_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+
+def _argument(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return (leaf.shape, leaf.dtype, leaf.device)
+    if isinstance(leaf, _VALUES):
+        return leaf
+    raise Unkeyable(f"an argument of type {type(leaf).__name__}")
+
+
+# nn.Module's own bookkeeping (hooks are read by ``is_hooked``, tensors and children below) and ours (the
+# runtime's state is the step state; layout hooks say what they decide through ``replay_key``).
+_MODULE_INTERNALS = (frozenset(vars(nn.Module())) - {"training"}) | {"_diffusers_hook", "_hf_hook", "forward"}
+_OURS = ("omni_", "_omni")
+
+
 def _module_state(module: nn.Module) -> tuple | None:
-    """One walk over the modules per call: their identity and state, or None at the first hook that may
-    decide per call."""
+    """One walk over the modules per call: their identity, tensors and every other attribute's value (a
+    processor's scale, an adapter's state, a flag: anything a call may change), or None at the first hook
+    that may decide per call. An attribute whose value cannot be compared raises ``Unkeyable``."""
     state = []
     for child in module.modules():
         if is_hooked(child):
@@ -266,23 +293,40 @@ def _module_state(module: nn.Module) -> tuple | None:
             state.append(layout)
         attrs = child.__dict__
         state.append(id(child))
-        state.append(attrs["training"])
         for tensor in (*attrs["_parameters"].values(), *attrs["_buffers"].values()):
             if tensor is not None:
                 state.append((tensor.data_ptr(), tensor.dtype, tensor.shape))
-        processor = attrs.get("processor")
-        if processor is not None:
-            state.append((id(processor), getattr(processor, "_attention_backend", None)))
-        if "scaling" in attrs and "lora_A" in attrs["_modules"]:  # a peft LoRA layer
-            state.append(
-                (
-                    tuple(child.active_adapters),
-                    child.disable_adapters,
-                    tuple(child.merged_adapters),
-                    tuple(sorted(child.scaling.items())),
-                )
-            )
+        for name in sorted(attrs.keys() - _MODULE_INTERNALS):  # the few attributes besides nn.Module's own
+            if not name.startswith(_OURS):
+                state.append(name)
+                state.append(_value(attrs[name], name))
     return tuple(state)  # compared whole, not by a hash that could collide
+
+
+def _value(value: Any, where: str, depth: int = 0) -> Hashable:
+    """``value`` as something that compares equal exactly when a call would see the same thing."""
+    if isinstance(value, _VALUES):
+        return value
+    if isinstance(value, nn.Module | type | types.FunctionType | types.BuiltinFunctionType):
+        return id(value)  # a submodule is walked on its own; functions and classes are what they are
+    if isinstance(value, torch.Tensor):
+        return (value.data_ptr(), value.dtype, value.shape, value.stride())  # as a parameter's
+    if isinstance(value, types.MethodType):
+        return (id(value.__func__), id(value.__self__))
+    if isinstance(value, tuple | list):
+        return (type(value), tuple(_value(item, where, depth) for item in value))
+    if isinstance(value, set | frozenset):
+        return (type(value), frozenset(_value(item, where, depth) for item in value))
+    if isinstance(value, Mapping):
+        return (type(value), tuple((key, _value(item, where, depth)) for key, item in value.items()))
+    if isinstance(value, functools.partial):
+        return (id(value.func), _value(value.args, where, depth), _value(value.keywords, where, depth))
+    if depth < _MAX_DEPTH and hasattr(value, "__dict__"):  # a plain object: a processor, a config...
+        return (type(value), _value(vars(value), where, depth + 1))
+    raise Unkeyable(f"attribute {where!r} holds a {type(value).__name__}")
+
+
+_MAX_DEPTH = 3
 
 
 def _layout_hooks_state(module: nn.Module) -> tuple | None:
@@ -302,13 +346,21 @@ def _layout_hooks_state(module: nn.Module) -> tuple | None:
 
 
 def _global_state() -> tuple:
-    matmul = torch.backends.cuda.matmul
+    """The process-wide switches a step's kernels are picked by: autocast, reduced-precision matmuls, which
+    SDPA kernels PyTorch may use, determinism, an ``attention_scope`` and Diffusers' attention backend."""
+    cuda = torch.backends.cuda
     return (
         torch.is_autocast_enabled("cuda"),
         torch.get_autocast_dtype("cuda"),
-        matmul.allow_tf32,
-        matmul.allow_bf16_reduced_precision_reduction,
-        matmul.allow_fp16_reduced_precision_reduction,
+        cuda.matmul.allow_tf32,
+        cuda.matmul.allow_bf16_reduced_precision_reduction,
+        cuda.matmul.allow_fp16_reduced_precision_reduction,
         torch.backends.cudnn.allow_tf32,
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        cuda.cudnn_sdp_enabled(),
+        torch.are_deterministic_algorithms_enabled(),
         current_scope(),
+        _AttentionBackendRegistry._active_backend,
     )

@@ -104,3 +104,26 @@ def random_lora(transformer, targets: list[str], seed: int) -> dict:
     source = copy.deepcopy(transformer)
     source.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False), "x")
     return {f"transformer.{k}": v for k, v in get_peft_model_state_dict(source, adapter_name="x").items()}
+
+
+def random_ip_adapter_state(transformer, clip_dim: int = 12) -> dict:
+    """A random FLUX IP-Adapter in the layout Diffusers' loader takes (4 image tokens)."""
+    g = torch.Generator().manual_seed(5)
+    cfg = transformer.config
+    context, inner = cfg.joint_attention_dim, transformer.inner_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    image_proj = {
+        "proj.weight": rand(4 * context, clip_dim),
+        "proj.bias": rand(4 * context),
+        "norm.weight": rand(context),
+        "norm.bias": rand(context),
+    }
+    ip_adapter = {}
+    for block in range(cfg.num_layers):
+        for name in ("to_k_ip", "to_v_ip"):
+            ip_adapter[f"{block}.{name}.weight"] = rand(inner, context)
+            ip_adapter[f"{block}.{name}.bias"] = rand(inner)
+    return {"image_proj": image_proj, "ip_adapter": ip_adapter}

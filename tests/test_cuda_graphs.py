@@ -71,9 +71,14 @@ def test_what_keys_a_graph():
     key = differs_after("eval mode again", transformer.eval)
     processor = transformer.transformer_blocks[0].attn.processor
     key = differs_after(
-        "a new attention processor",
-        lambda: transformer.transformer_blocks[0].attn.set_processor(type(processor)()),
+        "an attention processor of another class",
+        lambda: transformer.transformer_blocks[0].attn.set_processor(type("Custom", (type(processor),), {})()),
     )
+    transformer.transformer_blocks[0].attn.set_processor(type(processor)())
+    key = differs_after("the processor's class again", lambda: None)
+    current = transformer.transformer_blocks[0].attn.processor
+    key = differs_after("a processor's backend", lambda: setattr(current, "_attention_backend", "x"))
+    current._attention_backend = None
     with omni_accel.attention_scope(default="sdpa"):
         assert _key(transformer, **x) != key, "an attention scope"
 

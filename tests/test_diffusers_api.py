@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import random_lora, rel_err
+from conftest import random_ip_adapter_state, random_lora, rel_err
 
 import omni_accel
 
@@ -333,29 +333,6 @@ def test_compiled_blocks_take_new_lora_scales_and_hotswaps_without_recompiling()
     assert counters["stats"]["unique_graphs"] == 0, "a scale change or a same-rank hotswap recompiled"
 
 
-def _ip_adapter_state(transformer, clip_dim: int = 12) -> dict:
-    """A random FLUX IP-Adapter in the layout Diffusers' loader takes (4 image tokens)."""
-    g = torch.Generator().manual_seed(5)
-    cfg = transformer.config
-    context, inner = cfg.joint_attention_dim, transformer.inner_dim
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g) * 0.2
-
-    image_proj = {
-        "proj.weight": rand(4 * context, clip_dim),
-        "proj.bias": rand(4 * context),
-        "norm.weight": rand(context),
-        "norm.bias": rand(context),
-    }
-    ip_adapter = {}
-    for block in range(cfg.num_layers):
-        for name in ("to_k_ip", "to_v_ip"):
-            ip_adapter[f"{block}.{name}.weight"] = rand(inner, context)
-            ip_adapter[f"{block}.{name}.bias"] = rand(inner)
-    return {"image_proj": image_proj, "ip_adapter": ip_adapter}
-
-
 def test_flux_ip_adapter_matches_plain_diffusers():
     """IP-Adapter processors run Diffusers' forward of the double blocks (the single blocks stay native)."""
     from conftest import flux_inputs, random_flux_transformer
@@ -364,7 +341,7 @@ def test_flux_ip_adapter_matches_plain_diffusers():
     pipe = omni_accel.tiny_flux_pipeline(seed=0)
     pipe.transformer = fast
     omni_accel.accelerate(pipe)
-    state = _ip_adapter_state(plain)
+    state = random_ip_adapter_state(plain)
     for model in (plain, fast):
         model._load_ip_adapter_weights(copy.deepcopy(state), low_cpu_mem_usage=False)
     inputs = flux_inputs(plain)

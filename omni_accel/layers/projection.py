@@ -15,9 +15,12 @@ storage and offsets, and the projection is packed again.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,10 +74,50 @@ def _is_adapter_layer(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "scaling")
 
 
+_COMPUTE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+
+
 def _plain_linear(module: nn.Module, where: str) -> nn.Linear:
     if type(module) is not nn.Linear:
         raise Unsupported(f"{where} is a {type(module).__name__}, not a plain nn.Linear")
+    for name in ("weight", "bias"):
+        tensor = module._parameters[name]
+        if tensor is not None and _quantized_or_absent(tensor):
+            raise Unsupported(
+                f"{where}.{name} is {_tensor_kind(tensor)}: the block runs as the Diffusers module computes"
+            )
     return module
+
+
+def _quantized_or_absent(tensor: torch.Tensor) -> bool:
+    """A weight our GEMMs cannot read as it is: a tensor subclass that computes its own way (torchao, GGUF:
+    their own matmul), storage in a dtype that is not a compute dtype (float8, int8: layerwise casting or
+    raw quantized data), or one with no data (meta: offloaded)."""
+    return not _plain_class(type(tensor)) or tensor.dtype not in _COMPUTE_DTYPES or tensor.is_meta
+
+
+def _unbound(method: Any) -> Any:
+    return getattr(method, "__func__", method)
+
+
+_PLAIN_TORCH_FUNCTIONS = (_unbound(torch.Tensor.__torch_function__), nn.Parameter.__torch_function__)
+
+
+@functools.cache
+def _plain_class(cls: type) -> bool:
+    """A tensor class that computes as a tensor does: ``Tensor``, ``Parameter`` and subclasses that only add
+    bookkeeping (the cache's ``WatchedParameter``), not a ``__torch_function__``/``__torch_dispatch__``."""
+    return _unbound(cls.__torch_function__) in _PLAIN_TORCH_FUNCTIONS and _unbound(
+        cls.__torch_dispatch__
+    ) is _unbound(torch.Tensor.__torch_dispatch__)
+
+
+def _tensor_kind(tensor: torch.Tensor) -> str:
+    if not _plain_class(type(tensor)):
+        return f"a {type(tensor).__name__} (a quantized or wrapped tensor)"
+    if tensor.is_meta:
+        return "on the meta device (offloaded; loaded by a hook at call time)"
+    return f"stored in {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def _adapters(layer: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, ...]]:
@@ -165,6 +208,13 @@ def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
     )
 
 
+def prepack(modules: Sequence[nn.Module]) -> None:
+    """Packs the linears of ``modules`` (as ``read_packed`` would at a call) when they can be; a projection
+    that cannot (quantized, offloaded, mixed dtypes...) is left alone and says why at its calls."""
+    with contextlib.suppress(Unsupported):
+        read_packed(modules, "prepack")
+
+
 def _contiguous_run(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The tensors as one 2-D (or 1-D) tensor when each starts where the previous ends in one storage."""
     first = tensors[0]
@@ -216,18 +266,23 @@ def _check_packable(bases: Sequence[nn.Linear]) -> None:
 
 
 def pack(bases: Sequence[nn.Linear]) -> None:
-    """Moves the weights (and biases) of ``bases`` into one storage; each parameter becomes a view of it."""
+    """Moves the weights (and biases) of ``bases`` into one storage; each parameter becomes a view of it.
+
+    Outside inference mode whatever mode the caller is in: parameters made of inference tensors could never
+    take part in autograd again (a later ``requires_grad_``, LoRA training or input gradients would fail,
+    even after ``restore``)."""
     if len(bases) == 1:
         return
     _check_packable(bases)
     names = ["weight"] if bases[0].bias is None else ["weight", "bias"]
-    for name in names:
-        params = [getattr(b, name) for b in bases]
-        storage = torch.cat([p.detach() for p in params])
-        start = 0
-        for param in params:
-            param.data = storage[start : start + param.shape[0]]
-            start += param.shape[0]
+    with torch.inference_mode(False), torch.no_grad():
+        for name in names:
+            params = [getattr(b, name) for b in bases]
+            storage = torch.cat([p.detach() for p in params])
+            start = 0
+            for param in params:
+                param.data = storage[start : start + param.shape[0]]
+                start += param.shape[0]
 
 
 def split_packed(weights: LinearWeights, count: int) -> tuple[LinearWeights, LinearWeights]:

@@ -21,12 +21,13 @@ import dataclasses
 import functools
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 from omni_accel.patches import hook_chains
@@ -35,7 +36,14 @@ from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
 from ..forward_hooks import hooked_submodule
 from ..layers.attention import AttentionSite
-from ..layers.projection import LinearWeights, Unsupported, apply_one, read_linear, read_packed
+from ..layers.projection import (
+    LinearWeights,
+    Unsupported,
+    apply_one,
+    prepack,
+    read_linear,
+    read_packed,
+)
 from ..layers.split_modulation import ModulationSite, SplitModulation
 from ..parallel.parallelize import Parallelized, ParallelPlan
 from ..parallel.tensor import TensorPlan
@@ -164,10 +172,12 @@ class NativeBlock:
         """A model-specific reason this call must run Diffusers' forward (a custom processor...), or None."""
         return None
 
-    def native_weights(self, *args: Any, **kwargs: Any) -> dict[str, LinearWeights] | None:
+    def native_weights(
+        self, *args: Any, inputs: Sequence[Any] = (), **kwargs: Any
+    ) -> dict[str, LinearWeights] | None:
         """The weights of every projection, read now; None (and the reason counted) when this call must run
-        Diffusers' forward."""
-        reason = self._block_reason() or self.unsupported_reason(*args, **kwargs)
+        Diffusers' forward. ``inputs``: the call's tensor arguments (nested in tuples, lists or dicts)."""
+        reason = self._block_reason(inputs) or self.unsupported_reason(*args, **kwargs)
         if reason is None:
             try:
                 weights = {
@@ -229,15 +239,33 @@ class NativeBlock:
         module = self._submodule(self.linears[name])
         return cache.project(f"{self.omni_name}.{name}", module, conditioning, compute)
 
-    def _block_reason(self) -> str | None:
-        if self.training:
-            return "training mode"
+    def _block_reason(self, inputs: Sequence[Any]) -> str | None:
+        if self.training and _active_dropout(self):
+            return "training mode with active dropout"
         hooked = hooked_submodule(self)
         if hooked is not None:
             return f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules)"
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            return "gradients enabled for parameters that require them"
+        if torch.is_grad_enabled():
+            # The fused kernels have no backward: whenever a gradient flows through this block (to its
+            # weights or to its inputs), Diffusers' forward computes it.
+            if any(p.requires_grad for p in self.parameters()):
+                return "gradients enabled for parameters that require them"
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(inputs)):
+                return "gradients enabled for inputs that require them"
         return None
+
+    def prepack(self) -> None:
+        """Packs each of the block's packed projections now (at ``accelerate``), where no call can observe
+        it: tensors a user takes from ``state_dict()`` afterwards stay the weights every call reads. A
+        projection that cannot be packed (quantized, offloaded...) is left as it is: its calls say why."""
+        for paths in self.packed_projections().values():
+            prepack(self._modules_at(paths))
+
+    def run_as_diffusers(self) -> bool:
+        """True while ``torch.compile`` traces this block (a user's ``compile_repeated_blocks()`` or
+        ``torch.compile`` of the transformer): the host-side work of the native path cannot be traced, so the
+        compiler gets Diffusers' forward of the block, which it traces whole (``fullgraph=True`` works)."""
+        return torch.compiler.is_compiling()
 
     def _modules_at(self, paths: tuple[str, ...]) -> list[nn.Module]:
         return [self._submodule(path) for path in paths]
@@ -254,6 +282,13 @@ class NativeBlock:
 @functools.cache
 def _split_path(path: str) -> tuple[str, ...]:
     return tuple(path.split("."))
+
+
+def _active_dropout(block: nn.Module) -> bool:
+    """A dropout that changes the output in training mode (Diffusers' DiTs build theirs with p = 0)."""
+    return any(
+        isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in block.modules()
+    )
 
 
 def modulation_sites(transformer: nn.Module) -> list[ModulationSite]:
@@ -304,6 +339,7 @@ def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRunti
         block.omni_runtime = runtime
         block.omni_name = name
         hook_chains.apply(block, diffusers_cls, native_cls)
+        block.prepack()
     # Diffusers' compile_repeated_blocks() finds blocks by class name: point it at the native classes.
     object.__setattr__(transformer, "_repeated_blocks", [cls.__name__ for cls in model.blocks.values()])
     return SwappedBlocks(transformer, [entry[1:] for entry in named])

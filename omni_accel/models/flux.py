@@ -185,6 +185,8 @@ def _joined(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
     previous single block returns them (so only the first single block pays for the concatenation)."""
     if torch.compiler.is_compiling():  # storage checks do not trace; the compiler handles the copy
         return torch.cat([txt, img], dim=1)
+    if torch.is_grad_enabled() and (txt.requires_grad or img.requires_grad):
+        return torch.cat([txt, img], dim=1)  # autograd must see both halves (as_strided's backward would not)
     batch, text_len, dim = txt.shape
     length = text_len + img.shape[1]
     stride = (length * dim, dim, 1)
@@ -222,7 +224,8 @@ class _FluxNative(NativeBlock):
         image_rotary_emb: Rope = None,
         joint_attention_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        prepared = self._prepare(temb, joint_attention_kwargs)
+        inputs = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+        prepared = None if self.run_as_diffusers() else self._prepare(temb, joint_attention_kwargs, inputs)
         if prepared is None:
             return super().forward(
                 hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs
@@ -241,11 +244,10 @@ class _FluxNative(NativeBlock):
         )
 
     @torch.compiler.disable
-    def _prepare(self, temb: torch.Tensor, joint_attention_kwargs: dict[str, Any] | None):
+    def _prepare(self, temb: torch.Tensor, joint_attention_kwargs: dict[str, Any] | None, inputs: tuple):
         """Everything host-side (reading and packing weights, the projection cache, constants), or None when
-        this call runs Diffusers' forward. Never traced: when Diffusers' ``compile_repeated_blocks()`` compiles
-        the whole block, this stays eager (one graph break) and the math is what gets compiled."""
-        weights = self.native_weights(joint_attention_kwargs)
+        this call runs Diffusers' forward. Never traced (``run_as_diffusers``)."""
+        weights = self.native_weights(joint_attention_kwargs, inputs=inputs)
         if weights is None:
             return None
         runtime = self.omni_runtime
@@ -380,7 +382,8 @@ FLUX = NativeModel(
     cfg_pairing=true_cfg_pairs,
     limitations=(
         "IP-adapter processors, Diffusers attention backends set on a processor, fuse_qkv_projections(), "
-        "DoRA adapters, hooks on a submodule and training mode run Diffusers' forward of the block "
-        "(counted in the report; an error under tensor or sequence parallelism)",
+        "DoRA adapters, hooks on a submodule, active dropout in training mode, gradients flowing through a "
+        "block and a user's torch.compile of the blocks run Diffusers' forward of the block (counted in the "
+        "report, except under torch.compile; an error under tensor or sequence parallelism)",
     ),
 )

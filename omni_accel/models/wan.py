@@ -195,9 +195,10 @@ class _WanNative(NativeBlock):
         return {**self.packed, "added_kv": ("attn2.add_k_proj", "attn2.add_v_proj")}  # I2V
 
     @torch.compiler.disable
-    def _prepare(self):
-        """Everything host-side (weights, constants), or None when this call runs Diffusers' forward."""
-        weights = self.native_weights()
+    def _prepare(self, inputs: tuple):
+        """Everything host-side (weights, constants), or None when this call runs Diffusers' forward. Never
+        traced (``run_as_diffusers``)."""
+        weights = self.native_weights(inputs=inputs)
         if weights is None:
             return None
         attn1, attn2 = self.attn1, self.attn2
@@ -236,9 +237,10 @@ class NativeWanTransformerBlock(_WanNative, WanTransformerBlock):
         temb: torch.Tensor,
         rotary_emb: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        prepared = self._prepare()
+        inputs = (hidden_states, encoder_hidden_states, temb, rotary_emb)
+        prepared = None if self.run_as_diffusers() else self._prepare(inputs)
         if prepared is None:
-            return super().forward(hidden_states, encoder_hidden_states, temb, rotary_emb)
+            return super().forward(*inputs)
         weights, norms, constants = prepared
         math = self.omni_runtime.math(wan_block, self.omni_name)
         table = self.scale_shift_table
@@ -261,11 +263,10 @@ class NativeWanVACETransformerBlock(_WanNative, WanVACETransformerBlock):
         temb: torch.Tensor,
         rotary_emb: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        prepared = self._prepare()
+        inputs = (hidden_states, encoder_hidden_states, control_hidden_states, temb, rotary_emb)
+        prepared = None if self.run_as_diffusers() else self._prepare(inputs)
         if prepared is None:
-            return super().forward(
-                hidden_states, encoder_hidden_states, control_hidden_states, temb, rotary_emb
-            )
+            return super().forward(*inputs)
         weights, norms, constants = prepared
         if "proj_in" in weights:  # the first control block joins the video tokens, outside the math that
             # every control block shares (compiled: one graph for all of them)
@@ -298,8 +299,9 @@ def cfg_pairs(arguments: dict[str, Any]) -> bool:
 _BATCHED = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")
 _LIMITATIONS = (
     "custom attention processors, Diffusers attention backends set on a processor, "
-    "fuse_qkv_projections(), DoRA adapters, hooks on a submodule and training mode run Diffusers' "
-    "forward of the block (counted in the report)",
+    "fuse_qkv_projections(), DoRA adapters, hooks on a submodule, active dropout in training mode, gradients "
+    "flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of the block "
+    "(counted in the report, except under torch.compile)",
     "exact projection cache: not used for Wan: its repeated projections (text K/V, timestep MLP) are ~0.1% of "
     "a 14B forward at 480p, and caching them measured no gain (docs/PERFORMANCE.md)",
 )
