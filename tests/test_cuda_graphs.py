@@ -72,7 +72,9 @@ def test_what_keys_a_graph():
     processor = transformer.transformer_blocks[0].attn.processor
     key = differs_after(
         "an attention processor of another class",
-        lambda: transformer.transformer_blocks[0].attn.set_processor(type("Custom", (type(processor),), {})()),
+        lambda: transformer.transformer_blocks[0].attn.set_processor(
+            type("Custom", (type(processor),), {})()
+        ),
     )
     transformer.transformer_blocks[0].attn.set_processor(type(processor)())
     key = differs_after("the processor's class again", lambda: None)

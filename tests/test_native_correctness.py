@@ -88,7 +88,7 @@ def test_weights_stay_ordinary_tensors_after_a_call_in_inference_mode():
     assert not any(p.is_inference() for p in fast.parameters())
     fast.requires_grad_(True)
     plain.requires_grad_(True)
-    (expected, expected_grads), (got, grads) = _input_grads(plain, inputs), _input_grads(fast, inputs)
+    (_, expected_grads), (_, grads) = _input_grads(plain, inputs), _input_grads(fast, inputs)
     for grad, want in zip(grads, expected_grads, strict=True):
         assert rel_err(grad, want) <= 1e-5
     pipe = _bare(fast)
@@ -201,7 +201,10 @@ def test_ip_adapter_with_replayed_steps_changes_with_its_scale():
             for p in (_bare(plain), pipe):
                 p.set_ip_adapter_scale(scale)
             outputs.append(
-                [m(**inputs, joint_attention_kwargs=dict(embeds), return_dict=False)[0] for m in (plain, fast)]
+                [
+                    m(**inputs, joint_attention_kwargs=dict(embeds), return_dict=False)[0]
+                    for m in (plain, fast)
+                ]
             )
     for expected, got in outputs:
         assert rel_err(got, expected) <= 1e-5
