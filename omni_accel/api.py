@@ -8,6 +8,7 @@ each recording its own undo). ``restore`` runs the undos in reverse order.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 import threading
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, ModelMixin, ModularPipeline
+from diffusers.models.modeling_utils import get_parameter_dtype
 from torch import nn
 
 import omni_accel.patches as patches
@@ -28,7 +30,7 @@ from .attention import routing
 from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
-from .config import AccelConfig
+from .config import DEFAULT_COMPONENTS, AccelConfig
 from .layers.split_modulation import SplitModulation
 from .models.base import NativeBlock, NativeRuntime, modulation_sites, swap_blocks
 from .models.registry import ModelSpec, output_class, registered_natives, spec_for
@@ -45,6 +47,9 @@ logger = get_logger(__name__)
 
 _STATE_ATTR = "_omni_accel_state"
 _SHARED = "native (shared)"
+# What accelerate takes: the pipelines of `diffusers.pipelines` and those built from blocks
+# (`diffusers.modular_pipelines`); both hold their denoiser as an attribute (`pipe.transformer`).
+Pipeline = DiffusionPipeline | ModularPipeline
 
 
 @dataclass
@@ -58,6 +63,7 @@ class _Component:
     parallel: ParallelState | None = None  # a distributed layout to apply at commit
     graphs: cuda_graphs.StepGraphs | None = None
     undo: list[Callable[[], None]] = field(default_factory=list)
+    shared: bool = False  # accelerated by another pipeline holding the same module (from_pipe), which owns it
 
 
 @dataclass
@@ -69,19 +75,21 @@ class _State:
     others: list[ComponentReport] = field(default_factory=list)  # components other than denoisers (the VAE)
 
 
-def accelerate(
-    pipe: DiffusionPipeline, config: AccelConfig | None = None, **overrides: Any
-) -> DiffusionPipeline:
+def accelerate(pipe: Pipeline, config: AccelConfig | None = None, **overrides: Any) -> Pipeline:
     """Accelerates ``pipe`` in place and returns it; its call signature and outputs stay Diffusers'."""
-    if not isinstance(pipe, DiffusionPipeline):
-        raise TypeError(f"accelerate() takes a Diffusers pipeline, got {type(pipe).__name__}.")
-    if getattr(pipe, _STATE_ATTR, None) is not None:
+    if not isinstance(pipe, Pipeline):
+        raise TypeError(
+            f"accelerate() takes a Diffusers pipeline, got {type(pipe).__name__} (pass a DiffusionPipeline or a "
+            "ModularPipeline; its transformer is accelerated in place)."
+        )
+    state = getattr(pipe, _STATE_ATTR, None)
+    if state is not None and not _holds_nothing(state):
         raise RuntimeError("This pipeline is already accelerated; call omni_accel.restore(pipe) first.")
     if config is not None and not isinstance(config, AccelConfig):
         raise TypeError(f"config must be an omni_accel.AccelConfig, got {type(config).__name__}.")
     config = (config or AccelConfig()).with_overrides(**overrides)
 
-    names = [n for n in config.components if isinstance(getattr(pipe, n, None), nn.Module)]
+    names = _denoiser_names(pipe, config)
     if not names:
         note = ComponentReport(
             ", ".join(config.components),
@@ -94,6 +102,12 @@ def accelerate(
         logger.warning("%s: %s", type(pipe).__name__, note.detail)
         return pipe
     layout, auto_reason = _parallel_config(pipe, names, config)
+    if layout is not None and isinstance(pipe, ModularPipeline):
+        raise ValueError(
+            f"parallel={config.parallel!r} spreads the standard pipelines' calls over the ranks, and "
+            f"{type(pipe).__name__} is a modular pipeline (its calls are blocks); run it on one device "
+            "(without `parallel`), or use the standard pipeline of the model."
+        )
     deferred = layout == _FIRST_CALL
     parallel = init_parallel(layout) if layout is not None and not deferred else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
@@ -103,9 +117,7 @@ def accelerate(
         for component in components:
             if component.runtime is not None:
                 component.report.detail += f"; parallel='auto': {auto_reason}"
-    for component in components:
-        _commit(component)
-    undo = _spread_the_rest(pipe, components, vae_coders, parallel) if distributed else []
+    undo = _commit_all(pipe, components, vae_coders, parallel if distributed else None)
     if deferred:
         undo.append(pipeline_calls.on_first_call(pipe, lambda arguments: _apply_auto_layout(pipe, arguments)))
     setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
@@ -113,7 +125,80 @@ def accelerate(
     return pipe
 
 
-def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:
+def _commit_all(
+    pipe: Pipeline,
+    components: list[_Component],
+    vae_coders: list[nn.Module],
+    parallel: ParallelState | None,
+) -> list[Callable[[], None]]:
+    """Commits every planned component (and, under a layout, the rest); an error on the way undoes what was
+    done, so that a refused ``accelerate`` leaves the pipeline as Diffusers made it. Returns the undos."""
+    try:
+        for component in components:
+            _commit(component)
+        return _spread_the_rest(pipe, components, vae_coders, parallel) if parallel is not None else []
+    except BaseException:
+        for component in reversed(components):
+            for undo in reversed(component.undo):
+                undo()
+            component.undo.clear()
+        raise
+
+
+def _is_denoiser(module: Any) -> bool:
+    """A Diffusers transformer or UNet (what ``components`` may name): a registered model, a class of
+    ``diffusers.models.transformers`` / ``unets``, or a custom ModelMixin named as one."""
+    module = getattr(module, "_orig_mod", module)  # a torch.compile'd one: _plan says how to accelerate it
+    if not isinstance(module, ModelMixin):
+        return False
+    cls = type(module)
+    return (
+        spec_for(module) is not None
+        or cls.__module__.startswith(("diffusers.models.transformers.", "diffusers.models.unets."))
+        or "Transformer" in cls.__name__
+        or "UNet" in cls.__name__
+    )
+
+
+def _denoiser_names(pipe: Pipeline, config: AccelConfig) -> list[str]:
+    """The components to accelerate. The default names skip an absent one (a pipeline with one
+    transformer); a name given explicitly must be a denoiser of this pipeline."""
+    present = [name for name in config.components if isinstance(getattr(pipe, name, None), nn.Module)]
+    if config.components == DEFAULT_COMPONENTS:
+        return present
+    denoisers = sorted(name for name, module in pipe.components.items() if _is_denoiser(module))
+    missing = [name for name in config.components if name not in present]
+    if missing:
+        raise ValueError(
+            f"components names {missing}, which {type(pipe).__name__} does not hold (absent or None); its "
+            f"denoisers are {denoisers}. Name only those (the default {list(DEFAULT_COMPONENTS)} skips absent ones)."
+        )
+    wrong = [name for name in present if not _is_denoiser(getattr(pipe, name))]
+    if wrong:
+        listed = ", ".join(f"pipe.{name} ({type(getattr(pipe, name)).__name__})" for name in wrong)
+        raise ValueError(
+            f"components names {listed}, not a denoiser: accelerate speeds up a pipeline's Diffusers "
+            f"transformers and UNets, and this pipeline's are {denoisers}."
+        )
+    return present
+
+
+def _holds_nothing(state: _State) -> bool:
+    """Whether an accelerated state holds nothing any more (it found no transformer, or only shared ones
+    that their owner has since restored), so that ``accelerate`` may start again."""
+    return not state.undo and all(c.shared and _runtime_of(c.original) is None for c in state.components)
+
+
+def _in_sync(pipe: Pipeline) -> bool:
+    """Whether the accelerated state still describes ``pipe``: each component accelerate saw is still the
+    pipeline's, and no denoiser was added since (a modular pipeline loads its components later)."""
+    state = _state(pipe)
+    seen = {component.name: component.original for component in state.components}
+    names = [name for name in state.config.components if isinstance(getattr(pipe, name, None), nn.Module)]
+    return set(names) == set(seen) and all(getattr(pipe, name) is module for name, module in seen.items())
+
+
+def _log_summary(pipe: Pipeline, components: list[_Component]) -> None:
     """One INFO line per accelerate; a WARNING for whatever was left to Diffusers."""
     summary = "; ".join(f"{c.name} ({c.report.diffusers_class}) {c.report.mode}" for c in components)
     logger.info("%s accelerated: %s (omni_accel.describe(pipe) for details)", type(pipe).__name__, summary)
@@ -128,7 +213,7 @@ def _log_summary(pipe: DiffusionPipeline, components: list[_Component]) -> None:
                 logger.warning("pipe.%s: %s", report.name, item)
 
 
-def restore(pipe: DiffusionPipeline) -> DiffusionPipeline:
+def restore(pipe: Pipeline) -> Pipeline:
     """Puts the original Diffusers modules back (with the current weights, device and dtype)."""
     state = _state(pipe)
     for component in state.components:
@@ -142,20 +227,69 @@ def restore(pipe: DiffusionPipeline) -> DiffusionPipeline:
     return pipe
 
 
-def describe(pipe: DiffusionPipeline) -> AccelerationReport:
-    """What was swapped, which provider serves each attention role and why, cache use, and what was left."""
+def describe(pipe: Pipeline) -> AccelerationReport:
+    """What was swapped, which provider serves each attention role and why, cache use, and what was left:
+    as things are now (a shared transformer its owner restored, a component replaced since), not as planned."""
     state = _state(pipe)
-    for component in state.components:
-        if component.report.runtime is not None:
+    reports = [_current_report(pipe, component) for component in state.components]
+    for component, report in zip(state.components, reports, strict=True):
+        if report.runtime is not None:
             sites = _native_sites(component.original, component.spec.native_model())
-            component.report.planned_attention = _resolve_rows(
-                sites, next(component.original.parameters()), component.report.selector, strict=False
+            report.planned_attention = _resolve_rows(
+                sites, _placement(component.original), report.selector, strict=False
             )
-    reports = [c.report for c in state.components] + state.others + state.absent
-    return AccelerationReport(type(pipe).__name__, reports)
+    return AccelerationReport(type(pipe).__name__, reports + state.others + state.absent)
 
 
-def _state(pipe: DiffusionPipeline) -> _State:
+def _current_report(pipe: Pipeline, component: _Component) -> ComponentReport:
+    """The component's report, or what replaced it when the truth changed since ``accelerate``."""
+    module = getattr(pipe, component.name, None)
+    if module is not component.original:
+        cls_name = type(module).__name__ if module is not None else "-"
+        return ComponentReport(
+            component.name,
+            cls_name,
+            "replaced",
+            f"pipe.{component.name} was replaced after accelerate (it held a "
+            f"{type(component.original).__name__}); what it holds now runs as in Diffusers: "
+            "omni_accel.restore(pipe), then accelerate(pipe), accelerates it",
+        )
+    if component.shared:
+        return _shared_report(component.name, module)
+    return component.report
+
+
+def _runtime_of(module: nn.Module) -> NativeRuntime | None:
+    """The runtime of the native blocks inside ``module`` (None: none of its blocks is native now)."""
+    return next((m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock)), None)
+
+
+def _shared_report(name: str, module: nn.Module) -> ComponentReport:
+    """A transformer that another pipeline accelerated (``from_pipe`` shares it): its state now."""
+    runtime = _runtime_of(module)
+    if runtime is None:
+        return ComponentReport(
+            name,
+            type(module).__name__,
+            "untouched",
+            "shared with another pipeline (from_pipe) that accelerated it and has since restored it: it runs "
+            "exactly as in Diffusers",
+        )
+    graphs = module.__dict__.get("forward")
+    return ComponentReport(
+        name,
+        type(module).__name__,
+        _SHARED,
+        "already accelerated by another pipeline that shares this module; restore that pipeline to undo",
+        runtime.selector,
+        cache=runtime.cache,
+        cfg=runtime.layout.cfg if runtime.layout is not None else None,
+        runtime=runtime,
+        graphs=graphs if isinstance(graphs, cuda_graphs.StepGraphs) else None,
+    )
+
+
+def _state(pipe: Pipeline) -> _State:
     state = getattr(pipe, _STATE_ATTR, None)
     if state is None:
         raise ValueError("This pipeline is not accelerated; call omni_accel.accelerate(pipe) first.")
@@ -171,19 +305,8 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
             f"(pipe.{name} = pipe.{name}._orig_mod) and pass compile=True to compile the native blocks."
         )
     spec = spec_for(module)
-    runtime = next((m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock)), None)
-    if runtime is not None:  # e.g. a sibling made by from_pipe shares an accelerated transformer
-        report = ComponentReport(
-            name,
-            cls_name,
-            _SHARED,
-            "already accelerated by another pipeline that shares this module; restore that pipeline to undo",
-            runtime.selector,
-            cache=runtime.cache,
-            cfg=runtime.layout.cfg if runtime.layout is not None else None,
-            runtime=runtime,
-        )
-        return _Component(name, module, spec, report)
+    if _runtime_of(module) is not None:  # e.g. a sibling made by from_pipe shares an accelerated transformer
+        return _Component(name, module, spec, _shared_report(name, module), shared=True)
     native_ok = spec is not None and spec.native is not None and config.native
     distributed = parallel is not None and parallel.mesh is not None
     if config.compile and not native_ok:
@@ -247,8 +370,13 @@ def _plan_swap(
         detail += "; repeated blocks compiled"
         if config.compile_in_background:
             detail += " (in the background on one device: eager steps until the code is ready)"
-    if graphs_on:
-        detail += "; each step captured as a CUDA graph"
+    if graphs_on and torch.cuda.is_available():
+        detail += "; steps replayed from CUDA graphs where they run on one CUDA device (counts below)"
+    elif graphs_on:
+        detail += (
+            "; cuda_graphs=True, but no step can run on CUDA here (this machine has no CUDA device): every "
+            "step runs eagerly, none is captured"
+        )
     if parallel is not None:
         detail += f"; {parallel.config} on {dist.get_world_size()} ranks"
     report = ComponentReport(
@@ -336,7 +464,8 @@ def _routed_sites(module: nn.Module, spec: ModelSpec) -> list[tuple[str, str, in
 
 def _check_attention(name: str, module: nn.Module, sites, selector: AttentionSelector) -> None:
     """Every ``per_role`` key names a role or category of this model, and every explicit choice can serve
-    the model's dtype, device and head size: both fail at accelerate, not at the first call."""
+    the model's compute dtype, device and head size: both fail at accelerate, not at the first call (the
+    second waits for the first call where the dtype or device is not known before it)."""
     # The generic categories are valid everywhere: one config may serve pipelines with and without them.
     known = {role for role, _, _ in sites} | {category for _, category, _ in sites} | {"self", "cross"}
     unknown = sorted(set(selector.config.per_role) - known)
@@ -346,15 +475,84 @@ def _check_attention(name: str, module: nn.Module, sites, selector: AttentionSel
             f"have; its roles are {sorted({r for r, _, _ in sites})} and categories "
             f"{sorted({c for _, c, _ in sites})}."
         )
-    param = next(module.parameters())
-    _resolve_rows([site for site in sites if site[2] is not None], param, selector, strict=True)
+    placement = _placement(module)
+    _resolve_rows([site for site in sites if site[2] is not None], placement, selector, strict=True)
+    if placement.unknown is not None:
+        logger.info("pipe.%s: attention providers are checked at the first call: %s", name, placement.unknown)
 
 
-def _resolve_rows(sites, param, selector: AttentionSelector, strict: bool) -> list[tuple[str, str, str, str]]:
-    capability = AttentionRequest.for_call(param).compute_capability
+@dataclass(frozen=True)
+class _Placement:
+    """The dtype and device a transformer computes its attention in, found as Diffusers finds them; None
+    where they cannot be known before the first call (``unknown`` says why)."""
+
+    dtype: torch.dtype | None
+    device: torch.device | None
+    unknown: str | None = None
+
+
+_COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _placement(module: nn.Module) -> _Placement:
+    """Not the first parameter's dtype and device: under layerwise casting, GGUF or other quantization the
+    weights are stored in another dtype than the one the model computes in, and under offload (sequential,
+    group, ``device_map``) they sit on the CPU or on ``meta`` while the model runs on its execution device."""
+    dtype = _compute_dtype(module)
+    device = _execution_device(module)
+    reasons = []
+    if dtype is None:
+        stored = str(get_parameter_dtype(module)).removeprefix("torch.")
+        reasons.append(
+            f"its weights are stored in {stored} and neither layerwise casting nor a quantization config says "
+            "which dtype it computes in"
+        )
+    if device is None:
+        reasons.append("its weights are on the meta device and no offload hook names the device it runs on")
+    return _Placement(dtype, device, "; ".join(reasons) or None)
+
+
+def _compute_dtype(module: nn.Module) -> torch.dtype | None:
+    """The quantizer's compute dtype (GGUF and the like dequantize to it), else Diffusers' ``model.dtype``:
+    layerwise casting's compute dtype, else the first floating-point weight's outside the fp32-kept modules."""
+    quantizer = getattr(module, "hf_quantizer", None)
+    dtype = getattr(quantizer, "compute_dtype", None) or get_parameter_dtype(module)
+    return dtype if dtype in _COMPUTE_DTYPES else None
+
+
+def _execution_device(module: nn.Module) -> torch.device | None:
+    """Where ``module`` runs, as a Diffusers pipeline's ``_execution_device`` finds it: a group-offload hook's
+    onload device, an accelerate hook's execution device (model or sequential CPU offload, ``device_map``),
+    else where its weights are; None when they are all on ``meta`` with nothing to load them."""
+    for submodule in module.modules():
+        registry = submodule.__dict__.get("_diffusers_hook")
+        group = registry.get_hook("group_offloading") if registry is not None else None
+        if group is not None:
+            return torch.device(group.group.onload_device)
+        hook = submodule.__dict__.get("_hf_hook")
+        for part in getattr(hook, "hooks", (hook,)) if hook is not None else ():
+            device = getattr(part, "execution_device", None)
+            if device is not None:
+                return torch.device(device)
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    return None
+
+
+def _resolve_rows(
+    sites, placement: _Placement, selector: AttentionSelector, strict: bool
+) -> list[tuple[str, str, str, str]]:
+    """(role, request, provider, reason) per site; an error row (or, ``strict``, the error) where a choice
+    cannot serve, and a deferred row where the placement is not known before the first call."""
+    if placement.unknown is not None:
+        return [(role, "known at the first call", "deferred", placement.unknown) for role, _, _ in sites]
+    device = placement.device
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()  # a hook may name CUDA before it exists here
+    capability = torch.cuda.get_device_capability(device) if on_gpu else None
     rows = []
     for role, category, head_dim in sites:
-        request = AttentionRequest(param.dtype, param.device.type, head_dim, compute_capability=capability)
+        request = AttentionRequest(placement.dtype, device.type, head_dim, compute_capability=capability)
         try:
             found = resolve(selector.config, role, category, request)
             rows.append((role, request.describe(), found.name, found.reason))
@@ -366,7 +564,7 @@ def _resolve_rows(sites, param, selector: AttentionSelector, strict: bool) -> li
 
 
 def _commit(component: _Component) -> None:
-    if component.report.mode == _SHARED:
+    if component.shared:
         return  # the pipeline that accelerated the module owns its undo
     if component.runtime is not None:
         model = component.spec.native_model()
@@ -433,7 +631,7 @@ _FIRST_CALL = "decided at the first pipeline call"
 
 
 def _parallel_config(
-    pipe: DiffusionPipeline, names: list[str], config: AccelConfig
+    pipe: Pipeline, names: list[str], config: AccelConfig
 ) -> tuple[ParallelConfig | str | None, str | None]:
     """The layout to apply now, or ``_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
     call's arguments (whether it runs both guidance branches); and a note for the report."""

@@ -3,9 +3,15 @@
 However a script builds its pipelines (``from_pretrained``, ``from_pipe``, a constructor,
 ``AutoPipelineFor*``), each ends in the ``__init__`` of a ``DiffusionPipeline`` subclass; ``enable`` wraps
 those (the classes loaded now, and through ``__init_subclass__`` the ones Diffusers imports later) so that
-when the outermost ``__init__`` returns, ``accelerate(pipe, **options)`` runs. ``disable`` unwraps them;
-pipelines already accelerated stay so (``omni_accel.restore(pipe)`` undoes one). In IPython:
-``%load_ext omni_accel`` enables it with the options from the environment (see ``options_from_env``).
+when the outermost ``__init__`` returns, ``accelerate(pipe, **options)`` runs. A modular pipeline
+(``diffusers.modular_pipelines``) gets its components after it is built (``load_components``,
+``update_components``): both end in ``ModularPipeline.register_components``, after which its transformer is
+accelerated (again, with the same options, when it was replaced). ``disable`` unwraps them; pipelines
+already accelerated stay so (``omni_accel.restore(pipe)`` undoes one). In IPython: ``%load_ext omni_accel``
+enables it with the options from the environment (see ``options_from_env``).
+
+Zero-code never makes a script fail where plain Diffusers works: when ``accelerate`` refuses a pipeline, a
+warning says why and the pipeline stays plain Diffusers.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ import os
 import threading
 from typing import Any
 
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, ModularPipeline
+from torch import nn
 
-from .api import accelerate
+from . import api
 from .config import AccelConfig
 from .parallel.config import ParallelConfig
 from .utils.logging import get_logger
@@ -28,6 +35,7 @@ _LOCK = threading.Lock()
 _LOCAL = threading.local()  # the depth of nested pipeline __init__ calls on this thread
 _options: dict[str, Any] | None = None
 _wrapped: dict[type, Any] = {}  # class -> its original __init__
+_modular_register: Any = None  # ModularPipeline.register_components before we wrapped it
 _hooked_subclasses = False  # DiffusionPipeline.__init_subclass__ is ours (it defines none of its own)
 
 
@@ -47,6 +55,7 @@ def enable(**options: Any) -> None:
             _hooked_subclasses = True
         for cls in _subclasses(DiffusionPipeline):
             _wrap(cls)
+        _wrap_modular()
     logger.info(
         "zero-code acceleration on for pipelines built from now on (options %s)", options or "default"
     )
@@ -54,12 +63,15 @@ def enable(**options: Any) -> None:
 
 def disable() -> None:
     """Stops accelerating new pipelines (the ones already accelerated stay so)."""
-    global _options, _hooked_subclasses
+    global _options, _hooked_subclasses, _modular_register
     with _LOCK:
         _options = None
         for cls, original in _wrapped.items():
             cls.__init__ = original
         _wrapped.clear()
+        if _modular_register is not None:
+            ModularPipeline.register_components = _modular_register
+            _modular_register = None
         if _hooked_subclasses:
             del DiffusionPipeline.__init_subclass__
             _hooked_subclasses = False
@@ -138,10 +150,58 @@ def _wrap(cls: type) -> None:
             _LOCAL.depth = depth
         options = _options
         if depth == 0 and options is not None:
-            accelerate(self, **options)
+            _accelerate_or_warn(self, AccelConfig().with_overrides(**options))
 
     _wrapped[cls] = original
     cls.__init__ = __init__
+
+
+def _wrap_modular() -> None:
+    """Wraps ``ModularPipeline.register_components``, where every way of giving a modular pipeline its
+    components ends (``__init__``, ``load_components``, ``update_components``)."""
+    global _modular_register
+    if _modular_register is not None:
+        return
+    original = ModularPipeline.register_components
+
+    @functools.wraps(original)
+    def register_components(self, **kwargs: Any) -> None:
+        original(self, **kwargs)
+        options = _options
+        if options is not None:
+            _follow_components(self, options)
+
+    _modular_register = original
+    ModularPipeline.register_components = register_components
+
+
+def _follow_components(pipe: ModularPipeline, options: dict[str, Any]) -> None:
+    """After a modular pipeline's components changed: accelerate its transformer once one is loaded, and
+    again (with the options it was accelerated with) when the one accelerated was replaced or removed."""
+    state = getattr(pipe, api._STATE_ATTR, None)
+    if state is not None:
+        if api._in_sync(pipe):
+            return
+        config = state.config
+        api.restore(pipe)
+    else:
+        config = AccelConfig().with_overrides(**options)
+    if any(isinstance(getattr(pipe, name, None), nn.Module) for name in config.components):
+        _accelerate_or_warn(pipe, config)
+
+
+def _accelerate_or_warn(pipe: Any, config: AccelConfig) -> None:
+    """``accelerate``, or (where it refuses) a warning, with the pipeline left plain Diffusers."""
+    try:
+        api.accelerate(pipe, config)
+    except Exception as exc:
+        logger.warning(
+            "zero-code acceleration left %s as plain Diffusers, because accelerate() refused it: %s: %s "
+            "(omni_accel.accelerate(pipe) raises the same; docs/troubleshooting.md has the fix)",
+            type(pipe).__name__,
+            type(exc).__name__,
+            exc,
+        )
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -10,6 +10,10 @@ from typing import Any
 from .attention.selection import AttentionConfig
 from .parallel.config import ParallelConfig
 
+# The pipeline attributes that hold denoisers in Diffusers' pipelines (Wan 2.2 has two experts); the
+# default skips an absent one, a name given explicitly must be there (see ``api._denoiser_names``).
+DEFAULT_COMPONENTS = ("transformer", "transformer_2")
+
 
 @dataclass(frozen=True)
 class AccelConfig:
@@ -27,7 +31,7 @@ class AccelConfig:
     it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer whose
     steps run on CUDA, on one GPU or under a parallel layout. ``vae_parallel``: under a parallel layout,
     split the VAE decode over the ranks by latent rows (None, the default: when the VAE's layers allow it).
-    ``components``: the pipeline attributes treated as denoisers."""
+    ``components``: the pipeline attributes treated as denoisers (Diffusers transformers or UNets)."""
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
@@ -37,7 +41,7 @@ class AccelConfig:
     compile_in_background: bool = True
     cuda_graphs: bool | None = None
     vae_parallel: bool | None = None
-    components: tuple[str, ...] = ("transformer", "transformer_2")
+    components: tuple[str, ...] = DEFAULT_COMPONENTS
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionConfig):
@@ -79,14 +83,38 @@ class AccelConfig:
 
 
 def _attention_config(value: Any) -> AttentionConfig:
-    """Accepts a provider name for every site, or a mapping with ``default`` / ``per_role``."""
+    """Accepts a provider name for every site, or a mapping with ``default`` / ``per_role``; checks their
+    forms here, so that a wrong one names the option rather than failing inside AttentionConfig."""
     if isinstance(value, str):
         return AttentionConfig(default=value)
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - {"default", "per_role"})
         if unknown:
             raise TypeError(f"attention options {unknown} are unknown; use 'default' and 'per_role'.")
-        return AttentionConfig(**value)
+        default = value.get("default", "auto")
+        if not isinstance(default, str):
+            raise TypeError(
+                f"attention['default'] must be one provider name (a str, e.g. 'sdpa' or 'auto'), got {default!r}."
+            )
+        per_role = value.get("per_role", {})
+        _check_per_role(per_role)
+        return AttentionConfig(default=default, per_role=per_role)
     raise TypeError(
         f"attention must be an AttentionConfig, a provider name or a mapping, got {type(value).__name__}."
     )
+
+
+def _check_per_role(per_role: Any) -> None:
+    """``per_role`` maps each role or category name to one provider name."""
+    example = "{'flux.single': 'sdpa', 'cross': 'auto'}"
+    if not isinstance(per_role, Mapping):
+        raise TypeError(
+            f"attention['per_role'] must map role or category names to provider names, like {example}; got a "
+            f"{type(per_role).__name__}: {per_role!r}. For one provider everywhere pass attention='NAME'."
+        )
+    for role, name in per_role.items():
+        if not isinstance(role, str) or not isinstance(name, str):
+            raise TypeError(
+                f"attention['per_role'] maps each role or category (a str) to one provider name (a str), like "
+                f"{example}; got {role!r}: {name!r}."
+            )

@@ -20,7 +20,7 @@ class ComponentReport:
 
     name: str
     diffusers_class: str
-    mode: str  # "native", "routed" or "untouched"
+    mode: str  # "native", "native (shared)", "routed", "untouched", "replaced", "absent" or "patch-parallel"
     detail: str
     selector: AttentionSelector | None = None
     cache: ExactProjectionCache | None = None
@@ -41,6 +41,8 @@ class ComponentReport:
             seen = self.selector.decisions()
             rows = seen or self.planned_attention
             label = "resolved" if seen else "planned (no call yet)"
+            if not seen and self.runtime is not None and self.runtime.fallbacks:
+                label = "planned (no block has run natively yet: see Diffusers' forward below)"
             for role, request, provider, reason in rows:
                 out.append(f"  attention {label}: {role} [{request}] -> {provider} ({reason})")
             for (role, reason), count in sorted(self.selector.unrouted.items()):

@@ -100,7 +100,9 @@ def test_calls_a_graph_cannot_serve_run_eagerly_and_are_counted():
     for _ in range(3):
         torch.testing.assert_close(pipe.transformer(**x)[0], plain(**x)[0], rtol=0, atol=0)
     report = str(omni_accel.describe(pipe))
-    assert "each step captured as a CUDA graph" in report
+    assert (
+        "replayed from CUDA graphs" if torch.cuda.is_available() else "no step can run on CUDA here"
+    ) in report
     assert "cuda graphs: 0 captured, 0 replays, 0 kept" in report
     assert "cuda graphs: 3 calls ran eagerly (arguments not all on one CUDA device)" in report
     cache = omni_accel.describe(pipe).components[0].cache

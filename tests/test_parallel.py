@@ -190,7 +190,9 @@ def _graph_keys_under_a_layout() -> None:
 
     pipe = omni_accel.tiny_flux_pipeline(seed=0)
     omni_accel.accelerate(pipe, parallel=ParallelConfig(ulysses=2), cuda_graphs=True)
-    assert "each step captured as a CUDA graph" in str(omni_accel.describe(pipe))
+    assert (
+        "replayed from CUDA graphs" if torch.cuda.is_available() else "no step can run on CUDA here"
+    ) in str(omni_accel.describe(pipe))
     keys, eager_reason = [], cuda_graphs._eager_reason
 
     def spy(module, leaves):

@@ -5,9 +5,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Caught inside the package (an Unsupported reason becomes a counted fallback, not an error) or Python's
-# own protocol (a missing attribute).
-INTERNAL = {"Unsupported", "AttributeError"}
+# Caught inside the package (an Unsupported reason becomes a counted fallback, an Unkeyable step runs
+# eagerly: not errors) or Python's own protocol (a missing attribute).
+INTERNAL = {"Unsupported", "Unkeyable", "AttributeError"}
 
 
 def _signature(node: ast.expr) -> str | None:

@@ -1,0 +1,205 @@
+"""``describe`` says what is true now, and wrong input fails with an error that names the option, what was
+given and the expected form: CUDA graphs on a machine without CUDA, a ``from_pipe`` sibling after its owner's
+restore, malformed attention options, components that are not denoisers, modular pipelines (accelerated,
+described, restored, and under zero-code), and zero-code never failing a pipeline plain Diffusers builds."""
+
+import logging
+
+import pytest
+import torch
+from conftest import rel_err
+from diffusers import FluxAutoBlocks, FluxImg2ImgPipeline
+
+import omni_accel
+from omni_accel import AccelConfig, ParallelConfig, cuda_graphs
+
+CALL = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+
+
+def _latents(pipe) -> torch.Tensor:
+    return pipe(**CALL, generator=torch.Generator().manual_seed(0)).images
+
+
+def _untouched(pipe) -> None:
+    assert type(pipe.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+    assert getattr(pipe, "_omni_accel_state", None) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what describe says where no step can run on CUDA")
+def test_cuda_graphs_without_cuda_are_reported_as_they_ran():
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), cuda_graphs=True)
+    _latents(pipe)
+    report = str(omni_accel.describe(pipe))
+    assert "captured as a CUDA graph" not in report and "replayed from CUDA graphs" not in report
+    assert "cuda_graphs=True, but no step can run on CUDA here (this machine has no CUDA device)" in report
+    assert "cuda graphs: 0 captured, 0 replays, 0 kept" in report
+    assert "cuda graphs: 2 calls ran eagerly (arguments not all on one CUDA device)" in report
+
+
+def test_a_from_pipe_sibling_is_described_as_it_is_after_its_owner_restores():
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    owner = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    sibling = omni_accel.accelerate(FluxImg2ImgPipeline.from_pipe(owner))
+    assert omni_accel.describe(sibling).components[0].mode == "native (shared)"
+    omni_accel.restore(owner)
+    component = omni_accel.describe(sibling).components[0]
+    assert component.mode == "untouched" and "has since restored it" in component.detail
+    assert component.runtime is None and component.selector is None
+    omni_accel.accelerate(sibling)  # it holds nothing any more: it may accelerate the module itself
+    assert omni_accel.describe(sibling).components[0].mode == "native"
+    sibling_call = dict(CALL, image=torch.rand(1, 3, 32, 32), strength=1.0)
+    expected = FluxImg2ImgPipeline.from_pipe(plain)(
+        **sibling_call, generator=torch.Generator().manual_seed(0)
+    )
+    got = sibling(**sibling_call, generator=torch.Generator().manual_seed(0))
+    assert rel_err(got.images, expected.images) <= 1e-5
+
+
+def test_a_replaced_transformer_is_described_as_plain():
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    pipe.transformer = omni_accel.tiny_flux_pipeline(seed=1).transformer
+    component = omni_accel.describe(pipe).components[0]
+    assert component.mode == "replaced" and "runs as in Diffusers" in component.detail
+
+
+@pytest.mark.parametrize(
+    ("attention", "message"),
+    [
+        (
+            {"per_role": ["flux.single", "sdpa"]},
+            r"attention\['per_role'\] must map role or category names.*got a list",
+        ),
+        ({"per_role": "sdpa"}, r"attention\['per_role'\] must map .*got a str: 'sdpa'.*attention='NAME'"),
+        (
+            {"per_role": {"flux.single": ["sdpa"]}},
+            r"to one provider name \(a str\).*'flux.single': \['sdpa'\]",
+        ),
+        ({"default": ["sdpa"]}, r"attention\['default'\] must be one provider name.*got \['sdpa'\]"),
+    ],
+)
+def test_malformed_attention_options_name_the_option_and_the_form(attention, message):
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    with pytest.raises(TypeError, match=message):
+        omni_accel.accelerate(pipe, attention=attention)
+    _untouched(pipe)
+
+
+@pytest.mark.parametrize(
+    ("components", "message"),
+    [
+        (("vae",), r"pipe.vae \(AutoencoderKL\), not a denoiser.*this pipeline's are \['transformer'\]"),
+        (("transformer", "text_encoder"), r"names pipe.text_encoder \(CLIPTextModel\), not a denoiser"),
+        (
+            ("transformer_3",),
+            r"\['transformer_3'\], which FluxPipeline does not hold.*denoisers are \['transformer'\]",
+        ),
+    ],
+)
+def test_components_must_name_denoisers_of_the_pipeline(components, message):
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    with pytest.raises(ValueError, match=message):
+        omni_accel.accelerate(pipe, components=components)
+    _untouched(pipe)
+    assert omni_accel.describe(omni_accel.accelerate(pipe, components=("transformer",))).components[
+        0
+    ].mode == ("native")
+
+
+def test_an_error_while_committing_leaves_the_pipeline_as_it_was(monkeypatch):
+    def refuse(self):
+        raise RuntimeError("no graphs today")
+
+    monkeypatch.setattr(cuda_graphs.StepGraphs, "install", refuse)
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    with pytest.raises(RuntimeError, match="no graphs today"):
+        omni_accel.accelerate(pipe, cuda_graphs=True)
+    _untouched(pipe)
+
+
+def _modular(components: dict):
+    """A FLUX modular pipeline (the blocks Diffusers ships) holding the tiny pipeline's components."""
+    pipe = FluxAutoBlocks().init_pipeline()
+    pipe.update_components(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _modular_latents(pipe) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return pipe(
+        prompt="a cat", num_inference_steps=2, height=32, width=32, generator=generator, output="latents"
+    )
+
+
+def _tiny_components(seed: int = 0) -> dict:
+    pipe = omni_accel.tiny_flux_pipeline(seed=seed)
+    return {name: component for name, component in pipe.components.items() if component is not None}
+
+
+def test_a_modular_pipeline_is_accelerated_described_and_restored():
+    plain, fast = _modular(_tiny_components()), _modular(_tiny_components())
+    expected = _modular_latents(plain)
+    omni_accel.accelerate(fast)
+    assert type(fast.transformer.transformer_blocks[0]).__name__ == "NativeFluxTransformerBlock"
+    assert rel_err(_modular_latents(fast), expected) <= 1e-5
+    report = omni_accel.describe(fast)
+    assert report.pipeline_class == "FluxModularPipeline" and report.components[0].mode == "native"
+    assert "attention resolved: flux.joint [float32, cpu, head_dim=16] -> sdpa" in str(report)
+    omni_accel.restore(fast)
+    assert type(fast.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+    assert torch.equal(_modular_latents(fast), _modular_latents(plain))
+    with pytest.raises(ValueError, match="is a modular pipeline"):
+        omni_accel.accelerate(fast, parallel=ParallelConfig(tp=2))
+    assert getattr(fast, "_omni_accel_state", None) is None
+
+
+def test_zero_code_accelerates_a_modular_pipeline_when_its_components_arrive():
+    components, replacement = _tiny_components(), _tiny_components(seed=1)["transformer"]
+    expected = _modular_latents(_modular(_tiny_components()))
+    omni_accel.enable(attention="sdpa_math")
+    try:
+        pipe = FluxAutoBlocks().init_pipeline()
+        assert getattr(pipe, "_omni_accel_state", None) is None  # no transformer yet: nothing to do
+        pipe.update_components(**components)
+        pipe.set_progress_bar_config(disable=True)
+        assert omni_accel.describe(pipe).components[0].mode == "native"
+        assert rel_err(_modular_latents(pipe), expected) <= 1e-5
+        assert "-> sdpa_math" in str(omni_accel.describe(pipe))
+        first = pipe.transformer
+        pipe.update_components(
+            transformer=replacement
+        )  # a new transformer: accelerated with the same options
+        assert type(first.transformer_blocks[0]).__name__ == "FluxTransformerBlock"  # restored
+        assert omni_accel.describe(pipe).components[0].mode == "native"
+        assert type(pipe.transformer.transformer_blocks[0]).__name__ == "NativeFluxTransformerBlock"
+    finally:
+        omni_accel.disable()
+    from diffusers import ModularPipeline
+
+    assert "omni_accel" not in ModularPipeline.register_components.__module__  # disable() unwrapped it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs an explicit provider this machine cannot run")
+def test_zero_code_leaves_a_refused_pipeline_plain_with_a_warning(caplog):
+    expected = _latents(omni_accel.tiny_flux_pipeline(seed=0))
+    omni_accel.enable(attention="sdpa_cudnn")  # a CUDA-only kernel, on a machine without CUDA
+    try:
+        with caplog.at_level(logging.WARNING, logger="omni_accel"):
+            pipe = omni_accel.tiny_flux_pipeline(seed=0)  # the constructor does not raise
+    finally:
+        omni_accel.disable()
+    _untouched(pipe)
+    warning = " ".join(record.getMessage() for record in caplog.records)
+    assert (
+        "zero-code acceleration left FluxPipeline as plain Diffusers" in warning and "sdpa_cudnn" in warning
+    )
+    assert torch.equal(_latents(pipe), expected)
+
+
+def test_accelerate_still_refuses_what_is_not_a_pipeline():
+    with pytest.raises(TypeError, match="takes a Diffusers pipeline, got Linear.*ModularPipeline"):
+        omni_accel.accelerate(torch.nn.Linear(2, 2))
+    assert (
+        AccelConfig(attention={"per_role": {"flux.single": "sdpa"}}).attention.per_role["flux.single"]
+        == "sdpa"
+    )
