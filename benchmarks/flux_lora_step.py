@@ -21,7 +21,7 @@ import argparse
 import torch
 from flux_step import bare_pipeline, build_transformer, graphs_switched, inputs, rel_err
 from peft import LoraConfig
-from timing import interleaved, timed, write_json
+from timing import cudnn_backend_for, interleaved, timed, write_json
 
 import omni_accel
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     default = model()
     best = model()
-    best.set_attention_backend("_native_cudnn")
+    cudnn_backend_for(best)
     best.compile_repeated_blocks(fullgraph=True)
     eager = omni_accel.accelerate(bare_pipeline(model()), cuda_graphs=True)
     compiled = omni_accel.accelerate(bare_pipeline(model()), compile=True, compile_in_background=False)

@@ -18,7 +18,7 @@ import statistics
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from timing import interleaved, timed, write_json
+from timing import cudnn_backend_for, interleaved, timed, write_json
 
 import omni_accel
 from omni_accel.models.random_pipelines import FLUX_DEV_TRANSFORMER
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     best = build_transformer(device, dtype)
     best.fuse_qkv_projections()
     if not args.tiny:
-        best.set_attention_backend("_native_cudnn")
+        cudnn_backend_for(best)
         best.compile_repeated_blocks(fullgraph=True)
     variants = {"diffusers_default": lambda: diffusers_model(**x)[0], "diffusers_best": lambda: best(**x)[0]}
     for provider in args.providers:

@@ -10,7 +10,7 @@ import argparse
 
 import torch
 from flux_step import bare_pipeline, build_transformer, graphs_switched, inputs
-from timing import interleaved, write_json
+from timing import cudnn_backend_for, interleaved, write_json
 
 import omni_accel
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     default = build_transformer(device, dtype)
     best = build_transformer(device, dtype)
     best.fuse_qkv_projections()
-    best.set_attention_backend("_native_cudnn")
+    cudnn_backend_for(best)
     best.compile_repeated_blocks(fullgraph=True)
     eager = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), cuda_graphs=True)
     compiled = omni_accel.accelerate(

@@ -70,3 +70,13 @@ def write_json(results: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def cudnn_backend_for(model: torch.nn.Module) -> None:
+    """Diffusers' cuDNN attention switch for one baseline model only. ``set_attention_backend`` also sets
+    Diffusers' process-wide backend, which every other model in the process (ours included: a user's
+    Diffusers choice wins there) would then follow; put that global back to Diffusers' default."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    model.set_attention_backend("_native_cudnn")
+    _AttentionBackendRegistry.set_active_backend(AttentionBackendName.NATIVE)

@@ -21,7 +21,7 @@ from unittest import mock
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from random_models import WAN_14B, randomized
-from timing import interleaved, timed, write_json
+from timing import cudnn_backend_for, interleaved, timed, write_json
 
 import omni_accel
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile:
         best = build()
         if not args.tiny:
-            best.set_attention_backend("_native_cudnn")
+            cudnn_backend_for(best)
         best.compile_repeated_blocks(fullgraph=True)
         variants["diffusers_best"] = lambda: best(**x)[0]
     omni = accelerated()

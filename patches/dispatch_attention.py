@@ -4,7 +4,14 @@ Target: the module-level name ``dispatch_attention_fn`` inside a Diffusers trans
 ``diffusers.models.transformers.transformer_wan``); only that module's lookups change, not Diffusers'
 function. Why: Diffusers picks its attention backend per processor or globally, with no per-pipeline scope
 and no capability record; routing the call lets a non-native model use the providers chosen for this
-pipeline. Outside an accelerated forward the original function runs.
+pipeline. Outside an accelerated forward the original function runs, and so it does while Dynamo traces
+(anywhere in the process: a user compiling another model of this module with ``fullgraph=True`` must see
+Diffusers' function, and our routing reads context variables Dynamo cannot trace).
+
+The routed call computes what Diffusers would: under its default backend ("native") a 2-D mask of
+``[batch, kv_len]`` is one row of keys per sample (``_native_attention`` broadcasts it over heads and
+queries); the pinned ``_native_*`` backends hand every mask to SDPA as is, and so do we when one of them is
+the process-wide choice.
 """
 
 from __future__ import annotations
@@ -12,6 +19,9 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
+import torch
+
+from omni_accel.attention.diffusers_backend import explicit_choice
 from omni_accel.attention.routing import route, unsupported_reason
 
 PACKAGE = "diffusers"
@@ -48,12 +58,21 @@ def apply(module: ModuleType) -> None:
         backend=None,
         parallel_config=None,
     ):
-        unsupported = _unsupported(
-            dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
-        )
-        out = route(query, key, value, attn_mask=attn_mask, scale=scale, unsupported=unsupported)
-        if out is not None:
-            return out
+        if not torch.compiler.is_compiling():
+            unsupported = _unsupported(
+                dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
+            )
+            out = route(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                scale=scale,
+                unsupported=unsupported,  # a backend set on the processor runs Diffusers' own code
+                mask_rows=explicit_choice() is None,  # Diffusers' "native" reads 2-D masks as key rows
+            )
+            if out is not None:
+                return out
         return original(
             query,
             key,

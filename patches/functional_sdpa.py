@@ -4,7 +4,8 @@ Target: the name ``F`` (``torch.nn.functional``) inside a Diffusers module, e.g.
 ``diffusers.models.attention_processor``, whose classic processors (SD3's JointAttnProcessor2_0...) call
 ``F.scaled_dot_product_attention`` directly. The name is bound to a proxy module that forwards every other
 attribute to ``torch.nn.functional``; torch itself is untouched. Outside an accelerated forward the original
-function runs.
+function runs, and so it does while Dynamo traces (anywhere in the process: a user's ``torch.compile`` of
+another model using these processors must see torch's function; our routing cannot be traced).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import types
 from types import ModuleType
 
+import torch
 import torch.nn.functional as F
 
 from omni_accel.attention.routing import route, unsupported_reason
@@ -25,16 +27,17 @@ def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """BHSD in and out, like torch's; our providers take BSHD, so the transposes are views."""
-    out = route(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        attn_mask=attn_mask,
-        scale=scale,
-        unsupported=unsupported_reason(is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa),
-    )
-    if out is not None:
-        return out.transpose(1, 2)
+    if not torch.compiler.is_compiling():
+        out = route(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=attn_mask,
+            scale=scale,
+            unsupported=unsupported_reason(is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa),
+        )
+        if out is not None:
+            return out.transpose(1, 2)
     return F.scaled_dot_product_attention(
         query,
         key,

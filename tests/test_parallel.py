@@ -580,6 +580,27 @@ def _compiled_by_peer_writes(ulysses_calls: list, ring_calls: list) -> list[bool
     return placed
 
 
+def _training_mode_under_a_layout(oracle: torch.Tensor) -> None:
+    """A transformer built from a config is in training mode; with no active dropout and grad off its
+    sharded blocks run natively (the refusal is kept for gradients)."""
+    pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=2, attention_head_dim=16)
+    pipe.transformer.train()
+    omni_accel.accelerate(pipe, parallel=ParallelConfig(ulysses=2))
+    got = _latents(pipe)
+    assert ((got - oracle).abs().max() / oracle.abs().max()).item() <= 1e-5
+    cfg = pipe.transformer.config
+    inputs = {
+        "hidden_states": torch.randn(2, 60, cfg.in_channels, requires_grad=True),
+        "encoder_hidden_states": torch.randn(2, 13, cfg.joint_attention_dim),
+        "pooled_projections": torch.randn(2, cfg.pooled_projection_dim),
+        "timestep": torch.ones(2),
+        "img_ids": torch.zeros(60, 3),
+        "txt_ids": torch.zeros(13, 3),
+    }
+    with pytest.raises(RuntimeError, match=r"cannot run natively \(gradients enabled"):
+        pipe.transformer(**inputs)
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _layouts_by_peer_writes()
@@ -591,6 +612,7 @@ def _two_ranks(rank: int, world: int) -> None:
     _graph_keys_under_a_layout()
     _modulation_split_over_the_ranks()
     oracle = _oracle()
+    _training_mode_under_a_layout(oracle)
     for layout in (ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2)):
         _check(layout, oracle)
     # tp: each rank holds half the tokens between the projections

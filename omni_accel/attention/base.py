@@ -18,6 +18,20 @@ class AttentionProviderError(ValueError):
     why and what would."""
 
 
+class KernelRefusal(AttentionProviderError):
+    """Raised by ``AttentionProvider.forward``, before anything is launched, when the installed kernel
+    refuses these exact tensors though the request passed the capabilities (see ``refusal``):
+    ``AttentionSelector.attend`` then serves an automatic choice with the next provider. ``reason``: what
+    ``refusal`` says."""
+
+    def __init__(self, provider: str, reason: str) -> None:
+        super().__init__(f"Attention provider {provider!r} cannot serve {reason}.")
+        self.provider, self.reason = provider, reason
+
+    def __reduce__(self):
+        return KernelRefusal, (self.provider, self.reason)
+
+
 @dataclass(frozen=True)
 class AttentionRequest:
     """Everything about one attention call that decides which providers may serve it (hashable, so
@@ -134,6 +148,20 @@ class AttentionProvider(abc.ABC):
         missing = self.unavailable_reason()
         return ([missing] if missing else []) + self.capabilities.reasons_against(request)
 
+    def refusal(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> str | None:
+        """Why the installed kernel would refuse these exact tensors although the request passed
+        ``reasons_against`` (limits no request can tell: lengths, strides, process-wide switches such as
+        deterministic algorithms), or None. A provider with such limits also checks them in ``forward``,
+        where the call's own layout is at hand, and raises ``KernelRefusal`` with this message; one whose
+        kernel takes whatever its capabilities admit keeps this default."""
+        return None
+
     @abc.abstractmethod
     def forward(
         self,
@@ -145,4 +173,5 @@ class AttentionProvider(abc.ABC):
         scale: float | None = None,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attention over BSHD tensors; returns the output, or ``(output, lse)`` when ``return_lse``."""
+        """Attention over BSHD tensors; returns the output, or ``(output, lse)`` when ``return_lse``. Raises
+        ``KernelRefusal`` (launching nothing) where ``refusal`` would give a reason."""

@@ -41,12 +41,14 @@ class KeptKeys:
         return all(kept is None for kept in self.per_sample)
 
 
-def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int) -> KeptKeys | None:
+def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int, rows: bool = False) -> KeptKeys | None:
     """What a key-padding ``mask`` keeps for a ``batch`` of queries over ``kv_len`` keys, or None (use the
     dense mask) when the mask is not one (another dtype or shape), is seen for the first time (see the
     module docstring), keeps no key of a sample (what a kernel does then is its own convention), or when
-    the host must not synchronise."""
-    if not _is_key_padding(mask, kv_len) or mask.shape[0] not in (1, batch):
+    the host must not synchronise. ``mask``: ``[B or 1, 1, 1, kv_len]`` as SDPA takes it, or with ``rows``
+    the ``[B or 1, kv_len]`` rows Diffusers' native backend broadcasts so (a 2-D mask is SDPA's per-query
+    one otherwise): the tensor the model passes, so that it is recognised when it comes back."""
+    if not _is_key_padding(mask, kv_len, rows) or mask.shape[0] not in (1, batch):
         return None
     if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
@@ -61,13 +63,12 @@ def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int) -> KeptKeys | 
     return None if kept is _KEEPS_NO_KEY_OF_A_SAMPLE else kept
 
 
-def _is_key_padding(mask: torch.Tensor | None, kv_len: int) -> bool:
+def _is_key_padding(mask: torch.Tensor | None, kv_len: int, rows: bool) -> bool:
     return (
         mask is not None
         and mask.dtype == torch.bool
-        and mask.ndim == 4
-        and mask.shape[1] == mask.shape[2] == 1
-        and mask.shape[3] == kv_len
+        and (mask.ndim == 2 if rows else mask.ndim == 4 and mask.shape[1] == mask.shape[2] == 1)
+        and mask.shape[-1] == kv_len
     )
 
 

@@ -1,7 +1,10 @@
-"""Per-site provider resolution: per_role[role] -> per_role[role_category] -> default -> platform best.
+"""Per-site provider resolution: per_role[role] -> per_role[role_category] -> default -> Diffusers' process-wide
+backend -> platform best.
 
 Each accelerated pipeline owns one ``AttentionSelector``; ``attention_scope`` overrides it inside a ``with``
-block. Nothing is replaced globally, and every decision is kept for the report.
+block. Where the active config leaves a role to "auto", a backend the user chose process-wide in Diffusers
+(``diffusers_backend``) is honoured with the provider running the same kernel, or refused with a message.
+Nothing is replaced globally, and every decision is kept for the report.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from ..utils.logging import get_logger
-from .base import AttentionProvider, AttentionProviderError, AttentionRequest
+from . import diffusers_backend
+from .base import AttentionProvider, AttentionProviderError, AttentionRequest, KernelRefusal
 from .registry import check_provider_name, get_provider, platform_preference
 
 logger = get_logger(__name__)
@@ -66,8 +72,15 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class Resolution:
+    """The provider chosen for a request and why. ``fallbacks``: for an automatic choice, the other
+    providers that can serve the request, in preference order, should the chosen kernel refuse a call's
+    exact tensors (see ``AttentionProvider.refusal``). ``remedy``: for an explicit choice, what to change
+    when its kernel refuses them (an explicit choice never falls back)."""
+
     provider: AttentionProvider
     reason: str
+    fallbacks: tuple[str, ...] = ()
+    remedy: str | None = None
 
     @property
     def name(self) -> str:
@@ -103,7 +116,11 @@ def current_scope() -> AttentionConfig | None:
     return _SCOPED_CONFIG.get()
 
 
-def resolve(config: AttentionConfig, role: str, category: str, request: AttentionRequest) -> Resolution:
+_CHOOSE_ANOTHER = "Choose one of them for this role, or 'auto' (which falls back and records why)"
+
+
+def _explicit(config: AttentionConfig, role: str, category: str) -> tuple[str, str] | None:
+    """``(source, provider name)`` of the config's explicit choice for the role, or None for "auto"."""
     explicit = (
         (f"per_role[{role!r}]", config.per_role.get(role)),
         (f"per_role[{category!r}]", config.per_role.get(category)),
@@ -112,34 +129,72 @@ def resolve(config: AttentionConfig, role: str, category: str, request: Attentio
     for source, name in explicit:
         if name is None:
             continue
-        if name == "auto":
-            break
+        return None if name == "auto" else (source, name)
+    return None
+
+
+def _usable(request: AttentionRequest) -> list[str]:
+    """The lossless providers, in ``auto``'s order, that can serve ``request``."""
+    preference = platform_preference(request.device_type, request.has_mask, request.kv_len)
+    return [n for n in preference if not get_provider(n).reasons_against(request)]
+
+
+def resolve(
+    config: AttentionConfig,
+    role: str,
+    category: str,
+    request: AttentionRequest,
+    diffusers_choice: str | None = None,
+) -> Resolution:
+    """The provider for ``request``: the config's explicit choice for the role, else the provider running
+    ``diffusers_choice`` (Diffusers' process-wide backend, ``diffusers_backend.explicit_choice()``), else
+    the best lossless one. A choice that cannot serve the request raises, naming why and what would."""
+    explicit = _explicit(config, role, category)
+    if explicit is not None:
+        source, name = explicit
         provider = get_provider(name)
         reasons = provider.reasons_against(request)
         if reasons:
-            usable = [
-                n
-                for n in platform_preference(request.device_type, request.has_mask, request.kv_len)
-                if not get_provider(n).reasons_against(request)
-            ]
             raise AttentionProviderError(
                 f"Attention provider {name!r}, chosen by {source} for role {role!r}, cannot serve this call "
                 f"({request.describe()}): {'; '.join(reasons)}. Choose a provider that can "
-                f"(here: {', '.join(map(repr, usable))}) or 'auto'."
+                f"(here: {', '.join(map(repr, _usable(request)))}) or 'auto'."
             )
-        return Resolution(provider, f"{source} = {name!r}")
+        return Resolution(provider, f"{source} = {name!r}", remedy=_CHOOSE_ANOTHER)
+    if diffusers_choice is not None:
+        return _resolve_diffusers(diffusers_choice, role, request)
 
     skipped = []
-    for name in platform_preference(request.device_type, request.has_mask, request.kv_len):
+    preference = platform_preference(request.device_type, request.has_mask, request.kv_len)
+    for index, name in enumerate(preference):
         provider = get_provider(name)
         reasons = provider.reasons_against(request)
         if not reasons:
             note = f"; skipped {'; '.join(skipped)}" if skipped else ""
-            return Resolution(provider, f"auto: best lossless provider for {request.device_type}{note}")
+            rest = tuple(n for n in preference[index + 1 :] if not get_provider(n).reasons_against(request))
+            return Resolution(provider, f"auto: best lossless provider for {request.device_type}{note}", rest)
         skipped.append(f"{name} ({', '.join(reasons)})")
     raise AttentionProviderError(
         f"No attention provider can serve {request.describe()}: {'; '.join(skipped)}."
     )
+
+
+def _resolve_diffusers(choice: str, role: str, request: AttentionRequest) -> Resolution:
+    chosen = diffusers_backend.describe(choice)
+    name = diffusers_backend.provider_for(choice)
+    if name is None:
+        raise AttentionProviderError(
+            f"{diffusers_backend.no_provider(choice)}, but attention role {role!r} ({request.describe()}) runs "
+            f"in omni_accel's own blocks here, which cannot run it. {diffusers_backend.how_to_change(choice)}."
+        )
+    provider = get_provider(name)
+    reasons = provider.reasons_against(request)
+    if reasons:
+        raise AttentionProviderError(
+            f"{chosen} runs provider {name!r}, which cannot serve attention role {role!r} "
+            f"({request.describe()}): {'; '.join(reasons)}. {diffusers_backend.how_to_change(choice)}."
+        )
+    return Resolution(provider, chosen, remedy=diffusers_backend.how_to_change(choice))
 
 
 _ALL_SELECTORS: list[weakref.ref] = []
@@ -151,6 +206,9 @@ class AttentionSelector:
     def __init__(self, config: AttentionConfig | None = None) -> None:
         self.config = config or AttentionConfig()
         self._cache: dict[tuple, Resolution] = {}
+        # The ids of the cached resolutions that served a call (one whose kernel refused every call did not).
+        self._served: set[int] = set()
+        self._refused: dict[tuple, Resolution] = {}  # who served calls whose resolved kernel refused them
         self.unrouted: dict[tuple[str, str], int] = {}
         self.served_without_mask: dict[str, int] = {}  # role -> calls whose key-padding mask was dropped
         # A number compiled graphs can carry to find this selector (see layers.attention).
@@ -162,14 +220,93 @@ class AttentionSelector:
         return AttentionSelector, (self.config,)
 
     def resolve(self, role: str, category: str, request: AttentionRequest) -> Resolution:
+        """The provider for ``request`` (cached per config, Diffusers' choice, role and request), for a
+        caller that then calls it: the decision is reported."""
+        _, found = self._resolve(role, category, request)
+        self._served.add(id(found))
+        return found
+
+    def _resolve(self, role: str, category: str, request: AttentionRequest) -> tuple[tuple, Resolution]:
         config = _SCOPED_CONFIG.get() or self.config
-        key = (config, role, category, request)
+        choice = diffusers_backend.explicit_choice()
+        key = (config, role, category, request, choice)
         found = self._cache.get(key)
         if found is None:
-            found = self._cache[key] = resolve(config, role, category, request)
+            found = self._cache[key] = resolve(config, role, category, request, choice)
             log = logger.warning if "skipped" in found.reason else logger.debug
             log("attention %s [%s] -> %s (%s)", role, request.describe(), found.name, found.reason)
-        return found
+        return key, found
+
+    def attend(
+        self,
+        role: str,
+        category: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention over BSHD tensors through the provider resolved for the call. Where that provider's
+        kernel refuses these exact tensors (what a request cannot tell: cuDNN under deterministic
+        algorithms, or over one token; the provider raises ``KernelRefusal`` before launching anything), an
+        automatic choice serves them with the next provider that takes them and records why; an explicit
+        one raises, naming what would serve."""
+        request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None, needs_lse=return_lse)
+        cache_key, found = self._resolve(role, category, request)
+        try:
+            out = found.provider.forward(
+                query, key, value, attn_mask=attn_mask, scale=scale, return_lse=return_lse
+            )
+        except KernelRefusal as refused:
+            tensors = (query, key, value, attn_mask)
+            instead = self._instead(found, cache_key, request, refused.reason, tensors).provider
+            return instead.forward(query, key, value, attn_mask=attn_mask, scale=scale, return_lse=return_lse)
+        self._served.add(id(found))  # an int's hash: the key's would hash the request again
+        return out
+
+    def _instead(
+        self,
+        found: Resolution,
+        cache_key: tuple,
+        request: AttentionRequest,
+        refusal: str,
+        tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    ) -> Resolution:
+        """The provider serving a call whose resolved kernel refused its tensors (``refusal``)."""
+        role = cache_key[1]
+        for name in found.fallbacks:
+            provider = get_provider(name)
+            if provider.refusal(*tensors) is None:
+                key = (*cache_key, refusal)
+                instead = self._refused.get(key)
+                if instead is None or instead.provider is not provider:
+                    reason = f"{found.reason}; {found.name} refused {refusal}"
+                    instead = self._refused[key] = Resolution(provider, reason)
+                    logger.warning("attention %s [%s] -> %s (%s)", role, request.describe(), name, reason)
+                return instead
+        if found.remedy is None:  # automatic, and every other candidate refused too
+            raise AttentionProviderError(
+                f"No attention provider can serve role {role!r} ({request.describe()}): {found.name} refused "
+                f"{refusal}, and so did {', '.join(found.fallbacks) or 'every other provider'}."
+            )
+        can = [n for n in _usable(request) if get_provider(n).refusal(*tensors) is None]
+        raise AttentionProviderError(
+            f"Attention provider {found.name!r} ({found.reason}) cannot serve role {role!r} here: it refused "
+            f"{refusal}. Providers that can serve these tensors: {', '.join(map(repr, can)) or 'none'}. "
+            f"{found.remedy}."
+        )
+
+    def unserved_reason(self, role: str, category: str) -> str | None:
+        """Why Diffusers' own code must run this role's attention (``diffusers_backend.unserved_reason``),
+        or None: also None where the active config names a provider for the role, which takes precedence
+        over Diffusers' process-wide choice."""
+        reason = diffusers_backend.unserved_reason()
+        if reason is None or _explicit(_SCOPED_CONFIG.get() or self.config, role, category) is not None:
+            return None
+        return reason
 
     def note_unrouted(self, role: str, reason: str) -> None:
         """Counts a call left to Diffusers' own kernel, so the report can say which and why."""
@@ -185,7 +322,8 @@ class AttentionSelector:
         """(role, request, provider, reason) for every distinct call seen so far; choices made under an
         ``attention_scope`` say so."""
         rows = set()
-        for (config, role, _, request), found in self._cache.items():
+        served = [(key, found) for key, found in self._cache.items() if id(found) in self._served]
+        for (config, role, _, request, *_), found in (*served, *self._refused.items()):
             reason = found.reason if config == self.config else f"attention_scope: {found.reason}"
             rows.add((role, request.describe(), found.name, reason))
         return sorted(rows)

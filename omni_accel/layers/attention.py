@@ -17,7 +17,6 @@ from typing import TypeVar
 
 import torch
 
-from ..attention.base import AttentionRequest
 from ..attention.selection import AttentionSelector, selector_by_index
 from ..parallel.parallelize import current_sequence
 from ..parallel.placement import Placement
@@ -39,9 +38,9 @@ def _attend(
     need_lse: bool = False,
     attn_mask: torch.Tensor | None = None,
 ):
-    request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None, needs_lse=need_lse)
-    provider = selector.resolve(role, category, request).provider
-    return provider.forward(query, key, value, attn_mask=attn_mask, scale=scale, return_lse=need_lse)
+    return selector.attend(
+        role, category, query, key, value, attn_mask=attn_mask, scale=scale, return_lse=need_lse
+    )
 
 
 def _attend_in_layout(

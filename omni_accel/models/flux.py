@@ -19,6 +19,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
+from ..attention import diffusers_backend
 from ..layers import (
     apply_together,
     concat_gelu,
@@ -62,7 +63,7 @@ def _attention_reason(block: Any, joint_attention_kwargs: dict[str, Any] | None)
     used = sorted(set(joint_attention_kwargs or ()) & _PROCESSOR_ARGUMENTS)
     if used:  # others (an IP-adapter's ip_hidden_states) the default processor ignores, and so do we
         return f"joint_attention_kwargs {used} are handled by Diffusers' processor"
-    return None
+    return diffusers_backend.unserved_reason()
 
 
 # What FluxAttnProcessor takes from joint_attention_kwargs (Diffusers' Attention drops the other keys).
@@ -381,7 +382,8 @@ FLUX = NativeModel(
     ),
     cfg_pairing=true_cfg_pairs,
     limitations=(
-        "IP-adapter processors, Diffusers attention backends set on a processor, fuse_qkv_projections(), "
+        "IP-adapter processors, Diffusers attention backends set on a processor (or process-wide, where no "
+        "provider of ours runs the same kernel), fuse_qkv_projections(), "
         "DoRA adapters, hooks on a submodule, active dropout in training mode, gradients flowing through a "
         "block and a user's torch.compile of the blocks run Diffusers' forward of the block (counted in the "
         "report, except under torch.compile; an error under tensor or sequence parallelism)",

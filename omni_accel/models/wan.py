@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
+from ..attention import diffusers_backend
 from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate_gathered
 from ..layers.attention import AttentionSite, attention, places_inputs, qkv_attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
@@ -153,7 +154,7 @@ def _attention_reason(module: Any) -> str | None:
             return "a Diffusers attention backend or context-parallel config is set on a processor"
         if attn.fused_projections:
             return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
-    return None
+    return diffusers_backend.unserved_reason()
 
 
 class _WanNative(NativeBlock):
@@ -298,7 +299,8 @@ def cfg_pairs(arguments: dict[str, Any]) -> bool:
 
 _BATCHED = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")
 _LIMITATIONS = (
-    "custom attention processors, Diffusers attention backends set on a processor, "
+    "custom attention processors, Diffusers attention backends set on a processor (or process-wide, where "
+    "no provider of ours runs the same kernel), "
     "fuse_qkv_projections(), DoRA adapters, hooks on a submodule, active dropout in training mode, gradients "
     "flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of the block "
     "(counted in the report, except under torch.compile)",

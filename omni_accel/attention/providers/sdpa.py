@@ -3,15 +3,28 @@
 Pinning matters because PyTorch's own choice on Hopper is the flash kernel, while cuDNN's fused attention
 ran FLUX-sized attention at 617 TFLOP/s against flash's 318 on an H200 in this workplace (the whole FLUX
 step: docs/PERFORMANCE.md); pinning also makes a run reproducible.
+
+A pinned kernel has limits the declared capabilities cannot hold (they depend on the call's tensors and on
+process-wide switches): on an H200 with torch 2.11 and cuDNN 9.19, cuDNN refuses any sequence of length 1
+and every call while deterministic algorithms are on (what Diffusers' own tests turn on), and PyTorch then
+raises "No available kernel". PyTorch's ``can_use_*`` checks agreed with what its three kernels ran in
+each of 510 dtype x head size x length x batch x layout combinations there (tests/test_gpu_sdpa_kernels.py
+keeps sweeping them), so a pinned provider asks its check in ``forward``, on the BHSD views the call makes
+anyway, and raises ``KernelRefusal`` instead of launching: 1.8-3.1 us on that host (the ``sdpa_kernel``
+context around the call costs 22 us), no more than a cache keyed by the tensors' geometry took to look up
+(1.8-2.4 us), which could not have seen the switches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.backends.cuda as cuda_backends
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..base import AttentionProvider, Capabilities
+from ..base import AttentionProvider, Capabilities, KernelRefusal
 
 _FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -19,6 +32,55 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 
 def _to_bhsd(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.transpose(1, 2) for t in tensors]
+
+
+# Per pinned kernel: PyTorch's check and its name, the switch that turns the kernel off process-wide (the
+# check says no while it is off, though our pinned call would turn it on) and its reading.
+_CHECKS: dict[SDPBackend, tuple[Callable[..., bool], str, str, Callable[[], bool]]] = {
+    SDPBackend.CUDNN_ATTENTION: (
+        cuda_backends.can_use_cudnn_attention,
+        "can_use_cudnn_attention",
+        "enable_cudnn_sdp",
+        cuda_backends.cudnn_sdp_enabled,
+    ),
+    SDPBackend.FLASH_ATTENTION: (
+        cuda_backends.can_use_flash_attention,
+        "can_use_flash_attention",
+        "enable_flash_sdp",
+        cuda_backends.flash_sdp_enabled,
+    ),
+    SDPBackend.EFFICIENT_ATTENTION: (
+        cuda_backends.can_use_efficient_attention,
+        "can_use_efficient_attention",
+        "enable_mem_efficient_sdp",
+        cuda_backends.mem_efficient_sdp_enabled,
+    ),
+}
+
+
+def _refusal_message(backend: SDPBackend, tensors: dict[str, torch.Tensor | None]) -> str:
+    """What a refused call was (BSHD shapes and strides, as our providers take them) and the likely cause."""
+    _, check, switch, switched_on = _CHECKS[backend]
+    described = ", ".join(
+        f"{name} {list(t.shape)} strides {list(t.stride())}" for name, t in tensors.items() if t is not None
+    )
+    query = tensors["q"]
+    causes = []
+    if not switched_on():
+        causes.append(f"it is switched off process-wide (torch.backends.cuda.{switch}(False))")
+    if torch.are_deterministic_algorithms_enabled():
+        causes.append("deterministic algorithms are on (torch.use_deterministic_algorithms)")
+    if backend == SDPBackend.CUDNN_ATTENTION and min(query.shape[1], tensors["k"].shape[1]) == 1:
+        causes.append("a sequence of length 1")
+    cause = (
+        "likely: " + "; ".join(causes)
+        if causes
+        else f"torch.backends.cuda.{check}(params, debug=True) prints PyTorch's reason"
+    )
+    return (
+        f"these tensors ({str(query.dtype).removeprefix('torch.')}, {described}): PyTorch's {check} says "
+        f"its kernel does not take them ({cause})"
+    )
 
 
 class SdpaProvider(AttentionProvider):
@@ -33,8 +95,42 @@ class SdpaProvider(AttentionProvider):
     )
     backends: list[SDPBackend] | None = None
 
-    def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
+    def refusal(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> str | None:
+        return self._refusal(*_to_bhsd(query, key, value), attn_mask)
+
+    def _refusal(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+    ) -> str | None:
+        """PyTorch's own check of the one kernel this provider pins, over the BHSD views SDPA is given
+        (PyTorch's dispatch, and the math kernel, take every call the capabilities admit). Skipped while
+        Dynamo traces: the check cannot be traced, and unmasked compiled attention runs in our custom op."""
+        if self.backends is None or self.backends[0] not in _CHECKS or torch.compiler.is_compiling():
+            return None
+        if _CHECKS[self.backends[0]][0](
+            cuda_backends.SDPAParams(q, k, v, attn_mask, 0.0, False, False), False
+        ):
+            return None
+        bshd = {"q": q.transpose(1, 2), "k": k.transpose(1, 2), "v": v.transpose(1, 2), "mask": attn_mask}
+        return _refusal_message(self.backends[0], bshd)
+
+    def _checked_bhsd(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """The BHSD views of a call, after the pinned kernel's check (one per call: 2-3 us)."""
         q, k, v = _to_bhsd(query, key, value)
+        refused = self._refusal(q, k, v, attn_mask)
+        if refused is not None:
+            raise KernelRefusal(self.name, refused)
+        return q, k, v
+
+    def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
+        q, k, v = self._checked_bhsd(query, key, value, attn_mask)
         if self.backends is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
         else:
@@ -87,7 +183,7 @@ class SdpaFlashProvider(SdpaProvider):
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if not return_lse:
             return super().forward(query, key, value, attn_mask=attn_mask, scale=scale)
-        q, k, v = _to_bhsd(query, key, value)
+        q, k, v = self._checked_bhsd(query, key, value, attn_mask)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, False, False, scale=scale
         )[:2]
@@ -109,7 +205,7 @@ class SdpaCudnnProvider(SdpaProvider):
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if not return_lse:
             return super().forward(query, key, value, attn_mask=attn_mask, scale=scale)
-        q, k, v = _to_bhsd(query, key, value)
+        q, k, v = self._checked_bhsd(query, key, value, attn_mask)
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, False, False, scale=scale
         )[:2]
