@@ -110,7 +110,8 @@ class SdpaProvider(AttentionProvider):
         """PyTorch's own check of the one kernel this provider pins, over the BHSD views SDPA is given
         (PyTorch's dispatch, and the math kernel, take every call the capabilities admit). Skipped while
         Dynamo traces: the check cannot be traced, and unmasked compiled attention runs in our custom op."""
-        if self.backends is None or self.backends[0] not in _CHECKS or torch.compiler.is_compiling():
+        # Traced, nothing below may be looked at: Dynamo cannot guard on a dict keyed by an enum member.
+        if torch.compiler.is_compiling() or self.backends is None or self.backends[0] not in _CHECKS:
             return None
         if _CHECKS[self.backends[0]][0](
             cuda_backends.SDPAParams(q, k, v, attn_mask, 0.0, False, False), False
