@@ -610,14 +610,14 @@ def _scoped_hooks(module: nn.Module, enter, leave) -> list[Callable[[], None]]:
     local = threading.local()  # each thread enters and leaves its own contexts
 
     def pre_hook(_module, _args):
-        if torch.compiler.is_compiling():  # compiled code runs Diffusers' attention (see patches/)
+        if torch.compiler.is_dynamo_compiling():  # compiled code runs Diffusers' attention (see patches/)
             return
         if not hasattr(local, "tokens"):
             local.tokens = []
         local.tokens.append(enter())
 
     def post_hook(_module, _args, _output):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return
         leave(local.tokens.pop())
 

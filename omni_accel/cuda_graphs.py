@@ -141,7 +141,9 @@ class StepGraphs:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, forward = self.module, self._forward()
-        if not self.enabled or torch.compiler.is_compiling():  # a compiler tracing us sees the plain forward
+        if (
+            not self.enabled or torch.compiler.is_dynamo_compiling()
+        ):  # a compiler tracing us sees the plain forward
             return forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         reason = _eager_reason(module, leaves)

@@ -58,7 +58,7 @@ def apply(module: ModuleType) -> None:
         backend=None,
         parallel_config=None,
     ):
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_dynamo_compiling():
             unsupported = _unsupported(
                 dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
             )

@@ -27,7 +27,7 @@ def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """BHSD in and out, like torch's; our providers take BSHD, so the transposes are views."""
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         out = route(
             query.transpose(1, 2),
             key.transpose(1, 2),

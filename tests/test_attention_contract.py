@@ -305,6 +305,21 @@ def test_an_unmapped_diffusers_backend_runs_diffusers_code(family, monkeypatch):
         assert f"run by Diffusers' forward: 5 ({diffusers_backend.no_provider('flex')}" in report
 
 
+def test_a_pipelines_explicit_provider_outranks_an_unmapped_diffusers_backend():
+    """The pipeline's own explicit choice is more specific than Diffusers' process-wide one: the native
+    blocks keep running it under ``flex`` (and match plain Diffusers under flex, the same math in fp32)."""
+    plain = random_flux_transformer(seed=0)
+    model = copy.deepcopy(plain)
+    holder, component = _accelerated(model, attention="sdpa_math")
+    inputs = flux_inputs(plain)
+    with dispatch.attention_backend("flex"), torch.no_grad():
+        expected, got = plain(**copy.copy(inputs))[0], model(**copy.copy(inputs))[0]
+    omni_accel.restore(holder)
+    assert rel_err(got, expected) <= 1e-5
+    assert not component.runtime.fallbacks
+    assert {provider for _, _, provider, _ in component.selector.decisions()} == {"sdpa_math"}
+
+
 # (8) The patches are invisible to Dynamo outside our scope.
 
 

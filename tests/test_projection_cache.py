@@ -181,7 +181,7 @@ def test_inference_mode_weights_run_the_original():
 def test_compiling_runs_the_original(monkeypatch):
     cache, lin = ExactProjectionCache(), _linear()
     _project(cache, lin, _cond())
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
     _project(cache, lin, _cond())
     assert cache.hits == 0
 

@@ -50,7 +50,7 @@ def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int, rows: bool = F
     one otherwise): the tensor the model passes, so that it is recognised when it comes back."""
     if not _is_key_padding(mask, kv_len, rows) or mask.shape[0] not in (1, batch):
         return None
-    if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_dynamo_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     last = getattr(_LAST, "entry", None)
     if last is None or last[0]() is not mask or last[1] != mask._version:

@@ -203,7 +203,7 @@ class ExactProjectionCache:
 
     @staticmethod
     def _must_bypass() -> bool:
-        return torch.is_grad_enabled() or torch.compiler.is_compiling()
+        return torch.is_grad_enabled() or torch.compiler.is_dynamo_compiling()
 
     def prepare(self, conditioning: torch.Tensor) -> None:
         """Matches ``conditioning`` against the stored ones (one host sync)."""
@@ -257,7 +257,9 @@ class ExactProjectionCache:
     ) -> torch.Tensor:
         """``compute()``'s result, reused when provably identical. ``compute`` must depend only on
         ``conditioning``, ``module``'s weights and fixed preprocessing."""
-        if not self.enabled or torch.compiler.is_compiling():  # a traced graph must not depend on cache state
+        if (
+            not self.enabled or torch.compiler.is_dynamo_compiling()
+        ):  # a traced graph must not depend on cache state
             return compute()
         prepared = self._prepared.get(id(conditioning))
         module_state = None

@@ -126,7 +126,7 @@ def attention(
     (by ``Parallelized.index``) its communication wraps the kernel. ``placement``: the q, k and v given are
     where ``input_placement`` asked them to be written."""
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
-    if torch.compiler.is_compiling() and attn_mask is None:
+    if torch.compiler.is_dynamo_compiling() and attn_mask is None:
         return _routed_attention(query, key, value, selector, layout, site.role, site.category, scale)
     args = (selector, layout, site.role, site.category, scale, query, key, value, attn_mask)
     return _attend_in_layout(*args, placement=placement)[0]
@@ -153,7 +153,7 @@ def input_placement(
     """Where q, k and v (``[batch, this rank's tokens, heads, head_dim]``) should be written for attention
     under ``layout`` to take them without a copy (``qkv_norm_rope(placement=...)``), or None: anywhere.
     ``beside``: they go to ``attention_beside`` with work to hide the exchanges behind."""
-    sp = None if torch.compiler.is_compiling() else current_sequence(layout)
+    sp = None if torch.compiler.is_dynamo_compiling() else current_sequence(layout)
     if sp is None or sp.degree == 1:
         return None
     return sp.input_placement(batch, heads, head_dim, head_dim, dtype, beside)
@@ -178,7 +178,7 @@ def attention_beside(
     outputs travel back (Ulysses by peer writes), and its result is returned instead. ``out``: where the
     output goes (``[B, tokens, heads, Dv]``, maybe columns of the next projection's input), written there by
     the exchange itself where it can. Compiled, the parts are traced apart and the compiler orders them."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return finish(attention(query, key, value, site, selector, layout), work(), then, out)
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
     args = (selector, layout, site.role, site.category, scale, query, key, value)
@@ -201,7 +201,7 @@ def qkv_attention(
     and v are written where the layout's exchange wants them; compiled, the two are then one opaque op,
     since a compiled graph cannot hand the q/k kernel a peer's buffer."""
     scale = site.scale if site.scale is not None else 1 / math.sqrt(head_dim)
-    if placed and rope is not None and torch.compiler.is_compiling():
+    if placed and rope is not None and torch.compiler.is_dynamo_compiling():
         qs, ks, vs = (list(t) for t in zip(*segments, strict=True))
         q_weights, k_weights = (list(w) for w in zip(*weights, strict=True))
         args = (qs, ks, vs, q_weights, k_weights, head_dim, eps, *rope, across_heads)

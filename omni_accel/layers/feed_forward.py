@@ -72,5 +72,5 @@ def _gelu_epilogue_serves(x: torch.Tensor, up: LinearWeights, plain: bool) -> bo
         and up.reduce is None
         and len(up.sizes) == 1
         and not any(up.adapters)
-        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_dynamo_compiling()
     )

@@ -98,7 +98,7 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     ``out`` when given (maybe columns of a wider tensor) and returned."""
     if out is None:
         return concat_gelu(x[..., :0], x)
-    if _gelu_kernel_serves(x, out) and not torch.compiler.is_compiling():
+    if _gelu_kernel_serves(x, out) and not torch.compiler.is_dynamo_compiling():
         fused_kernels.concat_gelu_into(x[..., :0], x, out)
         return out
     return out.copy_(F.gelu(x, approximate="tanh"))
@@ -152,7 +152,7 @@ def qkv_norm_rope(
         and all(t.stride(-1) == 1 for t in qs + ks + vs)
         and kernels_can_run(*qs, *ks, *vs, *q_weights, *k_weights, when_compiling=True)
     ):
-        if placement is not None and not torch.compiler.is_compiling():
+        if placement is not None and not torch.compiler.is_dynamo_compiling():
             first = qs[0]
             shape = (first.shape[0], sum(t.shape[1] for t in qs), first.shape[2] // head_dim, head_dim)
             q = first.new_empty(shape) if placement.q is None else None

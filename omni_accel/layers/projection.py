@@ -424,7 +424,7 @@ def _rows_to_accumulate_into(
     an output the caller just made, never a user's tensor."""
     if not result.is_cuda or up_bias is not None or result.dtype != term.up.dtype:
         return None
-    if torch.compiler.is_compiling() or torch.is_grad_enabled() or result.stride(-1) != 1:
+    if torch.compiler.is_dynamo_compiling() or torch.is_grad_enabled() or result.stride(-1) != 1:
         return None
     rows = result.flatten(0, -2)
     return rows if rows.data_ptr() == result.data_ptr() else None  # a view, not a copy

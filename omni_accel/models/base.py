@@ -245,6 +245,11 @@ class NativeBlock:
         hooked = hooked_submodule(self)
         if hooked is not None:
             return f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules)"
+        selector = self.omni_runtime.selector
+        for site in self.sites:  # a Diffusers backend chosen process-wide that no provider of ours runs
+            reason = selector.unserved_reason(site.role, site.category)
+            if reason is not None:
+                return reason
         if torch.is_grad_enabled():
             # The fused kernels have no backward: whenever a gradient flows through this block (to its
             # weights or to its inputs), Diffusers' forward computes it.
@@ -264,8 +269,12 @@ class NativeBlock:
     def run_as_diffusers(self) -> bool:
         """True while ``torch.compile`` traces this block (a user's ``compile_repeated_blocks()`` or
         ``torch.compile`` of the transformer): the host-side work of the native path cannot be traced, so the
-        compiler gets Diffusers' forward of the block, which it traces whole (``fullgraph=True`` works)."""
-        return torch.compiler.is_compiling()
+        compiler gets Diffusers' forward of the block, which it traces whole (``fullgraph=True`` works).
+
+        Dynamo's own flag, as everywhere in omni_accel: ``torch.compiler.is_compiling()`` read in eager code
+        is a process-wide flag that is also True while another thread compiles (our background compile), so
+        eager steps beside a compile would take the traced paths."""
+        return torch.compiler.is_dynamo_compiling()
 
     def _modules_at(self, paths: tuple[str, ...]) -> list[nn.Module]:
         return [self._submodule(path) for path in paths]

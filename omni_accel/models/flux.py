@@ -19,7 +19,6 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformerBlock,
 )
 
-from ..attention import diffusers_backend
 from ..layers import (
     apply_together,
     concat_gelu,
@@ -63,7 +62,7 @@ def _attention_reason(block: Any, joint_attention_kwargs: dict[str, Any] | None)
     used = sorted(set(joint_attention_kwargs or ()) & _PROCESSOR_ARGUMENTS)
     if used:  # others (an IP-adapter's ip_hidden_states) the default processor ignores, and so do we
         return f"joint_attention_kwargs {used} are handled by Diffusers' processor"
-    return diffusers_backend.unserved_reason()
+    return None
 
 
 # What FluxAttnProcessor takes from joint_attention_kwargs (Diffusers' Attention drops the other keys).
@@ -184,7 +183,7 @@ def single_block(
 def _joined(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
     """``cat([txt, img], dim=1)``; without a copy when they are the two halves of one tensor, as the
     previous single block returns them (so only the first single block pays for the concatenation)."""
-    if torch.compiler.is_compiling():  # storage checks do not trace; the compiler handles the copy
+    if torch.compiler.is_dynamo_compiling():  # storage checks do not trace; the compiler handles the copy
         return torch.cat([txt, img], dim=1)
     if torch.is_grad_enabled() and (txt.requires_grad or img.requires_grad):
         return torch.cat([txt, img], dim=1)  # autograd must see both halves (as_strided's backward would not)

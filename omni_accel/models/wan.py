@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformerBlock
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
-from ..attention import diffusers_backend
 from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate_gathered
 from ..layers.attention import AttentionSite, attention, places_inputs, qkv_attention
 from ..layers.projection import LinearWeights, apply_linear, apply_one
@@ -154,7 +153,7 @@ def _attention_reason(module: Any) -> str | None:
             return "a Diffusers attention backend or context-parallel config is set on a processor"
         if attn.fused_projections:
             return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
-    return diffusers_backend.unserved_reason()
+    return None
 
 
 class _WanNative(NativeBlock):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum over ``group``; traceable, so compiled blocks keep their collectives in the graph."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         import torch.distributed._functional_collectives as funcol  # imports dynamo: only when compiling
 
         return funcol.all_reduce(tensor, "sum", group)

@@ -19,7 +19,7 @@ _OUTER_DIMS = 3
 
 def copy_rows_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)`` (same shape and dtype); returns ``dst``."""
-    use_kernel = HAS_TRITON and dst.device.type == _KERNEL_DEVICE and not torch.compiler.is_compiling()
+    use_kernel = HAS_TRITON and dst.device.type == _KERNEL_DEVICE and not torch.compiler.is_dynamo_compiling()
     plan = _rows(dst, src) if use_kernel else None
     if plan is None:
         return dst.copy_(src)

@@ -57,7 +57,7 @@ def gather_rows(x: torch.Tensor, rows: Rows | None) -> torch.Tensor:
     feed it to the GEMM at once."""
     if rows is None:
         return x
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return _gather_op(x, rows.name, rows.group, _flat(rows.sizes), len(rows.sizes))
     return _gather(x, rows.name, rows.group, rows.sizes)
 
@@ -95,7 +95,7 @@ def gathered_together(targets: Sequence[GatherTargets]) -> list[torch.Tensor]:
 def gather_targets(x: torch.Tensor, rows: Rows) -> GatherTargets | None:
     """Where a producer of ``x`` (this rank's tokens, ``[B, local, ...]``) can write it for ``gather_rows``
     to need no copy: between the GPUs of one machine, every rank's buffer of the gather; else None."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return None
     group = _resolve_process_group(rows.group)
     peers = peer_buffers(group)
@@ -116,7 +116,7 @@ def linear_of_gathered(
 ) -> torch.Tensor:
     """``F.linear(gather_rows(x, rows), weight, bias)``; compiled, as one op, so the gathered tokens never
     leave it (no copy of them out of the peer buffer)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return _gathered_linear_op(x, weight, bias, rows.name, rows.group, _flat(rows.sizes), len(rows.sizes))
     return F.linear(_gather(x, rows.name, rows.group, rows.sizes), weight, bias)
 
@@ -144,7 +144,7 @@ def start_sum(partial: torch.Tensor, rows: Rows, beside: bool = False) -> SumInF
     """Starts ``sum_rows(partial, rows)``: between the GPUs of one machine its sends to the peers go out
     now, by the copy engine when ``beside`` (work enqueued next runs while they travel), else by the SM copy;
     elsewhere the whole exchange waits for ``sum_together``."""
-    peers = None if torch.compiler.is_compiling() else peer_buffers(_resolve_process_group(rows.group))
+    peers = None if torch.compiler.is_dynamo_compiling() else peer_buffers(_resolve_process_group(rows.group))
     if peers is None:
         return SumInFlight(partial, rows)
     me, world = peers.rank, peers.world
@@ -171,7 +171,7 @@ def sum_together(sums: Sequence[SumInFlight]) -> list[torch.Tensor]:
     order."""
     if not sums:
         return []
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return [
             _sum_op(s.partial, s.rows.name, s.rows.group, _flat(s.rows.sizes), len(s.rows.sizes))
             for s in sums

@@ -19,6 +19,6 @@ def kernels_can_run(*tensors: torch.Tensor, when_compiling: bool = False) -> boo
     are fused by inductor with their neighbours)."""
     return (
         HAS_TRITON
-        and (when_compiling or not torch.compiler.is_compiling())
+        and (when_compiling or not torch.compiler.is_dynamo_compiling())
         and all(t.is_cuda and t.dtype in KERNEL_DTYPES for t in tensors)
     )

@@ -111,7 +111,7 @@ class SdpaProvider(AttentionProvider):
         (PyTorch's dispatch, and the math kernel, take every call the capabilities admit). Skipped while
         Dynamo traces: the check cannot be traced, and unmasked compiled attention runs in our custom op."""
         # Traced, nothing below may be looked at: Dynamo cannot guard on a dict keyed by an enum member.
-        if torch.compiler.is_compiling() or self.backends is None or self.backends[0] not in _CHECKS:
+        if torch.compiler.is_dynamo_compiling() or self.backends is None or self.backends[0] not in _CHECKS:
             return None
         if _CHECKS[self.backends[0]][0](
             cuda_backends.SDPAParams(q, k, v, attn_mask, 0.0, False, False), False
