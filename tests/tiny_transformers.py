@@ -1,0 +1,695 @@
+"""Tiny random instances of every transformer class the installed Diffusers exports, for the coverage test
+and ``benchmarks/coverage_table.py``.
+
+The classes are listed by introspection (``exported_transformers``), so a Diffusers upgrade that adds a
+family shows up here without a code change. Each is built from its own ``__init__`` defaults scaled down by
+generic rules (one layer, two heads of 16 channels, every width 32), with per-class overrides only where a
+rule cannot work, and fed inputs derived from its ``forward`` signature (per-class recipes where the
+generic ones cannot be right). A class that cannot be built says why in ``NOT_BUILT``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import math
+import re
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import diffusers
+import diffusers.models
+import torch
+from diffusers import DiffusionPipeline, ModelMixin
+from diffusers.models.embeddings import get_2d_rotary_pos_embed
+from torch import nn
+
+import omni_accel
+from omni_accel.models.registry import spec_for
+
+TOLERANCE = 1e-5
+BATCH = 2
+TEXT_TOKENS = 5
+WIDTH = 32  # every hidden, text and conditioning width
+HEADS = 2
+HEAD_DIM = 16  # HEADS * HEAD_DIM == WIDTH
+FFN = 64
+_TRANSFORMERS = "diffusers.models.transformers."
+
+
+def exported_transformers() -> dict[str, type[ModelMixin]]:
+    """Every ``ModelMixin`` class exported by ``diffusers`` or ``diffusers.models`` whose home is
+    ``diffusers.models.transformers.*``, by name."""
+    found: dict[str, type[ModelMixin]] = {}
+    for namespace in (diffusers, diffusers.models):
+        for name in dir(namespace):
+            try:
+                obj = getattr(namespace, name)
+            except Exception:  # an optional dependency missing behind a lazy import
+                continue
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, ModelMixin)
+                and obj.__module__.startswith(_TRANSFORMERS)
+            ):
+                found[obj.__name__] = obj
+    return dict(sorted(found.items()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config: generic rules on the names of ``__init__`` parameters (first match wins; None keeps the default).
+
+
+def _rope_axes(default: Any) -> Any:
+    """RoPE axis splits sum to the head dim: 16 split over the same number of axes, each even."""
+    if not isinstance(default, (tuple, list)) or not default:
+        return None
+    n = len(default)
+    if HEAD_DIM % (2 * n):
+        parts = [HEAD_DIM // n // 2 * 2] * n
+        parts[0] += HEAD_DIM - sum(parts)
+    else:
+        parts = [HEAD_DIM // n] * n
+    return type(default)(parts)
+
+
+def _scalar(value: int) -> Callable[[Any], int | None]:
+    """A rule for integer parameters only (a tuple default, e.g. a list of layer indices, is kept)."""
+    return lambda default: value if isinstance(default, int) else None
+
+
+_RULES: list[tuple[str, Callable[[Any], Any]]] = [
+    (r".*(head_dim|dim_head|d_kv)", _scalar(HEAD_DIM)),
+    (r".*heads", _scalar(HEADS)),
+    (r"(num_|n_|n)?(.*_)?(layers|depth|blocks)", _scalar(1)),
+    (r"(axes_dims?(_rope|_a)?|axes_dim_rope|rope_axes_dim|rope_dim_list|rope_dim|mrope_section)", _rope_axes),
+    (r".*(ffn|ff|intermediate|mlp)_?(dim|size|hidden_size|inner_dim|hidden_dim)|d_ff", _scalar(FFN)),
+    (
+        r"(hidden_size|dim|model_dim|embed_dim|dit_dim|token_dim|d_model|.*_dim(_\d)?|.*_channels_?\w*"
+        r"|.*_embed_dim|.*_feat_dim|.*_size)",
+        _scalar(WIDTH),
+    ),
+]
+# Parameters the width rule must leave alone: input/output channels, sizes of inputs and tables.
+_KEEP = re.compile(
+    r"(in_channels|out_channels|in_dim|out_dim|in_visual_dim|out_visual_dim|latent_dim|latent_channel"
+    r"|io_channels|patch_size|patch_size_t|sample_size|pos_embed_max_size|vocab_size|.*_vocab_size"
+    r"|max_position_embeddings|.*codebook_size|.*patch_latent_dim|input_dims|audio_in_channels"
+    r"|audio_out_channels|audio_patch_size.*|vace_in_channels|.*batch_size|.*window.*|tile_sizes"
+    r"|compressed_patch_size|image_size|chunk_size|.*_lens?|text_len.*|.*_max_pos|audio_hop_length)"
+)
+
+
+def tiny_config(cls: type[ModelMixin], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``cls``'s ``__init__`` defaults, scaled down by the generic rules, then ``overrides``."""
+    config: dict[str, Any] = {}
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        default = param.default
+        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if default is inspect.Parameter.empty or default is None or isinstance(default, (bool, str, float)):
+            continue
+        if _KEEP.fullmatch(name):
+            continue
+        for pattern, rule in _RULES:
+            if re.fullmatch(pattern, name):
+                value = rule(default)
+                if value is not None:
+                    config[name] = value
+                break
+    config.update(overrides or {})
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inputs: generic recipes by forward argument name; ``hidden_states`` is tried in several layouts.
+
+
+@dataclasses.dataclass
+class Shapes:
+    """The sizes a recipe draws from; ``layout`` is how ``hidden_states`` is laid out."""
+
+    layout: str  # "image" [B, C, H, W], "video" [B, C, F, H, W] or "tokens" [B, N, C]
+    height: int = 4
+    width: int = 4
+    frames: int = 2
+    text: int = TEXT_TOKENS
+
+
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g)
+
+
+def _channels(config: Any) -> int:
+    for key in ("in_channels", "in_dim", "in_visual_dim", "io_channels", "latent_channel", "latent_dim"):
+        value = config.get(key)
+        if isinstance(value, int):
+            return value
+    return 4
+
+
+def _patch(config: Any) -> tuple[int, int]:
+    """(temporal, spatial) patch size."""
+    p = config.get("patch_size", 1) or 1
+    if isinstance(p, (tuple, list)):
+        return (p[0], p[-1]) if len(p) == 3 else (1, p[-1])
+    return (config.get("patch_size_t") or 1, p)
+
+
+def _positions(tokens: int, grid_h: int, grid_w: int, axes: int = 3) -> torch.Tensor:
+    """FLUX-style [tokens, axes] ids: (0..., row, column) of each token."""
+    h, w = torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
+    ids = torch.zeros(grid_h * grid_w, axes)
+    ids[:, -2], ids[:, -1] = h.flatten(), w.flatten()
+    return ids[:tokens]
+
+
+def generic_inputs(model: nn.Module, shapes: Shapes, seed: int = 1, strict: bool = True) -> dict[str, Any]:
+    """Inputs for ``model.forward``'s required arguments (and the optional ones whose name says what they
+    are and that the model would otherwise lack), from its config; ``strict=False`` leaves out a required
+    argument no generic recipe knows (a per-class recipe adds it)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    params = inspect.signature(model.forward).parameters
+    b, c = BATCH, _channels(cfg)
+    pt, ps = _patch(cfg)
+    h, w, f = shapes.height * ps, shapes.width * ps, shapes.frames * pt
+    tokens = shapes.height * shapes.width
+    if shapes.layout == "image":
+        hidden = _randn(g, b, c, h, w)
+    elif shapes.layout == "video":
+        hidden = _randn(g, b, c, f, h, w)
+    else:
+        hidden = _randn(g, b, tokens, c)
+    text_dim = WIDTH
+    for key in (
+        "joint_attention_dim",
+        "text_dim",
+        "text_embed_dim",
+        "cross_attention_dim",
+        "caption_channels",
+    ):
+        if isinstance(cfg.get(key), int):
+            text_dim = cfg[key]
+            break
+    rope = cfg.get("axes_dims_rope")
+    axes = len(rope) if isinstance(rope, (tuple, list)) else 3
+    recipes: dict[str, Callable[[], Any]] = {
+        "hidden_states": lambda: hidden,
+        "x": lambda: hidden,
+        "encoder_hidden_states": lambda: _randn(g, b, shapes.text, text_dim),
+        "timestep": lambda: torch.rand(b, generator=g) * 1000,
+        "timesteps": lambda: torch.rand(b, generator=g) * 1000,
+        "t": lambda: torch.rand(b, generator=g),
+        "pooled_projections": lambda: _randn(g, b, cfg.get("pooled_projection_dim") or WIDTH),
+        "encoder_attention_mask": lambda: torch.ones(b, shapes.text, dtype=torch.long),
+        "timestep_r": lambda: torch.rand(b, generator=g) * 1000,
+        "r_timestep": lambda: torch.rand(b, generator=g) * 1000,
+        "img_ids": lambda: _positions(tokens, shapes.height, shapes.width, axes),
+        "txt_ids": lambda: torch.zeros(shapes.text, axes),
+        "guidance": lambda: torch.full((b,), 3.5),
+        "class_labels": lambda: torch.randint(0, 10, (b,), generator=g),
+    }
+    inputs: dict[str, Any] = {}
+    for name, param in params.items():
+        if name in ("self", "return_dict") or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        wanted = param.default is inspect.Parameter.empty or (
+            name in ("encoder_hidden_states", "timestep", "pooled_projections", "img_ids", "txt_ids")
+        )
+        if name == "guidance" and cfg.get("guidance_embeds"):
+            wanted = True
+        if name == "class_labels" and cfg.get("num_embeds_ada_norm"):
+            wanted = True
+        if wanted:
+            if name not in recipes:
+                if not strict:
+                    continue
+                raise KeyError(f"no generic input for forward argument {name!r}")
+            inputs[name] = recipes[name]()
+    return inputs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-class overrides (config) and recipes (inputs); only what the generic rules get wrong.
+
+
+def _with(
+    model: nn.Module, layout: str, shapes: dict[str, int] | None = None, **extra: Any
+) -> dict[str, Any]:
+    """The generic inputs for ``layout``, with ``extra`` added or replacing (a callable is given the inputs
+    so far and a generator)."""
+    inputs = generic_inputs(model, Shapes(layout, **(shapes or {})), strict=False)
+    g = torch.Generator().manual_seed(2)
+    for key, value in extra.items():
+        inputs[key] = value(inputs, g) if callable(value) else value
+    return inputs
+
+
+def _text(dim: int, tokens: int = TEXT_TOKENS) -> Callable[[dict, torch.Generator], torch.Tensor]:
+    return lambda inputs, g: _randn(g, BATCH, tokens, dim)
+
+
+def _qwen_image(model: nn.Module) -> dict[str, Any]:
+    return _with(
+        model,
+        "tokens",
+        encoder_hidden_states_mask=torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+        img_shapes=[[(1, 4, 4)]] * BATCH,
+    )
+
+
+def _hunyuan_dit(model: nn.Module) -> dict[str, Any]:
+    cfg = model.config
+    crops = ((0, 0), (4, 4))
+    rope = get_2d_rotary_pos_embed(model.inner_dim // model.num_heads, crops, (4, 4), output_type="pt")
+    return _with(
+        model,
+        "image",
+        encoder_hidden_states=_text(cfg.cross_attention_dim, cfg.text_len),
+        text_embedding_mask=torch.ones(BATCH, cfg.text_len, dtype=torch.long),
+        encoder_hidden_states_t5=_text(cfg.cross_attention_dim_t5, cfg.text_len_t5),
+        text_embedding_mask_t5=torch.ones(BATCH, cfg.text_len_t5, dtype=torch.long),
+        image_meta_size=torch.tensor([[32.0, 32, 32, 32, 0, 0]] * BATCH),
+        style=torch.zeros(BATCH, dtype=torch.long),
+        image_rotary_emb=rope,
+    )
+
+
+def _z_image(model: nn.Module) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    c = model.config.in_channels
+    return dict(
+        x=[_randn(g, c, 1, 8, 8) for _ in range(BATCH)],
+        t=torch.rand(BATCH, generator=g),
+        cap_feats=[_randn(g, TEXT_TOKENS + i, model.config.cap_feat_dim) for i in range(BATCH)],
+    )
+
+
+def _hidream(model: nn.Module) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    layers = len(model.config.llama_layers)
+    return dict(
+        hidden_states=_randn(g, BATCH, model.config.in_channels, 8, 8),
+        timesteps=torch.rand(BATCH, generator=g) * 1000,
+        encoder_hidden_states_t5=_randn(g, BATCH, TEXT_TOKENS, WIDTH),
+        encoder_hidden_states_llama3=_randn(g, layers, BATCH, TEXT_TOKENS, WIDTH),
+        pooled_embeds=_randn(g, BATCH, WIDTH),
+    )
+
+
+def _kandinsky5(model: nn.Module) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    cfg = model.config
+    return dict(
+        hidden_states=_randn(g, BATCH, 2, 8, 8, cfg.in_visual_dim),
+        encoder_hidden_states=_randn(g, BATCH, TEXT_TOKENS, cfg.in_text_dim),
+        timestep=torch.rand(BATCH, generator=g) * 1000,
+        pooled_projections=_randn(g, BATCH, cfg.in_text_dim2),
+        visual_rope_pos=[torch.arange(2), torch.arange(4), torch.arange(4)],
+        text_rope_pos=torch.arange(TEXT_TOKENS),
+    )
+
+
+def _ltx(model: nn.Module) -> dict[str, Any]:
+    return _with(
+        model,
+        "tokens",
+        {"frames": 2},
+        hidden_states=lambda i, g: _randn(g, BATCH, 2 * 16, model.config.in_channels),
+        encoder_attention_mask=torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+        num_frames=2,
+        height=4,
+        width=4,
+    )
+
+
+def _ltx2(model: nn.Module) -> dict[str, Any]:
+    cfg = model.config
+    return _with(
+        model,
+        "tokens",
+        hidden_states=lambda i, g: _randn(g, BATCH, 2 * 16, cfg.in_channels),
+        audio_hidden_states=lambda i, g: _randn(g, BATCH, 3, cfg.audio_in_channels),
+        audio_encoder_hidden_states=_text(WIDTH),
+        audio_encoder_attention_mask=torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+        encoder_attention_mask=torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+        num_frames=2,
+        height=4,
+        width=4,
+        audio_num_frames=3,
+    )
+
+
+def _prior(model: nn.Module) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    cfg = model.config
+    return dict(
+        hidden_states=_randn(g, BATCH, cfg.embedding_dim),
+        timestep=torch.rand(BATCH, generator=g) * 1000,
+        proj_embedding=_randn(g, BATCH, cfg.embedding_dim),
+        encoder_hidden_states=_randn(g, BATCH, cfg.num_embeddings, cfg.embedding_dim),
+    )
+
+
+def _cogvideox(model: nn.Module) -> dict[str, Any]:
+    return _with(model, "video", hidden_states=lambda i, g: i["hidden_states"].transpose(1, 2).contiguous())
+
+
+def _cogview(model: nn.Module) -> dict[str, Any]:
+    size = torch.tensor([[32.0, 32.0]] * BATCH)
+    return _with(model, "image", original_size=size, target_size=size, crop_coords=torch.zeros(BATCH, 2))
+
+
+# Config overrides: only what the generic rules get wrong for a class.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "WanVACETransformer3DModel": dict(num_layers=2, vace_layers=[0, 1], vace_in_channels=8),
+    "HiDreamImageTransformer2DModel": dict(
+        patch_size=2,
+        caption_channels=[WIDTH, WIDTH],
+        llama_layers=[0, 1],
+        text_emb_dim=WIDTH,
+        axes_dims_rope=(8, 4, 4),
+    ),
+    "CosmosTransformer3DModel": dict(concat_padding_mask=False),
+    "CogVideoXTransformer3DModel": dict(
+        max_text_seq_length=TEXT_TOKENS, sample_frames=5, sample_height=8, sample_width=8
+    ),
+    "ConsisIDTransformer3DModel": dict(
+        max_text_seq_length=TEXT_TOKENS, sample_frames=5, sample_height=8, sample_width=8
+    ),
+    "HunyuanDiT2DModel": dict(patch_size=2, in_channels=4, text_len=TEXT_TOKENS, text_len_t5=TEXT_TOKENS + 2),
+    "PixArtTransformer2DModel": dict(use_additional_conditions=False),
+    "DreamLiteTransformer2DModel": dict(in_channels=8, norm_num_groups=2),
+    "Transformer2DModel": dict(in_channels=8, norm_num_groups=2),
+    "LatteTransformer3DModel": dict(
+        in_channels=4,
+        patch_size=2,
+        sample_size=8,
+        video_length=2,
+        caption_channels=WIDTH,
+        cross_attention_dim=WIDTH,
+    ),
+    "EasyAnimateTransformer3DModel": dict(in_channels=4, out_channels=4, patch_size=2),
+    "CogView4Transformer2DModel": dict(rope_axes_dim=(16, 16)),
+    "PRXTransformer2DModel": dict(axes_dim=[8, 8]),
+}
+# Input recipes: classes whose forward takes what the generic recipes cannot derive.
+RECIPES: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
+    "QwenImageTransformer2DModel": _qwen_image,
+    "ZImageTransformer2DModel": _z_image,
+    "HiDreamImageTransformer2DModel": _hidream,
+    "Kandinsky5Transformer3DModel": _kandinsky5,
+    "LTXVideoTransformer3DModel": _ltx,
+    "CogVideoXTransformer3DModel": _cogvideox,
+    "ConsisIDTransformer3DModel": _cogvideox,
+    "CogView3PlusTransformer2DModel": _cogview,
+    "CogView4Transformer2DModel": _cogview,
+    "HunyuanDiT2DModel": _hunyuan_dit,
+    "LTX2VideoTransformer3DModel": _ltx2,
+    "NucleusMoEImageTransformer2DModel": lambda m: _with(m, "tokens", img_shapes=[(1, 4, 4)] * BATCH),
+    "WanVACETransformer3DModel": lambda m: _with(
+        m, "video", control_hidden_states=lambda i, g: _randn(g, BATCH, m.config.vace_in_channels, 2, 8, 8)
+    ),
+    "HunyuanVideo15Transformer3DModel": lambda m: _with(
+        m,
+        "video",
+        image_embeds=lambda i, g: _randn(g, BATCH, 4, m.config.image_embed_dim),
+        encoder_hidden_states_2=_text(m.config.text_embed_2_dim, 3),
+        encoder_attention_mask_2=torch.ones(BATCH, 3, dtype=torch.long),
+    ),
+    "ErnieImageTransformer2DModel": lambda m: _with(
+        m,
+        "image",
+        text_bth=_text(m.config.text_in_dim),
+        text_lens=torch.tensor([TEXT_TOKENS, TEXT_TOKENS - 2]),
+    ),
+    "MiniMaxMusic3RVQDepthDecoder": lambda m: dict(
+        inputs_embeds=_randn(torch.Generator().manual_seed(1), BATCH, 4, m.config.hidden_size)
+    ),
+    "PriorTransformer": _prior,
+    "StableAudio3DiTModel": lambda m: _with(
+        m,
+        "tokens",
+        hidden_states=lambda i, g: _randn(g, BATCH, m.config.io_channels, 16),
+        global_hidden_states=lambda i, g: _randn(g, BATCH, m.config.global_cond_dim),
+    ),
+    "Lumina2Transformer2DModel": lambda m: _with(
+        m, "image", encoder_attention_mask=torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long)
+    ),
+}
+# Classes we do not build, each with why (checked by the coverage test: an unexplained failure fails).
+_NEEDS = "its forward needs "
+NOT_BUILT: dict[str, str] = {
+    "AceStepTransformer1DModel": _NEEDS
+    + "`context_latents` (ACE-Step's condition-encoder latents); no recipe yet",
+    "AnyFlowFARTransformer3DModel": _NEEDS + "`chunk_partition` and the frame-autoregressive KV-cache flags",
+    "AnyFlowTransformer3DModel": "plain Diffusers forward raised `ValueError: not enough values to unpack` with "
+    "the generic video inputs and with [B, F, C, H, W] ones (the timestep layout it takes is not derived yet)",
+    "BriaFibo2Transformer2DModel": "plain Diffusers forward raised a shape error for every generic "
+    "hidden_states layout (its packed-latent layout is not derived yet)",
+    "BriaFiboTransformer2DModel": _NEEDS
+    + "`text_encoder_layers` (per-layer text encoder states); no recipe yet",
+    "Cosmos3OmniTransformer": _NEEDS
+    + "a unified multimodal token sequence (input_ids, text/vision index and "
+    "shape tensors) built by its pipeline",
+    "GlmImageTransformer2DModel": _NEEDS
+    + "`prior_token_id`/`prior_token_drop` (VQ tokens of the autoregressive "
+    "stage); no recipe yet",
+    "HunyuanVideoFramepackTransformer3DModel": _NEEDS + "clean/history latents with their indices "
+    "(`latents_clean`, ...); without them plain Diffusers raised `UnboundLocalError: image_rotary_emb_clean`",
+    "Ideogram4Transformer2DModel": _NEEDS + "`position_ids`, `segment_ids` and `indicator` of its packed "
+    "sequence; no recipe yet",
+    "JoyImageEditPlusTransformer3DModel": "its forward unpacks a 6-D hidden_states (several images); no recipe yet",
+    "Kandinsky6SRTransformer3DModel": "its input projection takes the low-resolution condition concatenated to "
+    "the latents (129 channels from 64); no recipe yet",
+    "Kandinsky6Transformer3DModel": "the generic config leaves `in_text_dim2` (768) and its inputs need "
+    "Kandinsky's rope positions; no recipe yet",
+    "Krea2Transformer2DModel": _NEEDS + "`position_ids` of its joint text/image sequence; no recipe yet",
+    "LuminaNextDiT2DModel": _NEEDS + "`encoder_mask` and a precomputed `image_rotary_emb`; no recipe yet",
+    "MiniMaxH3Transformer3DModel": _NEEDS
+    + "joint video/audio/text token tags and index tensors; no recipe yet",
+    "MiniMaxMusic3Transformer1DModel": "plain Diffusers forward raised a concat shape error with the generic "
+    "inputs (its condition layout is not derived yet)",
+    "OmniGenTransformer2DModel": _NEEDS + "tokenized `input_ids` with image latents and their positions; no "
+    "recipe yet",
+    "QwenImage21Transformer2DModel": "`img_mask` marks condition-image slots inside the VLM sequence; a "
+    "target-only call raised `repeats must have the same size` in plain Diffusers",
+    "RFD4ProteinaTransformer": "a protein-structure model (backbone coordinates, residue features), not an "
+    "image/video denoiser",
+    "SanaWMLTX2RefinerTransformer3DModel": _NEEDS + "a precomputed `video_rotary_emb`; no recipe yet",
+    "SanaWMTransformer3DModel": _NEEDS + "the text padding `mask` and camera conditions; no recipe yet",
+    "StableAudioDiTModel": _NEEDS
+    + "`global_hidden_states` and a precomputed `rotary_embedding`; no recipe yet",
+    "T5FilmDecoder": "a spectrogram decoder over note encodings (`encodings_and_masks`), not a latent denoiser",
+    "TransformerTemporalModel": "a UNet's temporal sub-module; plain Diffusers forward raised a size error with "
+    "[B*F, C, H, W] inputs (its frame layout is not derived yet)",
+    "WanAnimate2Transformer3DModel": _NEEDS + "`condition_latents`, a KV cache and its mode; no recipe yet",
+    "WanAnimateTransformer3DModel": _NEEDS
+    + "`pose_hidden_states` and `face_pixel_values` (pose video and face "
+    "crops); no recipe yet",
+}
+
+
+def _layouts(cls: type) -> list[str]:
+    """``hidden_states`` layouts to try, the likeliest first."""
+    params = inspect.signature(cls.forward).parameters
+    if "img_ids" in params or "img_shapes" in params:
+        return ["tokens", "image", "video"]
+    if "3D" in cls.__name__ or "Video" in cls.__name__:
+        return ["video", "image", "tokens"]
+    return ["image", "video", "tokens"]
+
+
+def randomized(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every parameter drawn from N(0, 0.1), so nothing is a zero-init no-op."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    return model.eval()
+
+
+def outputs(model: nn.Module, inputs: dict[str, Any]) -> list[torch.Tensor]:
+    """Every floating tensor the forward returns (nested tuples and output dataclasses flattened)."""
+    kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in inputs.items()}
+    if "return_dict" in inspect.signature(model.forward).parameters:
+        kwargs["return_dict"] = False
+    with torch.no_grad():
+        result = model(**kwargs)
+    found: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point():
+                found.append(value)
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif dataclasses.is_dataclass(value):
+            for item in dataclasses.fields(value):
+                walk(getattr(value, item.name))
+
+    walk(result)
+    if not found:
+        raise RuntimeError(f"{type(model).__name__}'s forward returned no floating tensor")
+    return found
+
+
+def build(name: str) -> tuple[nn.Module, dict[str, Any]] | str:
+    """A tiny random ``name`` and inputs its plain Diffusers forward runs on, or why it is not built.
+
+    A family the generic rules cannot build and no recorded reason explains (a Diffusers upgrade adds one)
+    comes back with the generic rules' first error as its reason: it shows up in the table without a code
+    change, and a recipe or a recorded reason can follow."""
+    if name in NOT_BUILT:
+        return NOT_BUILT[name]
+    cls = exported_transformers()[name]
+    torch.manual_seed(0)
+    try:
+        model = randomized(cls(**tiny_config(cls, OVERRIDES.get(name))))
+    except Exception as error:
+        return _unexplained("its generic tiny config", error)
+    if name in RECIPES:
+        inputs = RECIPES[name](model)
+        outputs(model, inputs)
+        return model, inputs
+    errors = []
+    for layout in _layouts(cls):
+        try:
+            inputs = generic_inputs(model, Shapes(layout))
+            outputs(model, inputs)
+            return model, inputs
+        except Exception as error:  # the next layout may be the one this model takes
+            errors.append(error)
+    return _unexplained("every generic input layout", errors[0] if errors else LookupError("none derived"))
+
+
+def _unexplained(what: str, error: Exception) -> str:
+    first_line = str(error).splitlines()[0][:120] if str(error) else ""
+    return f"no recipe yet: plain Diffusers refused {what} ({type(error).__name__}: {first_line})"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measurement: plain Diffusers against omni_accel.accelerate through a minimal pipeline.
+
+
+class Holder(DiffusionPipeline):
+    """The smallest pipeline around a transformer, so the public accelerate() can take a bare module."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.register_modules(transformer=transformer)
+
+
+@dataclasses.dataclass
+class Coverage:
+    """One class's row: the tier it gets, its parity, or why it is not measured."""
+
+    name: str
+    tier: str
+    layouts: str
+    repeated_blocks: str
+    parity: float | None = None
+    reason: str | None = None  # not built (recorded) or failed when accelerated (a defect)
+    defect: str | None = None
+
+    @property
+    def status(self) -> str:
+        if self.defect is not None:
+            return f"DEFECT: {self.defect.splitlines()[-1]}"
+        if self.reason is not None:
+            return f"not built: {self.reason}"
+        assert self.parity is not None
+        return "tested, bitwise equal" if self.parity == 0 else f"tested, rel err < 1e-{_decade(self.parity)}"
+
+
+def _decade(err: float) -> int:
+    return max(1, math.floor(-math.log10(err)))
+
+
+def _layouts_of(module: nn.Module) -> str:
+    spec = spec_for(module)
+    native = spec.native_model() if spec is not None else None
+    if native is not None:
+        plan = native.parallel
+        kinds = (["tp"] if plan.tensor else []) + (["ulysses", "ring"] if plan.sequence else [])
+        return ", ".join([*kinds, "cfg"] if plan.batched_inputs else kinds) or "-"
+    if getattr(module, "_cp_plan", None):
+        return "Diffusers declares _cp_plan (not yet consumed)"
+    return "-"
+
+
+def _planned_tier(cls: type[ModelMixin]) -> str:
+    """The tier the registry plans for ``cls`` (for a class not built, so not accelerated here): the
+    registry looks only at the module's type, so an instance without ``__init__`` run is enough."""
+    spec = spec_for(cls.__new__(cls))
+    if spec is None:
+        return "untouched"
+    return "native" if spec.native else "routed"
+
+
+@functools.cache
+def measure(name: str) -> Coverage:
+    """Plain vs accelerated on the same weights and inputs (fp32, CPU); cached so that the parametrized
+    test and the table share one run."""
+    cls = exported_transformers()[name]
+    repeated = "yes" if getattr(cls, "_repeated_blocks", None) else "no"
+    built = build(name)
+    if isinstance(built, str):
+        layouts = "Diffusers declares _cp_plan (not yet consumed)" if getattr(cls, "_cp_plan", None) else "-"
+        return Coverage(name, _planned_tier(cls), layouts, repeated, reason=built)
+    model, inputs = built
+    plain = outputs(model, inputs)
+    layouts = _layouts_of(model)
+    try:
+        holder = omni_accel.accelerate(Holder(model))
+        fast = outputs(holder.transformer, inputs)
+        report = next(c for c in omni_accel.describe(holder).components if c.name == "transformer")
+        tier = report.mode
+        if tier == "routed" and not report.selector.decisions():  # routed in name only: say why
+            left = sorted({reason for _, reason in report.selector.unrouted})
+            tier = f"routed (every attention call left to Diffusers: {', '.join(left) or 'none made'})"
+        if len(fast) != len(plain) or any(a.shape != b.shape for a, b in zip(fast, plain, strict=True)):
+            raise AssertionError("accelerated outputs differ in number or shape from plain Diffusers'")
+        err = max(
+            ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(fast, plain, strict=True)
+        )
+    except Exception:
+        return Coverage(name, "?", layouts, repeated, defect=traceback.format_exc(limit=-3))
+    if not err <= TOLERANCE:
+        return Coverage(name, tier, layouts, repeated, parity=err, defect=f"rel err {err:.2e} > {TOLERANCE}")
+    return Coverage(name, tier, layouts, repeated, parity=err)
+
+
+def coverage_table() -> str:
+    """docs/COVERAGE.md as the builders and omni_accel make it now (one row per exported class)."""
+    rows = [measure(name) for name in exported_transformers()]
+    tested = sum(row.parity is not None and row.defect is None for row in rows)
+    defects = sum(row.defect is not None for row in rows)
+    lines = [
+        "# Transformer coverage",
+        "",
+        f"Every transformer class Diffusers {diffusers.__version__} exports, built tiny with random weights "
+        "(`tests/tiny_transformers.py`) and run on CPU in fp32, plain and through `omni_accel.accelerate`; "
+        f"parity is max abs diff / max abs of plain (must be <= {TOLERANCE:g}). Generated by "
+        "`.venv/bin/python benchmarks/coverage_table.py`; `tests/test_transformer_coverage.py` fails when "
+        "this page differs from what the builders give now.",
+        "",
+        f"{len(rows)} classes: {tested} tested, {len(rows) - tested - defects} not built, {defects} defects.",
+        "",
+        "| class | Diffusers module | tier | parallel layouts | `_repeated_blocks` | status |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        module = exported_transformers()[row.name].__module__.removeprefix(_TRANSFORMERS)
+        cells = [f"`{row.name}`", f"`{module}`", row.tier, row.layouts, row.repeated_blocks, row.status]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
