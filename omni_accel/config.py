@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .attention.selection import AttentionConfig
+from .attention.selection import AttentionConfig, check_forms
 from .parallel.config import ParallelConfig
 
 # The pipeline attributes that hold denoisers in Diffusers' pipelines (Wan 2.2 has two experts); the
@@ -91,30 +91,9 @@ def _attention_config(value: Any) -> AttentionConfig:
         unknown = sorted(set(value) - {"default", "per_role"})
         if unknown:
             raise TypeError(f"attention options {unknown} are unknown; use 'default' and 'per_role'.")
-        default = value.get("default", "auto")
-        if not isinstance(default, str):
-            raise TypeError(
-                f"attention['default'] must be one provider name (a str, e.g. 'sdpa' or 'auto'), got {default!r}."
-            )
-        per_role = value.get("per_role", {})
-        _check_per_role(per_role)
+        default, per_role = value.get("default", "auto"), value.get("per_role", {})
+        check_forms(default, per_role, "attention['{}']", "attention='NAME'")
         return AttentionConfig(default=default, per_role=per_role)
     raise TypeError(
         f"attention must be an AttentionConfig, a provider name or a mapping, got {type(value).__name__}."
     )
-
-
-def _check_per_role(per_role: Any) -> None:
-    """``per_role`` maps each role or category name to one provider name."""
-    example = "{'flux.single': 'sdpa', 'cross': 'auto'}"
-    if not isinstance(per_role, Mapping):
-        raise TypeError(
-            f"attention['per_role'] must map role or category names to provider names, like {example}; got a "
-            f"{type(per_role).__name__}: {per_role!r}. For one provider everywhere pass attention='NAME'."
-        )
-    for role, name in per_role.items():
-        if not isinstance(role, str) or not isinstance(name, str):
-            raise TypeError(
-                f"attention['per_role'] maps each role or category (a str) to one provider name (a str), like "
-                f"{example}; got {role!r}: {name!r}."
-            )

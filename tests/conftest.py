@@ -29,7 +29,7 @@ def random_flux_transformer(seed: int = 0, **overrides):
     )
     config.update(overrides)
     torch.manual_seed(seed)
-    return _randomized(FluxTransformer2DModel(**config).eval())
+    return randomized(FluxTransformer2DModel(**config).eval())
 
 
 _WAN_CONFIG = dict(
@@ -52,7 +52,7 @@ def random_wan_transformer(seed: int = 0, **overrides):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    return _randomized(WanTransformer3DModel(**{**_WAN_CONFIG, **overrides}).eval())
+    return randomized(WanTransformer3DModel(**{**_WAN_CONFIG, **overrides}).eval())
 
 
 def random_wan_vace_transformer(seed: int = 0, **overrides):
@@ -61,10 +61,11 @@ def random_wan_vace_transformer(seed: int = 0, **overrides):
 
     vace = dict(num_layers=3, cross_attn_norm=True, vace_layers=[0, 2], vace_in_channels=6)
     torch.manual_seed(seed)
-    return _randomized(WanVACETransformer3DModel(**{**_WAN_CONFIG, **vace, **overrides}).eval())
+    return randomized(WanVACETransformer3DModel(**{**_WAN_CONFIG, **vace, **overrides}).eval())
 
 
-def _randomized(model):
+def randomized(model):
+    """``model`` with every parameter drawn from N(0, 0.1): no zero-initialised layer hides a path."""
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.1)

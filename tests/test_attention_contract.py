@@ -12,7 +12,7 @@ import omni_accel.patches as patches
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import flux_inputs, random_flux_transformer, rel_err
+from conftest import flux_inputs, random_flux_transformer, randomized, rel_err
 from diffusers import QwenImageTransformer2DModel, SD3Transformer2DModel
 from native_contract import _Holder
 
@@ -226,10 +226,7 @@ def _qwen(seed=0):
         joint_attention_dim=32,
         axes_dims_rope=(4, 6, 6),
     ).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.1)
-    return model
+    return randomized(model)
 
 
 def _qwen_inputs(masked=True, seed=1):
@@ -337,10 +334,7 @@ def _sd3(seed=0):
         caption_projection_dim=32,
         pooled_projection_dim=16,
     ).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.1)
-    return model
+    return randomized(model)
 
 
 def _sd3_inputs(seed=1):

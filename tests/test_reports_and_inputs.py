@@ -84,6 +84,20 @@ def test_malformed_attention_options_name_the_option_and_the_form(attention, mes
     _untouched(pipe)
 
 
+def test_attention_config_and_scope_check_their_forms_too():
+    """The same forms checked where users build the config themselves (``AttentionConfig``,
+    ``attention_scope``), with the option named as they wrote it."""
+    with pytest.raises(TypeError, match=r"AttentionConfig.per_role must map .*got a list"):
+        omni_accel.AttentionConfig(per_role=["flux.single", "sdpa"])
+    with (
+        pytest.raises(TypeError, match=r"got a str: 'sdpa'.*default='NAME'"),
+        omni_accel.attention_scope(per_role="sdpa"),
+    ):
+        pass
+    with pytest.raises(TypeError, match=r"AttentionConfig.default must be one provider name"):
+        omni_accel.AttentionConfig(default=["sdpa"])
+
+
 @pytest.mark.parametrize(
     ("components", "message"),
     [

@@ -44,6 +44,30 @@ class _FrozenMapping(Mapping):
         return repr(self._items)
 
 
+def check_forms(default: object, per_role: object, where: str, one_everywhere: str) -> None:
+    """``default`` is one provider name and ``per_role`` maps role or category names to provider names;
+    else a TypeError naming the option (``where``: how the caller spells it, e.g. ``attention[{}]``) and
+    the form expected (``one_everywhere``: how to give one provider to every site)."""
+    example = "{'flux.single': 'sdpa', 'cross': 'auto'}"
+    if not isinstance(default, str):
+        raise TypeError(
+            f"{where.format('default')} must be one provider name (a str, e.g. 'sdpa' or 'auto'), got "
+            f"{default!r}."
+        )
+    option = where.format("per_role")
+    if not isinstance(per_role, Mapping):
+        raise TypeError(
+            f"{option} must map role or category names to provider names, like {example}; got a "
+            f"{type(per_role).__name__}: {per_role!r}. For one provider everywhere pass {one_everywhere}."
+        )
+    for role, name in per_role.items():
+        if not isinstance(role, str) or not isinstance(name, str):
+            raise TypeError(
+                f"{option} maps each role or category (a str) to one provider name (a str), like {example}; "
+                f"got {role!r}: {name!r}."
+            )
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Which provider serves which attention site. ``"auto"`` means the best lossless provider available."""
@@ -52,6 +76,7 @@ class AttentionConfig:
     per_role: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_forms(self.default, self.per_role, "AttentionConfig.{}", "default='NAME'")
         check_provider_name(self.default, where="AttentionConfig.default")
         for role, name in self.per_role.items():
             check_provider_name(name, where=f"AttentionConfig.per_role[{role!r}]")

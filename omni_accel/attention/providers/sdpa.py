@@ -122,7 +122,7 @@ class SdpaProvider(AttentionProvider):
 
     def _checked_bhsd(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
-    ) -> list[torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The BHSD views of a call, after the pinned kernel's check (one per call: 2-3 us)."""
         q, k, v = _to_bhsd(query, key, value)
         refused = self._refusal(q, k, v, attn_mask)
