@@ -11,8 +11,7 @@ import importlib.util
 import itertools
 import os
 import re
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ from diffusers.models.modeling_utils import get_parameter_dtype
 from torch import nn
 
 import omni_accel.patches as patches
-from omni_accel.patches import pair_cfg_calls
+from omni_accel.patches import attention_roles, pair_cfg_calls
 
 from . import cuda_graphs, pipeline_calls
 from .attention import routing
@@ -31,8 +30,10 @@ from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
 from .config import DEFAULT_COMPONENTS, AccelConfig
+from .forward_hooks import scoped_hooks
 from .layers.split_modulation import SplitModulation
 from .models.base import NativeBlock, NativeRuntime, modulation_sites, swap_blocks
+from .models.generic import GenericRuntime, install_regions, regions_of, repeated_blocks
 from .models.registry import ModelSpec, output_class, registered_natives, spec_for
 from .parallel import check_parallel, parallelize
 from .parallel import vae as vae_split
@@ -62,6 +63,7 @@ class _Component:
     runtime: NativeRuntime | None = None
     parallel: ParallelState | None = None  # a distributed layout to apply at commit
     graphs: cuda_graphs.StepGraphs | None = None
+    generic: GenericRuntime | None = None  # the generic tier's compiled blocks
     undo: list[Callable[[], None]] = field(default_factory=list)
     shared: bool = False  # accelerated by another pipeline holding the same module (from_pipe), which owns it
 
@@ -233,7 +235,7 @@ def describe(pipe: Pipeline) -> AccelerationReport:
     state = _state(pipe)
     reports = [_current_report(pipe, component) for component in state.components]
     for component, report in zip(state.components, reports, strict=True):
-        if report.runtime is not None:
+        if component.runtime is not None and report.runtime is not None:
             sites = _native_sites(component.original, component.spec.native_model())
             report.planned_attention = _resolve_rows(
                 sites, _placement(component.original), report.selector, strict=False
@@ -259,9 +261,10 @@ def _current_report(pipe: Pipeline, component: _Component) -> ComponentReport:
     return component.report
 
 
-def _runtime_of(module: nn.Module) -> NativeRuntime | None:
-    """The runtime of the native blocks inside ``module`` (None: none of its blocks is native now)."""
-    return next((m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock)), None)
+def _runtime_of(module: nn.Module) -> NativeRuntime | GenericRuntime | None:
+    """The runtime of the native blocks inside ``module``, or of its compiled blocks (None: neither now)."""
+    native = next((m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock)), None)
+    return native if native is not None else regions_of(module)
 
 
 def _shared_report(name: str, module: nn.Module) -> ComponentReport:
@@ -309,16 +312,6 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
         return _Component(name, module, spec, _shared_report(name, module), shared=True)
     native_ok = spec is not None and spec.native is not None and config.native
     distributed = parallel is not None and parallel.mesh is not None
-    if config.compile and not native_ok:
-        raise ValueError(
-            f"compile=True compiles the blocks of a native transformer, and pipe.{name} ({cls_name}) has none; "
-            "use Diffusers' own `pipe.transformer.compile_repeated_blocks()` for it instead."
-        )
-    if config.cuda_graphs is True and not native_ok:
-        raise ValueError(
-            f"cuda_graphs=True captures the steps of a native transformer, and pipe.{name} ({cls_name}) has "
-            "none; leave cuda_graphs off for this pipeline."
-        )
     if distributed and not native_ok:
         raise ValueError(
             f"{config.parallel} needs a native transformer, and pipe.{name} ({cls_name}) has none"
@@ -328,17 +321,7 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
     selector = AttentionSelector(config.attention)
     if native_ok:
         return _plan_swap(name, module, spec, config, selector, parallel if distributed else None)
-    if spec is not None and spec.attention_routes:
-        cache = ExactProjectionCache(config.projection_cache_bytes) if config.projection_cache_bytes else None
-        return _plan_routed(name, module, spec, selector, cache if spec.cache_sites else None)
-    report = ComponentReport(
-        name,
-        cls_name,
-        "untouched",
-        "no native implementation and no attention call site we can route",
-        not_accelerated=[f"{cls_name} runs exactly as in Diffusers"],
-    )
-    return _Component(name, module, spec, report)
+    return _plan_generic(name, module, spec, config, selector)
 
 
 def _plan_swap(
@@ -359,11 +342,11 @@ def _plan_swap(
         graphs_on = torch.cuda.is_available() and (parallel is None or parallel.device.type == "cuda")
     if parallel is not None:
         _check_layout(module, model, parallel, graphs_on)
-    options = None if not config.compile else ({} if config.compile is True else dict(config.compile))
+    options = None if not config.compile_asked else ({} if config.compile is True else dict(config.compile))
     limitations = list(model.limitations)
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
-    cache = _unless_compiled(cache, config, limitations)
+    cache = _unless_compiled(cache, config.compile_asked, limitations)
     runtime = NativeRuntime(selector, options, cache, config.compile_in_background)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
@@ -401,42 +384,124 @@ def _plan_swap(
 
 
 def _unless_compiled(
-    cache: ExactProjectionCache | None, config: AccelConfig, limitations: list[str]
+    cache: ExactProjectionCache | None, compiled: bool, limitations: list[str]
 ) -> ExactProjectionCache | None:
-    """The cache, or None under compile=True: compiled blocks cannot consult it, so its per-step comparison
-    would be pure overhead (and the report says so). Graph-replayed steps skip it; eager calls use it."""
-    if config.compile and cache is not None:
+    """The cache, or None when the blocks are compiled: compiled blocks cannot consult it, so its per-step
+    comparison would be pure overhead (and the report says so). Graph-replayed steps skip it; eager calls
+    use it."""
+    if compiled and cache is not None:
         limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
         return None
     return cache
 
 
-def _plan_routed(
-    name: str,
-    module: nn.Module,
-    spec: ModelSpec,
-    selector: AttentionSelector,
-    cache: ExactProjectionCache | None,
+def _plan_generic(
+    name: str, module: nn.Module, spec: ModelSpec | None, config: AccelConfig, selector: AttentionSelector
 ) -> _Component:
-    for patch_name, _ in spec.attention_routes:
+    """A transformer with no native blocks (or ``native=False``): the Diffusers module stays, its attention
+    routed through our providers where its module's call sites can be, its repeated blocks compiled and its
+    steps replayed from CUDA graphs (``models.generic``; on CUDA unless ``compile`` / ``cuda_graphs`` say)."""
+    cls_name = type(module).__name__
+    routes = spec.attention_routes if spec is not None else ()
+    for patch_name in {name for name, _ in routes} | ({"attention_roles"} if routes else set()):
         patches.check_applicable(patch_name)
-    _check_attention(name, module, _routed_sites(module, spec), selector)
-    why = "native acceleration disabled (native=False)" if spec.native else "no native implementation yet"
-    not_accelerated = ["projections, norms and MLPs run as in Diffusers"]
-    if cache is None:
-        not_accelerated.append(
-            "no projection-cache sites are registered for this model (or the cache is off)"
+    blocks = repeated_blocks(module)
+    if config.compile_asked and not blocks:
+        raise ValueError(
+            f"compile=True compiles a transformer's repeated blocks, and pipe.{name} ({cls_name}) declares none "
+            "(no `_repeated_blocks`, no ModuleList of blocks of one class); leave compile unset for it."
         )
+    on_cuda = torch.cuda.is_available()
+    compile_on = bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
+    graphs_on = on_cuda if config.cuda_graphs is None else config.cuda_graphs
+    if not (routes or compile_on or graphs_on):
+        report = ComponentReport(
+            name,
+            cls_name,
+            "untouched",
+            "no native implementation, no attention call site we can route, and no repeated blocks to compile",
+            not_accelerated=[f"{cls_name} runs exactly as in Diffusers"],
+        )
+        return _Component(name, module, spec, report)
+    if routes:
+        _check_attention(name, module, _routed_sites(module, spec), selector)
+    why = (
+        "native acceleration disabled (native=False)"
+        if spec is not None and spec.native
+        else "no native blocks"
+    )
+    parts = [f"{why}; the Diffusers module kept"]
+    if routes:
+        parts.append("its attention routed through our providers")
+    not_accelerated = [] if routes else ["attention: Diffusers' own (no call site of this module we route)"]
+    options = None
+    if compile_on:
+        options = {} if not isinstance(config.compile, Mapping) else dict(config.compile)
+        listed = sorted({type(block).__name__ for _, block in blocks})
+        parts.append(
+            f"{len(blocks)} repeated blocks ({', '.join(listed)}) compiled"
+            + (
+                " in the background (eager blocks serve until the code is ready)"
+                if config.compile_in_background
+                else ""
+            )
+            + (", on CUDA" if config.compile is None else "")
+        )
+    elif blocks:
+        not_accelerated.append(
+            "repeated blocks: not compiled ("
+            + (
+                "compile=False"
+                if config.compile is False
+                else "no CUDA device here; compile=True compiles on CPU"
+            )
+            + ")"
+        )
+    else:
+        not_accelerated.append("repeated blocks: none declared, nothing to compile")
+    if graphs_on and on_cuda:
+        parts.append("steps replayed from CUDA graphs where they run on one CUDA device (counts below)")
+    elif graphs_on:
+        parts.append(
+            "cuda_graphs=True, but no step can run on CUDA here (this machine has no CUDA device): every step "
+            "runs eagerly, none is captured"
+        )
+    else:
+        not_accelerated.append(
+            "CUDA graphs: off" + (" (cuda_graphs=False)" if config.cuda_graphs is False else "")
+        )
+    not_accelerated.append(
+        "projections, norms and MLPs: Diffusers' own" + (" (compiled)" if compile_on else "")
+    )
+    cache = None
+    if spec is not None and spec.cache_sites and config.projection_cache_bytes:
+        cache = ExactProjectionCache(config.projection_cache_bytes)
+        cache = _unless_compiled(cache, compile_on, not_accelerated)
+    elif spec is None or not spec.cache_sites:
+        not_accelerated.append("exact projection cache: no sites are registered for this model")
+    runtime = GenericRuntime(
+        selector,
+        options,
+        config.compile_in_background,
+        devices=("cuda",) if config.compile is None else None,
+        raise_failures=config.compile is not None,
+    )
+    graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
+    tier = "generic" if compile_on or graphs_on else "routed"
     report = ComponentReport(
         name,
-        type(module).__name__,
-        "routed",
-        f"{why}; Diffusers module kept, its attention routed through our providers",
-        selector,
+        cls_name,
+        tier,
+        "; ".join(parts),
+        selector if routes else None,
         cache=cache,
+        runtime=runtime if compile_on else None,
+        graphs=graphs,
         not_accelerated=not_accelerated,
     )
-    return _Component(name, module, spec, report, cache)
+    return _Component(
+        name, module, spec, report, cache, graphs=graphs, generic=runtime if compile_on else None
+    )
 
 
 def _native_sites(module: nn.Module, model) -> list[tuple[str, str, int]]:
@@ -579,6 +644,11 @@ def _commit(component: _Component) -> None:
         _route_attention(component)
         if component.cache is not None:
             component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
+        if component.generic is not None:
+            component.undo += install_regions(component.original, component.generic)
+        if component.graphs is not None:
+            component.graphs.install()
+            component.undo.append(component.graphs.uninstall)
 
 
 def _route_attention(component: _Component) -> None:
@@ -586,13 +656,18 @@ def _route_attention(component: _Component) -> None:
         return
     selector = component.report.selector
     module = component.original
-    component.undo += _scoped_hooks(module, lambda: routing.enter_selector(selector), routing.leave_selector)
+    component.undo += scoped_hooks(module, lambda: routing.enter_selector(selector), routing.leave_selector)
+    route_classes = set()
     for name, child in module.named_modules():
         if hasattr(child, "processor"):
             role, category = _role_of(component.spec, name)
-            component.undo += _scoped_hooks(
-                child, lambda r=role, c=category: routing.enter_role(r, c), routing.leave_role
-            )
+            # Strings: Dynamo guards on their value, so blocks of one route share compiled code (see patches/).
+            object.__setattr__(child, attention_roles.ROUTE, (str(selector.index), role, category))
+            component.undo.append(lambda child=child: object.__delattr__(child, attention_roles.ROUTE))
+            route_classes.add(f"{type(child).__module__}:{type(child).__qualname__}")
+    for target in sorted(route_classes):
+        patches.apply("attention_roles", target)
+        component.undo.append(lambda target=target: patches.revert("attention_roles", target))
     for name, target in component.spec.attention_routes:
         patches.apply(name, target)
         component.undo.append(lambda name=name, target=target: patches.revert(name, target))
@@ -603,29 +678,6 @@ def _role_of(spec: ModelSpec, module_name: str) -> tuple[str, str]:
         if re.fullmatch(pattern, module_name):
             return role
     return f"{spec.family}.{module_name.rpartition('.')[2]}", "self"
-
-
-def _scoped_hooks(module: nn.Module, enter, leave) -> list[Callable[[], None]]:
-    """A pre-hook that enters a context and a hook that always leaves it, even when forward raises."""
-    local = threading.local()  # each thread enters and leaves its own contexts
-
-    def pre_hook(_module, _args):
-        if torch.compiler.is_dynamo_compiling():  # compiled code runs Diffusers' attention (see patches/)
-            return
-        if not hasattr(local, "tokens"):
-            local.tokens = []
-        local.tokens.append(enter())
-
-    def post_hook(_module, _args, _output):
-        if torch.compiler.is_dynamo_compiling():
-            return
-        leave(local.tokens.pop())
-
-    handles = [
-        module.register_forward_pre_hook(pre_hook),
-        module.register_forward_hook(post_hook, always_call=True),
-    ]
-    return [handle.remove for handle in handles]
 
 
 # Parallel layouts: chosen (parallel="auto" waits for the first pipeline call), checked before anything

@@ -24,12 +24,14 @@ class AccelConfig:
     budget of the exact projection cache per transformer (0 turns it off). ``parallel``: how the
     transformer spreads over the ranks of a torchrun launch (``"auto"``: chosen for the model, the number
     of ranks and the pipeline's first call; see ``omni_accel.parallel.auto``). ``compile``:
-    ``torch.compile`` each repeated block of a native transformer (True, or a dict of ``torch.compile``
-    keyword arguments); ``compile_in_background``: until a block function's compiled code is ready, its
-    calls run eagerly while a thread compiles it (see ``omni_accel.models.compiler``; False: the first call
-    waits for the compile). ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and replay
-    it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for a native transformer whose
-    steps run on CUDA, on one GPU or under a parallel layout. ``vae_parallel``: under a parallel layout,
+    ``torch.compile`` the repeated blocks (True, or a dict of ``torch.compile`` keyword arguments; False:
+    never); None (the default) compiles those of a transformer without native blocks (the generic tier,
+    ``omni_accel.models.generic``) where they run on CUDA, and leaves native blocks eager (their fused
+    kernels are the fast path). ``compile_in_background``: until a block function's compiled code is ready,
+    its calls run eagerly while a thread compiles it (see ``omni_accel.models.compiler``; False: the first
+    call waits for the compile). ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and
+    replay it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for any accelerated
+    transformer whose steps run on CUDA, on one GPU or under a parallel layout. ``vae_parallel``: under a parallel layout,
     split the VAE decode over the ranks by latent rows (None, the default: when the VAE's layers allow it).
     ``components``: the pipeline attributes treated as denoisers (Diffusers transformers or UNets)."""
 
@@ -37,7 +39,7 @@ class AccelConfig:
     native: bool = True
     projection_cache_bytes: int = 256 * 1024**2
     parallel: ParallelConfig | str | None = None
-    compile: bool | Mapping[str, Any] = False
+    compile: bool | Mapping[str, Any] | None = None
     compile_in_background: bool = True
     cuda_graphs: bool | None = None
     vae_parallel: bool | None = None
@@ -54,9 +56,9 @@ class AccelConfig:
             raise ValueError(
                 f"projection_cache_bytes must be >= 0 (0 turns it off), got {self.projection_cache_bytes}."
             )
-        if not isinstance(self.compile, bool | Mapping):
+        if self.compile is not None and not isinstance(self.compile, bool | Mapping):
             raise TypeError(
-                f"compile must be True/False or a dict of torch.compile arguments, got {self.compile!r}."
+                f"compile must be None (auto), True/False or a dict of torch.compile arguments, got {self.compile!r}."
             )
         if not isinstance(self.compile_in_background, bool):
             raise TypeError(
@@ -73,6 +75,11 @@ class AccelConfig:
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"components must be a tuple of attribute names, got {self.components!r}.")
         object.__setattr__(self, "components", tuple(self.components))
+
+    @property
+    def compile_asked(self) -> bool:
+        """``compile`` is True or a dict of ``torch.compile`` arguments (not None, the automatic choice)."""
+        return self.compile is True or isinstance(self.compile, Mapping)
 
     def with_overrides(self, **overrides: Any) -> AccelConfig:
         names = {f.name for f in dataclasses.fields(self)}

@@ -43,6 +43,7 @@ from torch import nn
 
 from .attention.selection import current_scope
 from .forward_hooks import global_hooks_active, is_hooked
+from .models.compiler import no_compile_beside
 from .utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -173,7 +174,10 @@ class StepGraphs:
                     return self._eager(
                         "compiled blocks are being built in the background", forward, args, kwargs
                     )
-                graph = self._capture(key, forward, leaves, spec)
+                with no_compile_beside() as free:
+                    if not free:
+                        return self._eager(_COMPILE_BESIDE, forward, args, kwargs)
+                    graph = self._capture(key, forward, leaves, spec)
                 if graph is None:
                     return forward(*args, **kwargs)
             else:
@@ -248,6 +252,7 @@ def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
 
 
 _HOOKED = "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
+_COMPILE_BESIDE = "a background compile of another model runs in this process (no capture beside it)"
 
 
 def step_key(

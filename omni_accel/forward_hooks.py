@@ -1,12 +1,21 @@
 """Whether anything wraps a module's forward: torch hooks, accelerate's ``_hf_hook``, Diffusers' HookRegistry.
 
-Native blocks and the projection cache both skip work a hook may observe or change, so both ask here.
+Native blocks, CUDA graphs, the generic tier's compiled blocks and the projection cache all skip work a hook
+may observe or change, so they ask here. Our own scope hooks (``scoped_hooks``: they only say which
+pipeline and attention role a call belongs to) observe and change nothing, and do not count.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
+
+_OURS = "_omni_accel_scope"
 
 
 def global_hooks_active() -> bool:
@@ -24,11 +33,46 @@ def is_hooked(module: nn.Module) -> bool:
     state = module.__dict__
     registry = state.get("_diffusers_hook")
     return bool(
-        state["_forward_hooks"]
-        or state["_forward_pre_hooks"]
+        _foreign(state["_forward_hooks"])
+        or _foreign(state["_forward_pre_hooks"])
         or "_hf_hook" in state
         or (registry is not None and registry.hooks)
     )
+
+
+def _foreign(hooks: dict) -> bool:
+    return bool(hooks) and any(not hasattr(hook, _OURS) for hook in hooks.values())
+
+
+def scoped_hooks(
+    module: nn.Module,
+    enter: Callable[[], Any],
+    leave: Callable[[Any], None],
+) -> list[Callable[[], None]]:
+    """A pre-hook that enters a context (``enter()`` returns its token) and a hook that always leaves it,
+    even when forward raises; returns their removers. Nothing while Dynamo traces (a context variable
+    cannot be entered there; see ``patches/attention_roles.py`` for what the trace is told)."""
+    local = threading.local()  # each thread enters and leaves its own contexts
+
+    def pre_hook(_module, _args):
+        if torch.compiler.is_dynamo_compiling():
+            return
+        if not hasattr(local, "tokens"):
+            local.tokens = []
+        local.tokens.append(enter())
+
+    def post_hook(_module, _args, _output):
+        if torch.compiler.is_dynamo_compiling():
+            return
+        leave(local.tokens.pop())
+
+    setattr(pre_hook, _OURS, True)
+    setattr(post_hook, _OURS, True)
+    handles = [
+        module.register_forward_pre_hook(pre_hook),
+        module.register_forward_hook(post_hook, always_call=True),
+    ]
+    return [handle.remove for handle in handles]
 
 
 def _first_hooked_below(module: nn.Module) -> nn.Module | None:

@@ -9,6 +9,7 @@ from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
 from .cuda_graphs import StepGraphs
 from .models.base import NativeRuntime
+from .models.generic import GenericRuntime
 from .parallel.cfg import GuidanceBranches
 from .parallel.sequence import describe_ring, describe_ulysses
 from .parallel.token_rows import describe_rows
@@ -20,12 +21,13 @@ class ComponentReport:
 
     name: str
     diffusers_class: str
-    mode: str  # "native", "native (shared)", "routed", "untouched", "replaced", "absent" or "patch-parallel"
+    # "native", "native (shared)", "generic", "routed", "untouched", "replaced", "absent" or "patch-parallel"
+    mode: str
     detail: str
     selector: AttentionSelector | None = None
     cache: ExactProjectionCache | None = None
     cfg: GuidanceBranches | None = None
-    runtime: NativeRuntime | None = None
+    runtime: NativeRuntime | GenericRuntime | None = None
     graphs: StepGraphs | None = None
     ulysses_group: Any = None  # the process group of a Ulysses layout's exchanges
     ring_group: Any = None  # the process group of a ring layout's K/V transfers
@@ -76,7 +78,7 @@ class ComponentReport:
         if self.runtime is not None:
             if self.runtime.compiler is not None:
                 out.extend(f"  compiled: {line}" for line in self.runtime.compiler.summary())
-            if self.runtime.modulation is not None:
+            if isinstance(self.runtime, NativeRuntime) and self.runtime.modulation is not None:
                 out.append(f"  modulation: {self.runtime.modulation.describe()}")
             for reason, count in sorted(self.runtime.fallbacks.items()):
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")

@@ -1,7 +1,8 @@
 """Version-guarded, scoped, reversible patches of third-party code (installed as ``omni_accel.patches``).
 
 Each patch is one module naming its target, the versions it was checked against (``PACKAGE``,
-``CHECKED_VERSIONS``) and why it exists, with ``apply`` / ``revert``. Patches of a module (``apply(target)``)
+``CHECKED_VERSIONS``) and why it exists, with ``apply`` / ``revert``. Patches of a module or a class
+(``apply(target)``, ``"package.module"`` or ``"package.module:Class"``)
 go through ``apply``/``revert`` here, reference-counted per target, so two accelerated pipelines share a
 patch and the last ``restore`` removes it; a patch of one pipeline instance (``pair_cfg_calls``) is applied
 and reverted by ``accelerate``/``restore`` directly, after ``check_applicable``.
@@ -49,11 +50,18 @@ def applicable(name: str) -> bool:
     return True
 
 
+def _target(target: str):
+    """A module (``"package.module"``) or an attribute of one (``"package.module:Class"``)."""
+    module_name, _, attribute = target.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attribute) if attribute else module
+
+
 def apply(name: str, target: str) -> None:
     patch = _patch_module(name)
     if _APPLIED[(name, target)] == 0:
         check_version(patch.PACKAGE, patch)
-        patch.apply(importlib.import_module(target))
+        patch.apply(_target(target))
     _APPLIED[(name, target)] += 1
 
 
@@ -63,7 +71,7 @@ def revert(name: str, target: str) -> None:
     _APPLIED[(name, target)] -= 1
     if _APPLIED[(name, target)] == 0:
         del _APPLIED[(name, target)]
-        _patch_module(name).revert(importlib.import_module(target))
+        _patch_module(name).revert(_target(target))
 
 
 def applied() -> dict[tuple[str, str], int]:

@@ -22,7 +22,14 @@ from types import ModuleType
 import torch
 
 from omni_accel.attention.diffusers_backend import explicit_choice
-from omni_accel.attention.routing import route, unsupported_reason
+from omni_accel.attention.routing import (
+    register_call_site,
+    route,
+    traced_call,
+    traced_route,
+    unregister_call_site,
+    unsupported_reason,
+)
 
 PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
@@ -58,17 +65,23 @@ def apply(module: ModuleType) -> None:
         backend=None,
         parallel_config=None,
     ):
-        if not torch.compiler.is_dynamo_compiling():
-            unsupported = _unsupported(
-                dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
-            )
+        if torch.compiler.is_dynamo_compiling():
+            if traced_route() is not None:  # below an accelerated model's role hook (else: as Diffusers')
+                args = (dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config)
+                out = None if _unsupported(*args) else traced_call(site, query, key, value, attn_mask, scale)
+                if out is not None:
+                    return out
+        else:
             out = route(
                 query,
                 key,
                 value,
                 attn_mask=attn_mask,
                 scale=scale,
-                unsupported=unsupported,  # a backend set on the processor runs Diffusers' own code
+                # a backend set on the processor runs Diffusers' own code
+                unsupported=_unsupported(
+                    dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config
+                ),
                 mask_rows=explicit_choice() is None,  # Diffusers' "native" reads 2-D masks as key rows
             )
             if out is not None:
@@ -87,10 +100,19 @@ def apply(module: ModuleType) -> None:
             parallel_config=parallel_config,
         )
 
+    site = module.__name__
+    register_call_site(
+        site,
+        lambda query, key, value, attn_mask, scale: original(
+            query, key, value, attn_mask=attn_mask, scale=scale
+        ),
+        lambda: explicit_choice() is None,
+    )
     setattr(module, _ORIGINAL, original)
     module.dispatch_attention_fn = dispatch_attention_fn
 
 
 def revert(module: ModuleType) -> None:
+    unregister_call_site(module.__name__)
     module.dispatch_attention_fn = getattr(module, _ORIGINAL)
     delattr(module, _ORIGINAL)

@@ -4,8 +4,9 @@ Target: the name ``F`` (``torch.nn.functional``) inside a Diffusers module, e.g.
 ``diffusers.models.attention_processor``, whose classic processors (SD3's JointAttnProcessor2_0...) call
 ``F.scaled_dot_product_attention`` directly. The name is bound to a proxy module that forwards every other
 attribute to ``torch.nn.functional``; torch itself is untouched. Outside an accelerated forward the original
-function runs, and so it does while Dynamo traces (anywhere in the process: a user's ``torch.compile`` of
-another model using these processors must see torch's function; our routing cannot be traced).
+function runs. While Dynamo traces, a call below an accelerated model's role hook becomes our
+``diffusers_attention`` op, and any other traces torch's function (a user's ``torch.compile`` of another
+model using these processors sees torch's function; see ``omni_accel.attention.routing``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from omni_accel.attention.routing import route, unsupported_reason
+from omni_accel.attention.routing import (
+    register_call_site,
+    route,
+    traced_call,
+    unsupported_reason,
+)
 
 PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
@@ -27,17 +33,14 @@ def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """BHSD in and out, like torch's; our providers take BSHD, so the transposes are views."""
-    if not torch.compiler.is_dynamo_compiling():
-        out = route(
-            query.transpose(1, 2),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            attn_mask=attn_mask,
-            scale=scale,
-            unsupported=unsupported_reason(is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa),
-        )
-        if out is not None:
-            return out.transpose(1, 2)
+    unsupported = unsupported_reason(is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa)
+    bshd = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    if torch.compiler.is_dynamo_compiling():
+        out = None if unsupported else traced_call(_SITE, *bshd, attn_mask, scale)
+    else:
+        out = route(*bshd, attn_mask=attn_mask, scale=scale, unsupported=unsupported)
+    if out is not None:
+        return out.transpose(1, 2)
     return F.scaled_dot_product_attention(
         query,
         key,
@@ -50,12 +53,22 @@ def scaled_dot_product_attention(
     )
 
 
+_SITE = "torch.nn.functional"
+
+
+def _original(query, key, value, attn_mask, scale):
+    """torch's function over BSHD tensors (the op's fallback)."""
+    bhsd = (t.transpose(1, 2) for t in (query, key, value))
+    return F.scaled_dot_product_attention(*bhsd, attn_mask=attn_mask, scale=scale).transpose(1, 2)
+
+
 class _RoutedFunctional(types.ModuleType):
     def __getattr__(self, name: str):
         return getattr(F, name)
 
 
 def apply(module: ModuleType) -> None:
+    register_call_site(_SITE, _original, lambda: False)
     proxy = _RoutedFunctional("torch.nn.functional")
     proxy.scaled_dot_product_attention = scaled_dot_product_attention
     setattr(module, _ORIGINAL, module.F)

@@ -157,9 +157,13 @@ def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):
     assert "cuda_graphs" not in options_from_args(parser.parse_args(["x.py"]))
 
 
-def test_cuda_graphs_need_a_native_transformer(monkeypatch):
-    with pytest.raises(ValueError, match="cuda_graphs=True captures the steps of a native transformer"):
-        omni_accel.accelerate(tiny_sd3_pipeline(), cuda_graphs=True)
+def test_cuda_graphs_on_a_generic_transformer_and_bad_values():
+    pipe = omni_accel.accelerate(tiny_sd3_pipeline(), cuda_graphs=True)
+    report = omni_accel.describe(pipe).components[0]
+    assert report.mode == "generic" and report.graphs is not None
+    assert "cuda_graphs=True, but no step can run on CUDA here" in report.detail
+    omni_accel.restore(pipe)
+    assert "forward" not in pipe.transformer.__dict__
     with pytest.raises(TypeError, match="cuda_graphs must be True, False or None"):
         omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs="yes")
 

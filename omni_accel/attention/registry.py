@@ -31,7 +31,8 @@ _LONG_SEQUENCE = 16384
 _LONG_SEQUENCE_FIRST = "flashinfer"
 # A masked call goes to PyTorch's own SDPA dispatch first: it picks the kernel plain Diffusers gets for the
 # same mask (on an H200, Qwen-Image's padded text mask ran 1.4x faster there than pinned to the efficient
-# kernel, the only pinned one declaring masks), so a routed model is never slower than in Diffusers.
+# kernel; cuDNN given the mask made the compiled Qwen-Image forward 90.1 ms against 84.3 with SDPA's choice,
+# benchmarks/generic_step.py), so a routed model is never slower than in Diffusers.
 _MASKED_FIRST = "sdpa"
 
 _INSTANCES: dict[str, AttentionProvider] = {}

@@ -6,19 +6,24 @@ processor or context-parallel config, a process-wide Diffusers backend no provid
 None and the original function runs unchanged. A key-padding mask that a model passes to every block is
 served by dropping the padded keys (``key_padding``): those calls resolve as unmasked ones.
 
-The patched call sites never reach ``route`` while Dynamo traces (they call the original directly): the
-context variables read here cannot be traced, and a compiled model of the same class elsewhere in the
-process must see Diffusers' function as it is.
+While Dynamo traces, the context variables cannot be read: the role hooks of an accelerated model's
+attention modules say at trace time which role and selector the calls below them belong to
+(``trace_enter``), and the patched call site puts ``diffusers_attention`` in the graph, a custom op that
+routes at run time as ``route`` does. A model with no role hooks (a plain Diffusers model of the same class
+that a user compiles elsewhere in the process) traces Diffusers' function as it is; the hooks' constants are
+part of Dynamo's guards, so the two never share compiled code.
 """
 
 from __future__ import annotations
 
 import contextvars
+import threading
+from collections.abc import Callable
 
 import torch
 
 from .key_padding import attend_kept, kept_keys
-from .selection import AttentionSelector
+from .selection import AttentionSelector, selector_by_index
 
 _ACTIVE: contextvars.ContextVar[AttentionSelector | None] = contextvars.ContextVar(
     "omni_accel_route_selector", default=None
@@ -75,6 +80,22 @@ def route(
     if selector is None:
         return None
     role, category = _ROLE.get()
+    return route_with(selector, role, category, query, key, value, attn_mask, scale, unsupported, mask_rows)
+
+
+def route_with(
+    selector: AttentionSelector,
+    role: str,
+    category: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    unsupported: str | None = None,
+    mask_rows: bool = False,
+) -> torch.Tensor | None:
+    """``route`` for a known selector and role."""
     unsupported = unsupported or selector.unserved_reason(role, category)
     if unsupported:
         selector.note_unrouted(role, unsupported)
@@ -90,3 +111,100 @@ def route(
             query, key, value, kept, lambda q, k, v: selector.attend(role, category, q, k, v, scale=scale)
         )
     return selector.attend(role, category, query, key, value, attn_mask=attn_mask, scale=scale)
+
+
+# While Dynamo traces: which role and selector the attention calls being traced belong to. Set by the role
+# hooks through functions Dynamo runs at trace time (``assume_constant_result``), tagged with the trace's
+# context so that a trace that stopped between a hook's enter and leave leaves nothing a later trace reads.
+_TRACED = threading.local()
+
+
+@torch.compiler.assume_constant_result
+def trace_enter(selector: str, role: str, category: str) -> bool:
+    """At trace time: the calls traced from now on belong to ``role`` of selector number ``selector`` (a
+    string: Dynamo passes strings as constants and guards on their value)."""
+    _TRACED.route = (torch._guards.TracingContext.try_get(), int(selector), role, category)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def trace_leave() -> bool:
+    _TRACED.route = None
+    return True
+
+
+@torch.compiler.assume_constant_result
+def traced_route() -> tuple[int, str, str] | None:
+    """At trace time: (selector number, role, category) of the attention call being traced, or None when
+    no accelerated model's role hook entered one in this trace."""
+    entry = getattr(_TRACED, "route", None)
+    if entry is None or entry[0] is not torch._guards.TracingContext.try_get():
+        return None
+    return entry[1:]
+
+
+# Each patched call site's Diffusers function, BSHD in and out: what the op runs for a call that no provider
+# serves at run time (a process-wide Diffusers backend chosen after the trace).
+_ORIGINALS: dict[str, Callable[..., torch.Tensor]] = {}
+_READS_ROWS: dict[str, bool] = {}
+
+
+def register_call_site(
+    site: str, original: Callable[..., torch.Tensor], reads_rows: Callable[[], bool]
+) -> None:
+    """``original(query, key, value, attn_mask, scale)``: the site's Diffusers function over BSHD tensors;
+    ``reads_rows()``: whether it reads a 2-D mask as one row of keys per sample now (see ``route``)."""
+    _ORIGINALS[site] = original
+    _READS_ROWS[site] = reads_rows
+
+
+def unregister_call_site(site: str) -> None:
+    _ORIGINALS.pop(site, None)
+    _READS_ROWS.pop(site, None)
+
+
+@torch.library.custom_op("omni_accel::diffusers_attention", mutates_args=())
+def diffusers_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    selector: int,
+    role: str,
+    category: str,
+    scale: float | None,
+    site: str,
+) -> torch.Tensor:
+    """A routed Diffusers attention call inside a compiled graph (BSHD): resolved and served at run time as
+    ``route`` serves an eager one (the active ``attention_scope``, Diffusers' process-wide backend, a kernel
+    refusing the tensors), with Diffusers' function of the call site where no provider serves it."""
+    reads_rows = _READS_ROWS[site]()
+    out = route_with(
+        selector_by_index(selector), role, category, query, key, value, attn_mask, scale, None, reads_rows
+    )
+    if out is None:
+        out = _ORIGINALS[site](query, key, value, attn_mask, scale)
+    return out.contiguous()  # as the fake promises
+
+
+@diffusers_attention.register_fake
+def _(query, key, value, attn_mask, selector, role, category, scale, site):
+    return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+def traced_call(
+    site: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor | None:
+    """While Dynamo traces a call site: the op for an accelerated model's call (BSHD), or None to trace
+    Diffusers' function (no role entered, or gradients may be needed: the op has no backward)."""
+    if torch.is_grad_enabled():
+        return None
+    traced = traced_route()
+    if traced is None:
+        return None
+    return diffusers_attention(query, key, value, attn_mask, *traced, scale, site)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 
+import torch
 from torch import nn
 
 from .projection import ExactProjectionCache
@@ -22,6 +23,8 @@ def wrap_module(module: nn.Module, name: str, cache: ExactProjectionCache) -> Ca
     def forward(x, *args, **kwargs):
         if args or kwargs:  # only single-input projections are cache sites
             return original(x, *args, **kwargs)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a replay could not consult the cache
+            return original(x)
         cache.ensure_prepared(x)
         return cache.project(name, module, x, lambda: original(x))
 

@@ -49,7 +49,7 @@ from ..parallel.parallelize import Parallelized, ParallelPlan
 from ..parallel.tensor import TensorPlan
 from ..parallel.token_rows import Rows
 from ..utils.logging import get_logger
-from .compiler import BlockCompiler
+from .compiler import BlockCompiler, CompiledSteps
 
 logger = get_logger(__name__)
 
@@ -79,7 +79,7 @@ class NativeModel:
 
 
 @dataclass
-class NativeRuntime:
+class NativeRuntime(CompiledSteps):
     """What the native blocks of one accelerated transformer share: the attention selector, how their
     math is compiled (``compile_options`` None: not at all), the parallel layout, and the count of calls that
     ran Diffusers' forward instead (by reason)."""
@@ -110,17 +110,6 @@ class NativeRuntime:
         if self.compiler is None:
             return fn
         return self.compiler.math(fn, caller, background=self.layout is None)
-
-    # The CUDA graphs' StepHooks (see omni_accel.cuda_graphs): compiled code switched in between steps.
-    def begin_step(self) -> int:
-        return 0 if self.compiler is None else self.compiler.begin_step()
-
-    def may_capture(self) -> bool:
-        return self.compiler is None or not self.compiler.compiling
-
-    def before_replay(self) -> None:
-        if self.compiler is not None:
-            self.compiler.start_compiles()
 
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
         # A copy keeps the provider choice and gets its own (empty) cache; compiled code is not copied.
@@ -240,23 +229,14 @@ class NativeBlock:
         return cache.project(f"{self.omni_name}.{name}", module, conditioning, compute)
 
     def _block_reason(self, inputs: Sequence[Any]) -> str | None:
-        if self.training and _active_dropout(self):
-            return "training mode with active dropout"
-        hooked = hooked_submodule(self)
-        if hooked is not None:
-            return f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules)"
+        reason = diffusers_only_reason(self, inputs)
+        if reason is not None:
+            return reason
         selector = self.omni_runtime.selector
         for site in self.sites:  # a Diffusers backend chosen process-wide that no provider of ours runs
             reason = selector.unserved_reason(site.role, site.category)
             if reason is not None:
                 return reason
-        if torch.is_grad_enabled():
-            # The fused kernels have no backward: whenever a gradient flows through this block (to its
-            # weights or to its inputs), Diffusers' forward computes it.
-            if any(p.requires_grad for p in self.parameters()):
-                return "gradients enabled for parameters that require them"
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(inputs)):
-                return "gradients enabled for inputs that require them"
         return None
 
     def prepack(self) -> None:
@@ -291,6 +271,25 @@ class NativeBlock:
 @functools.cache
 def _split_path(path: str) -> tuple[str, ...]:
     return tuple(path.split("."))
+
+
+def diffusers_only_reason(block: nn.Module, inputs: Any) -> str | None:
+    """Why this call of ``block`` must run Diffusers' own forward eagerly (native math and compiled code
+    would not compute what it does), or None. ``inputs``: the call's arguments (tensors nested in tuples,
+    lists or dicts)."""
+    if block.training and _active_dropout(block):
+        return "training mode with active dropout"
+    hooked = hooked_submodule(block)
+    if hooked is not None:
+        return f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules)"
+    if torch.is_grad_enabled():
+        # Fused kernels and our attention op have no backward: whenever a gradient flows through this block
+        # (to its weights or to its inputs), Diffusers' forward computes it.
+        if any(p.requires_grad for p in block.parameters()):
+            return "gradients enabled for parameters that require them"
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(inputs)):
+            return "gradients enabled for inputs that require them"
+    return None
 
 
 def _active_dropout(block: nn.Module) -> bool:

@@ -27,7 +27,7 @@ import contextlib
 import contextvars
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,21 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 # One background compile at a time in the process: tracing keeps process-wide state (torch.fx's patcher).
+# A CUDA graph capture holds it too: a worker's GPU work beside a capture (its run of the compiled code,
+# inductor's autotuning) invalidates the capture, whichever model either belongs to.
 _COMPILING = threading.Lock()
+
+
+@contextlib.contextmanager
+def no_compile_beside() -> Iterator[bool]:
+    """Holds off every background compile in the process while the block runs; yields False (holding
+    nothing) when one is running now, so that the caller does not capture."""
+    free = _COMPILING.acquire(blocking=False)
+    try:
+        yield free
+    finally:
+        if free:
+            _COMPILING.release()
 
 
 @dataclass
@@ -62,12 +76,16 @@ class _Function:
 class BlockCompiler:
     """Compiles the block functions of one accelerated transformer (see the module docstring)."""
 
-    def __init__(self, options: Mapping[str, Any], background: bool = True) -> None:
+    def __init__(
+        self, options: Mapping[str, Any], background: bool = True, raise_failures: bool = True
+    ) -> None:
         # Static code for every input shape unless the user says otherwise: torch.compile's automatic
         # dynamic shapes would compile the second shape it meets as a dynamic-shape graph, whose kernels
         # measured slower (FLUX.1-dev on an H200: 160 against 134 ms per step).
         self.options = {"dynamic": False, **options}
         self.background = background
+        # False: a failed background compile is logged and its blocks run eagerly (compiles nobody asked for)
+        self.raise_failures = raise_failures
         self.generation = 0  # advances whenever compiled code is switched in
         self._functions: dict[Callable, _Function] = {}
         self._lock = threading.Lock()
@@ -91,11 +109,11 @@ class BlockCompiler:
         if function.active:
             return function.compiled
 
-        def eager_meanwhile(*args: Any) -> Any:
+        def eager_meanwhile(*args: Any, **kwargs: Any) -> Any:
             function.eager_calls += 1
             if not (function.queued or function.compiling or function.ready or function.failed):
-                function.queued = (args, _CallerState.of(args), contextvars.copy_context())
-            return fn(*args)
+                function.queued = (args, kwargs, _CallerState.of((args, kwargs)), contextvars.copy_context())
+            return fn(*args, **kwargs)
 
         return eager_meanwhile
 
@@ -127,19 +145,19 @@ class BlockCompiler:
 
     def calls(self) -> dict[str, tuple[int, int]]:
         """Per block function, its calls that ran eagerly and compiled (background mode)."""
-        return {fn.__name__: (f.eager_calls, f.compiled_calls) for fn, f in list(self._functions.items())}
+        return {fn.__qualname__: (f.eager_calls, f.compiled_calls) for fn, f in list(self._functions.items())}
 
     def windows(self) -> dict[str, tuple[float, float]]:
         """Per block function compiled in the background, ``time.perf_counter()`` when its worker started
         (compiles run one at a time: it may first wait for another) and when its compiled code was ready."""
-        return {fn.__name__: f.window for fn, f in list(self._functions.items()) if f.window is not None}
+        return {fn.__qualname__: f.window for fn, f in list(self._functions.items()) if f.window is not None}
 
     def summary(self) -> list[str]:
         """One line per block function, for ``describe``."""
         lines = []
         for fn, function in self._functions.items():
             if function.at_first_call:
-                lines.append(f"{fn.__name__}: compiled at its first call per input shape")
+                lines.append(f"{fn.__qualname__}: compiled at its first call per input shape")
                 continue
             state = (
                 "compiled" if function.active else "compiling" if function.compiling else "not yet compiled"
@@ -150,7 +168,7 @@ class BlockCompiler:
                 state = f"compile failed, runs eagerly: {function.failed}"
             took = f" in {function.window[1] - function.window[0]:.1f} s" if function.window else ""
             lines.append(
-                f"{fn.__name__}: {state} in the background{took} ({function.eager_calls} calls ran eagerly "
+                f"{fn.__qualname__}: {state} in the background{took} ({function.eager_calls} calls ran eagerly "
                 f"before, {function.compiled_calls} compiled)"
             )
         return lines
@@ -163,7 +181,7 @@ class BlockCompiler:
                     logger.warning(  # shown by default: a long first call should not look like a hang
                         "compiling %s: its first call per input shape compiles (seconds to a minute; cached on "
                         "disk)",
-                        fn.__name__,
+                        fn.__qualname__,
                     )
                     function.compiled = torch.compile(fn, **self.options)
             return self._functions[fn]
@@ -180,10 +198,15 @@ class BlockCompiler:
             self.generation += bool(ready)
             for fn, error in failed:
                 self._functions[fn].failed, self._functions[fn].error = _reason(error), None
-        if failed:
+        if failed and not self.raise_failures:
+            for fn, error in failed:
+                logger.warning(
+                    "%s failed to compile; its blocks run eagerly: %s", fn.__qualname__, _reason(error)
+                )
+        elif failed:
             fn, error = failed[0]
             raise RuntimeError(
-                f"compile=True: {fn.__name__} in the background failed to compile, so its blocks run eagerly from "
+                f"compile=True: {fn.__qualname__} in the background failed to compile, so its blocks run eagerly from "
                 "now on (pass compile_in_background=False to see the error at the first call, or compile=False): "
                 f"{_reason(error)}"
             ) from error
@@ -193,24 +216,26 @@ class BlockCompiler:
             queued = [(fn, f, f.queued) for fn, f in self._functions.items() if f.queued is not None]
             for _, function, _ in queued:
                 function.queued, function.compiling = None, True
-        for fn, function, (args, state, context) in queued:
+        for fn, function, (args, kwargs, state, context) in queued:
             logger.warning(  # shown by default: says why the first steps are not yet compiled
                 "compiling %s in the background: its calls run eagerly until the code is ready (seconds; "
                 "cached on disk)",
-                fn.__name__,
+                fn.__qualname__,
             )
             thread = threading.Thread(
                 target=context.run,
-                args=(self._compile, fn, function, args, state),
-                name=f"omni_accel-compile-{fn.__name__}",
+                args=(self._compile, fn, function, args, kwargs, state),
+                name=f"omni_accel-compile-{fn.__qualname__}",
             )  # not a daemon: an interpreter exiting mid-compile waits for it instead of aborting
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
 
-    def _compile(self, fn: Callable, function: _Function, args: tuple, state: _CallerState) -> None:
+    def _compile(
+        self, fn: Callable, function: _Function, args: tuple, kwargs: dict, state: _CallerState
+    ) -> None:
         start = time.perf_counter()
         try:
-            compiled = self._build(fn, args, state, self.options)
+            compiled = self._build(fn, args, kwargs, state, self.options)
         except BaseException as exc:  # raised at the next step boundary, in the caller's thread
             with self._lock:
                 function.error, function.compiling, self._pending = exc, False, True
@@ -219,22 +244,40 @@ class BlockCompiler:
             function.window = (start, time.perf_counter())
             function.compiled = _counted(compiled, function)
             function.ready, function.compiling, self._pending = True, False, True
-        logger.info("%s compiled in the background; used from the next step", fn.__name__)
+        logger.info("%s compiled in the background; used from the next step", fn.__qualname__)
 
     @staticmethod
-    def _build(fn: Callable, args: tuple, state: _CallerState, options: dict) -> Callable:
+    def _build(fn: Callable, args: tuple, kwargs: dict, state: _CallerState, options: dict) -> Callable:
         """``torch.compile(fn)``, compiled by calling it once in the caller's state."""
         with _COMPILING, contextlib.ExitStack() as stack:
             state.enter(stack)
             compiled = torch.compile(fn, **options)
-            compiled(*args)
+            compiled(*args, **kwargs)
         return compiled
 
 
+class CompiledSteps:
+    """The CUDA graphs' ``StepHooks`` (see ``omni_accel.cuda_graphs``) of a runtime whose blocks a
+    ``BlockCompiler`` (its ``compiler``, or None) compiles: compiled code is switched in between steps, no
+    capture runs beside a compile, and replays start the queued compiles."""
+
+    compiler: BlockCompiler | None
+
+    def begin_step(self) -> int:
+        return 0 if self.compiler is None else self.compiler.begin_step()
+
+    def may_capture(self) -> bool:
+        return self.compiler is None or not self.compiler.compiling
+
+    def before_replay(self) -> None:
+        if self.compiler is not None:
+            self.compiler.start_compiles()
+
+
 def _counted(compiled: Callable, function: _Function) -> Callable:
-    def run(*args: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
         function.compiled_calls += 1
-        return compiled(*args)
+        return compiled(*args, **kwargs)
 
     return run
 
@@ -250,7 +293,7 @@ class _CallerState:
     stream: torch.cuda.Stream | None
 
     @classmethod
-    def of(cls, args: tuple) -> _CallerState:
+    def of(cls, args: Any) -> _CallerState:
         tensors = [leaf for leaf in torch.utils._pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)]
         stream = torch.cuda.current_stream(tensors[0].device) if tensors and tensors[0].is_cuda else None
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), stream)

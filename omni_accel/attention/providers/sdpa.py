@@ -94,6 +94,10 @@ class SdpaProvider(AttentionProvider):
         supports_mask=True,
     )
     backends: list[SDPBackend] | None = None
+    # The pinned kernel called as the SDPA dispatcher calls the one it chose (BHSD in, the output first),
+    # not inside ``sdpa_kernel``: that context sets process-wide flags, which a thread compiling or running
+    # compiled blocks beside the caller (a background compile) would see mid-call. None: ``sdpa_kernel``.
+    kernel: Callable[..., torch.Tensor] | None = None
 
     def refusal(
         self,
@@ -134,7 +138,9 @@ class SdpaProvider(AttentionProvider):
         q, k, v = self._checked_bhsd(query, key, value, attn_mask)
         if self.backends is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-        else:
+        elif self.kernel is not None:  # its own check (``_refusal``) has passed
+            out = self.kernel(q, k, v, attn_mask, scale)
+        else:  # the math kernel, or a masked call of the efficient one: SDPA prepares the mask for them
             with sdpa_kernel(self.backends):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
         return out.transpose(1, 2)
@@ -181,6 +187,10 @@ class SdpaFlashProvider(SdpaProvider):
     )
     backends = [SDPBackend.FLASH_ATTENTION]
 
+    @staticmethod
+    def kernel(q, k, v, attn_mask, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[0]
+
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if not return_lse:
             return super().forward(query, key, value, attn_mask=attn_mask, scale=scale)
@@ -198,10 +208,21 @@ class SdpaCudnnProvider(SdpaProvider):
         devices=frozenset({"cuda"}),
         max_head_dim=128,
         head_dim_multiple=8,
+        supports_mask=True,
         returns_lse=True,
         min_compute_capability=(8, 0),
     )
     backends = [SDPBackend.CUDNN_ATTENTION]
+
+    @staticmethod
+    def kernel(q, k, v, attn_mask, scale):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA hands a boolean mask to cuDNN
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                attn_mask.logical_not(), float("-inf")
+            )
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, attn_mask, False, 0.0, False, False, scale=scale
+        )[0]
 
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if not return_lse:
@@ -224,3 +245,12 @@ class SdpaEfficientProvider(SdpaProvider):
         min_compute_capability=(5, 0),
     )
     backends = [SDPBackend.EFFICIENT_ATTENTION]
+
+    @classmethod
+    def kernel(cls, q, k, v, attn_mask, scale):
+        if attn_mask is not None:  # SDPA converts and aligns the mask for this kernel
+            with sdpa_kernel(cls.backends):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, False, 0.0, False, scale=scale
+        )[0]

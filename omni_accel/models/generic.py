@@ -1,0 +1,202 @@
+"""The generic tier: any Diffusers transformer without native blocks, made faster from what it declares.
+
+Its repeated blocks (the classes ``_repeated_blocks`` names, as Diffusers' ``compile_repeated_blocks`` finds
+them, else every ModuleList of two or more blocks of one class) are compiled regionally: one
+``torch.compile`` of each block class's forward (static shapes, the whole block in one graph) serves every
+block of that class. Their attention stays inside the graph: the role hooks of the accelerated model make
+each routed attention call a custom op of ours (``attention.routing.diffusers_attention``) that resolves
+and runs our providers at run time. The compile runs in the background while the eager blocks serve (see
+``compiler``), and the steps are replayed from CUDA graphs (``cuda_graphs.StepGraphs``, with this runtime as
+its ``StepHooks``).
+
+The Diffusers module and its blocks stay what they are: each block gets an instance ``forward`` that runs
+the compiled code or, for a call compiled code cannot serve exactly (gradients, active dropout, hooks below
+the block, a device the compile is not for), the block's own forward, counted by reason. A Diffusers hook
+registered on a block later (a step cache) wraps that ``forward`` like any other, so it decides as in
+plain Diffusers and calls the compiled code when it runs the block.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention.selection import AttentionSelector
+from ..utils.logging import get_logger
+from .base import diffusers_only_reason
+from .compiler import BlockCompiler, CompiledSteps
+
+logger = get_logger(__name__)
+
+
+def repeated_blocks(transformer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) of every repeated block, outermost only: the classes ``_repeated_blocks`` names, else
+    the members of each ModuleList of two or more modules of one class that have submodules of their own."""
+    named = set(getattr(transformer, "_repeated_blocks", None) or ())
+    found: list[tuple[str, nn.Module]] = []
+
+    def inside(name: str) -> bool:
+        return any(name.startswith(f"{outer}.") for outer, _ in found)
+
+    for name, module in transformer.named_modules():
+        if not name or inside(name):
+            continue
+        if named and type(module).__name__ in named:
+            found.append((name, module))
+        elif not named and isinstance(module, nn.ModuleList) and _one_class_of_blocks(module):
+            found.extend((f"{name}.{index}", block) for index, block in enumerate(module))
+    return found
+
+
+def _one_class_of_blocks(modules: nn.ModuleList) -> bool:
+    classes = {type(module) for module in modules}
+    return len(modules) >= 2 and len(classes) == 1 and any(True for _ in modules[0].children())
+
+
+class GenericRuntime(CompiledSteps):
+    """What the compiled blocks of one transformer share: the attention selector, the compiler (None:
+    ``compile`` off), the device types the compile is for (None: any) and the count of calls that ran the
+    block's own forward instead, by reason. ``cache`` and ``layout``: none in this tier (read by reports)."""
+
+    cache = None
+    layout = None
+
+    def __init__(
+        self,
+        selector: AttentionSelector,
+        compile_options: Mapping[str, Any] | None,
+        compile_in_background: bool = True,
+        devices: tuple[str, ...] | None = None,
+        raise_failures: bool = True,
+    ) -> None:
+        self.selector = selector
+        self.compile_options = compile_options
+        self.compile_in_background = compile_in_background
+        self.devices = devices
+        self.raise_failures = raise_failures
+        self.fallbacks: Counter = Counter()
+        self.compiler = (
+            None
+            if compile_options is None
+            else BlockCompiler(
+                {"fullgraph": True, **compile_options}, compile_in_background, raise_failures=raise_failures
+            )
+        )
+
+    def _arguments(self) -> tuple:
+        return (
+            self.selector,
+            self.compile_options,
+            self.compile_in_background,
+            self.devices,
+            self.raise_failures,
+        )
+
+    def __deepcopy__(self, memo: dict) -> GenericRuntime:
+        # A copy keeps the provider choice; compiled code and counts are its own.
+        return GenericRuntime(*self._arguments())
+
+    def __reduce__(self):
+        return GenericRuntime, self._arguments()
+
+    def eager_reason(self, block: nn.Module, args: tuple, kwargs: dict) -> str | None:
+        """Why this call of ``block`` runs its own forward rather than the compiled code, or None."""
+        reason = diffusers_only_reason(block, (args, kwargs))
+        if reason is not None or self.devices is None:
+            return reason
+        device = next((t.device for t in _tensors(args, kwargs)), None)
+        if device is not None and device.type not in self.devices:
+            return f"the block runs on {device.type}: compile=None compiles on CUDA only (compile=True: here too)"
+        return None
+
+    def note_eager(self, reason: str) -> None:
+        self.fallbacks[reason] += 1
+        if self.fallbacks[reason] == 1:
+            logger.info("a repeated block runs its own forward: %s (counted in describe)", reason)
+
+
+def _tensors(args: tuple, kwargs: dict):
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+class RegionForward:
+    """The instance ``forward`` of one repeated block (see the module docstring). Travels with the block
+    through ``deepcopy`` and pickling; ``uninstall`` steps aside when a hook registered later wraps it."""
+
+    def __init__(self, block: nn.Module, name: str, runtime: GenericRuntime) -> None:
+        self.block = block
+        self.name = name
+        self.runtime = runtime
+        self.inner: Callable | None = block.__dict__.get("forward")  # a hook's forward installed before us
+        self.enabled = True
+
+    def install(self) -> None:
+        self.block.forward = self
+
+    def uninstall(self) -> None:
+        if self.block.__dict__.get("forward") is not self:
+            self.enabled = False
+        elif self.inner is None:
+            del self.block.forward
+        else:
+            self.block.forward = self.inner
+
+    @property
+    def __wrapped__(self) -> Callable:  # inspect.signature(block.forward) finds the real signature
+        return type(self.block).forward.__get__(self.block)
+
+    def __deepcopy__(self, memo: dict) -> RegionForward:
+        twin = RegionForward(copy.deepcopy(self.block, memo), self.name, copy.deepcopy(self.runtime, memo))
+        twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
+        return twin
+
+    def __reduce__(self):
+        return _unpickle, (self.block, self.name, self.runtime, self.inner, self.enabled)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block, runtime = self.block, self.runtime
+        forward = type(block).forward
+        if self.inner is not None:
+            runtime.note_eager("a hook wrapped the block's forward before accelerate")
+            return self.inner(*args, **kwargs)
+        if not self.enabled or runtime.compiler is None or torch.compiler.is_dynamo_compiling():
+            return forward(block, *args, **kwargs)  # a compiler tracing us traces the block's forward
+        reason = runtime.eager_reason(block, args, kwargs)
+        if reason is not None:
+            runtime.note_eager(reason)
+            return forward(block, *args, **kwargs)
+        return runtime.compiler.math(forward, self.name)(block, *args, **kwargs)
+
+
+def _unpickle(
+    block: nn.Module, name: str, runtime: GenericRuntime, inner: Callable | None, enabled: bool
+) -> RegionForward:
+    region = RegionForward(block, name, runtime)
+    region.inner, region.enabled = inner, enabled
+    return region
+
+
+def install_regions(transformer: nn.Module, runtime: GenericRuntime) -> list[Callable[[], None]]:
+    """Gives every repeated block of ``transformer`` its ``RegionForward``; returns the undos."""
+    undo = []
+    for name, block in repeated_blocks(transformer):
+        region = RegionForward(block, name, runtime)
+        region.install()
+        undo.append(region.uninstall)
+    return undo
+
+
+def regions_of(transformer: nn.Module) -> GenericRuntime | None:
+    """The runtime of the generic tier installed on ``transformer``'s blocks (None: none is)."""
+    for _, block in repeated_blocks(transformer):
+        region = block.__dict__.get("forward")
+        if isinstance(region, RegionForward) and region.enabled:
+            return region.runtime
+    return None

@@ -1,0 +1,57 @@
+"""Says which accelerated model and attention role a Diffusers attention module's calls belong to.
+
+Target: ``forward`` of a Diffusers attention module class (``Attention``, ``FluxAttention``...), as found
+among an accelerated model's modules. Why: the routed call site (``dispatch_attention_fn``,
+``F.scaled_dot_product_attention``) does not see the module that calls it. A forward hook could say it
+eagerly, but compiled code guards on every hook's id, so each block would compile a graph of its own. The
+patched forward reads the instance attribute ``_omni_accel_route`` (the selector's number, the role and
+its category), which only accelerated models' modules have: eagerly it enters the role for the call; while
+Dynamo traces it tells the trace (``routing.trace_enter``), and Dynamo guards on the attribute's value, so
+blocks of one route share one graph and a plain model (no attribute) never shares ours. A module without
+the attribute runs the original forward unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from omni_accel.attention.routing import enter_role, leave_role, trace_enter, trace_leave
+
+PACKAGE = "diffusers"
+CHECKED_VERSIONS = ("0.42.0", "0.43.0")
+ROUTE = "_omni_accel_route"
+_ORIGINAL = "_omni_accel_original_forward"
+
+
+def apply(cls: type) -> None:
+    inherited = cls.forward
+
+    @functools.wraps(inherited)
+    def forward(self, *args, **kwargs):
+        route = self.__dict__.get(ROUTE)
+        if route is None:
+            return inherited(self, *args, **kwargs)
+        if torch.compiler.is_dynamo_compiling():
+            trace_enter(*route)
+            out = inherited(self, *args, **kwargs)
+            trace_leave()
+            return out
+        token = enter_role(route[1], route[2])
+        try:
+            return inherited(self, *args, **kwargs)
+        finally:
+            leave_role(token)
+
+    setattr(cls, _ORIGINAL, cls.__dict__.get("forward"))  # None: inherited
+    cls.forward = forward
+
+
+def revert(cls: type) -> None:
+    original = cls.__dict__[_ORIGINAL]
+    delattr(cls, _ORIGINAL)
+    if original is None:
+        del cls.forward
+    else:
+        cls.forward = original

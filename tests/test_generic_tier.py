@@ -1,0 +1,251 @@
+"""The generic tier (models without native blocks): repeated blocks compiled regionally with our attention
+op inside the graph, in the background or at the first call, beside everything a Diffusers user does with
+the model (LoRA, step caches, gradients, deepcopy, a compile of another model of the same class), and
+``restore`` leaving nothing behind. On CPU with a CPU-cheap backend; the GPU side is
+tests/test_gpu_generic.py."""
+
+import copy
+
+import omni_accel.patches as patches
+import pytest
+import torch
+from conftest import random_lora, rel_err
+from diffusers import ConfigMixin, ModelMixin
+
+import omni_accel
+from omni_accel.attention.routing import diffusers_attention
+
+# (pipeline, block class, graphs: one per distinct block; SD3's last block is context_pre_only)
+CASES = {
+    "qwenimage": (omni_accel.tiny_qwenimage_pipeline, "QwenImageTransformerBlock", 1),
+    "sd3": (omni_accel.tiny_sd3_pipeline, "JointTransformerBlock", 2),  # the classic processors' F.sdpa site
+}
+CALL = dict(prompt="a cat", height=32, width=32, num_inference_steps=3, output_type="latent")
+OP = "omni_accel.diffusers_attention"
+
+
+def _latents(pipe, **call):
+    return pipe(**{**CALL, **call}, generator=torch.Generator().manual_seed(0)).images
+
+
+class _Graphs:
+    """A torch.compile backend that runs each graph as traced and records the ops each one calls."""
+
+    def __init__(self) -> None:
+        self.graphs: list[list[str]] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    def ops(self, name: str) -> list[int]:
+        return [sum(name in target for target in graph) for graph in self.graphs]
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_compiled_blocks_attend_through_our_op_in_one_graph_per_class(family):
+    build, block, graphs = CASES[family]
+    torch._dynamo.reset()
+    expected = _latents(build(seed=0))
+    backend = _Graphs()
+    pipe = omni_accel.accelerate(build(seed=0), compile={"backend": backend}, compile_in_background=False)
+    got = _latents(pipe)
+    assert rel_err(got, expected) <= 1e-6
+    # Blocks alike share one graph (fullgraph: no break), and its attention is our op, not Diffusers' kernel.
+    assert len(backend.graphs) == graphs and backend.ops(OP) == [1] * graphs
+    assert backend.ops("scaled_dot_product_attention") == [0] * graphs
+    report = omni_accel.describe(pipe)
+    component = report.components[0]
+    assert component.mode == "generic"
+    assert f"2 repeated blocks ({block}) compiled" in component.detail
+    assert {row[2] for row in component.selector.decisions()} == {"sdpa"}  # the op resolved at run time
+    assert f"{block}.forward: compiled at its first call per input shape" in str(report)
+    assert not component.runtime.fallbacks
+
+
+def test_the_op_follows_the_scope_at_run_time():
+    torch._dynamo.reset()
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
+    )
+    _latents(pipe)
+    with omni_accel.attention_scope(default="sdpa_math"):
+        _latents(pipe)
+    decisions = omni_accel.describe(pipe).components[0].selector.decisions()
+    assert {row[2] for row in decisions} == {"sdpa", "sdpa_math"}
+
+
+def test_background_compile_serves_eagerly_then_switches_in():
+    torch._dynamo.reset()
+    expected = _latents(omni_accel.tiny_qwenimage_pipeline(seed=0))
+    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"})
+    runtime = omni_accel.describe(pipe).components[0].runtime
+    first = _latents(pipe)  # eager steps queue the compile; the next step boundary starts it
+    runtime.compiler.wait(120)
+    second = _latents(pipe)
+    for got in (first, second):
+        assert rel_err(got, expected) <= 1e-6
+    ((eager, compiled),) = runtime.compiler.calls().values()
+    assert eager >= 2 and compiled >= 2  # two blocks per step: the first steps eager, the last ones compiled
+    assert "compiled in the background" in omni_accel.describe(pipe).components[0].detail
+
+
+def test_a_plain_model_of_the_same_class_compiled_elsewhere_keeps_diffusers_attention():
+    """A user's fullgraph compile of another Diffusers model of the same class, in the same process as an
+    accelerated one: Diffusers' attention in its graph, never our op or our compiled code."""
+    torch._dynamo.reset()
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
+    )
+    _latents(pipe)
+    other = omni_accel.tiny_qwenimage_pipeline(seed=1)
+    expected = _latents(other)
+    backend = _Graphs()
+    other.transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
+    got = _latents(other)
+    assert torch.equal(got, expected)
+    assert backend.graphs and backend.ops(OP) == [0] * len(backend.graphs)
+    assert all(n > 0 for n in backend.ops("scaled_dot_product_attention"))
+    assert _latents(pipe).shape == got.shape  # ours keeps running its own code
+
+
+def test_a_users_compile_of_the_accelerated_model_routes_through_the_op():
+    torch._dynamo.reset()
+    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0), compile=False)
+    expected = _latents(pipe)
+    backend = _Graphs()
+    pipe.transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
+    assert rel_err(_latents(pipe), expected) <= 1e-6
+    assert backend.ops(OP) == [1]
+
+
+def test_compile_false_and_no_cuda_leave_the_blocks_eager():
+    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))  # compile=None: CUDA only
+    component = omni_accel.describe(pipe).components[0]
+    assert component.mode == "routed" and component.runtime is None
+    assert "no CUDA device here; compile=True compiles on CPU" in str(omni_accel.describe(pipe))
+    assert all("forward" not in b.__dict__ for b in pipe.transformer.transformer_blocks)
+    omni_accel.restore(pipe)
+    pipe = omni_accel.accelerate(pipe, compile=False)
+    assert "repeated blocks: not compiled (compile=False)" in str(omni_accel.describe(pipe))
+
+
+def test_restore_leaves_no_patch_attribute_or_forward():
+    from diffusers.models.attention_processor import Attention
+
+    target = ("attention_roles", "diffusers.models.attention_processor:Attention")
+    before = patches.applied()  # other tests' pipelines may still hold the same patch
+    forward_before = Attention.forward
+    pipe = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    omni_accel.accelerate(pipe, compile={"backend": "eager"}, compile_in_background=False)
+    _latents(pipe)
+    assert patches.applied()[target] == before.get(target, 0) + 1
+    omni_accel.restore(pipe)
+    assert patches.applied() == before and Attention.forward is forward_before
+    if target not in before:
+        assert "_omni_accel_original_forward" not in vars(Attention) and "forward" in vars(Attention)
+    for module in pipe.transformer.modules():
+        assert not any(name.startswith(("_omni", "omni_")) for name in vars(module))
+        assert "forward" not in module.__dict__
+        assert not module._forward_hooks and not module._forward_pre_hooks
+
+
+def test_gradients_run_diffusers_forward_and_equal_plain():
+    torch._dynamo.reset()
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0).transformer
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
+    )
+    model = pipe.transformer
+    g = torch.Generator().manual_seed(3)
+    x = dict(
+        hidden_states=torch.randn(1, 16, model.config.in_channels, generator=g),
+        encoder_hidden_states=torch.randn(1, 7, model.config.joint_attention_dim, generator=g),
+        encoder_hidden_states_mask=torch.ones(1, 7, dtype=torch.long),
+        timestep=torch.tensor([0.5]),
+        img_shapes=[(1, 4, 4)],
+        return_dict=False,
+    )
+    for m in (plain, model):
+        m(**x)[0].square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), name
+        assert a.grad is None or torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+    assert "gradients enabled for parameters that require them" in str(omni_accel.describe(pipe))
+
+
+def test_lora_and_a_step_cache_behave_as_in_plain_diffusers():
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    torch._dynamo.reset()
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
+    )
+    _latents(pipe)
+    lora = random_lora(plain.transformer, ["to_q", "to_k", "to_v", "to_out.0"], seed=5)
+    for p in (plain, pipe):
+        p.load_lora_weights(copy.deepcopy(lora), adapter_name="style")
+    assert rel_err(_latents(pipe), _latents(plain)) <= 1e-5
+    for p in (plain, pipe):
+        p.set_adapters("style", 0.5)
+    assert rel_err(_latents(pipe), _latents(plain)) <= 1e-5
+    for p in (plain, pipe):
+        p.unload_lora_weights()
+        p.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    assert rel_err(_latents(pipe), _latents(plain)) <= 1e-5
+    for p in (plain, pipe):
+        p.transformer.disable_cache()
+    assert rel_err(_latents(pipe), _latents(plain)) <= 1e-5
+
+
+def test_deepcopy_of_an_accelerated_pipeline_runs_its_own_compiled_blocks():
+    torch._dynamo.reset()
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
+    )
+    expected = _latents(pipe)
+    twin = copy.deepcopy(pipe)
+    assert rel_err(_latents(twin), expected) <= 1e-6
+    twin_runtime = twin.transformer.transformer_blocks[0].forward.runtime
+    assert twin_runtime is not pipe.transformer.transformer_blocks[0].forward.runtime
+    assert twin.transformer.transformer_blocks[0].forward.block is twin.transformer.transformer_blocks[0]
+    omni_accel.restore(pipe)
+    assert rel_err(_latents(twin), expected) <= 1e-6  # the copy is still accelerated
+
+
+class _NoBlocksTransformer(ModelMixin, ConfigMixin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states):
+        return self.proj(hidden_states)
+
+
+def test_compile_true_needs_repeated_blocks():
+    class Holder(omni_accel.api.DiffusionPipeline):
+        def __init__(self, transformer) -> None:
+            super().__init__()
+            self.register_modules(transformer=transformer)
+
+    with pytest.raises(ValueError, match="declares none"):
+        omni_accel.accelerate(Holder(_NoBlocksTransformer()), compile=True)
+    report = omni_accel.describe(omni_accel.accelerate(Holder(_NoBlocksTransformer())))
+    assert report.components[0].mode == "untouched"
+
+
+def test_the_op_passes_opcheck():
+    from omni_accel.attention.routing import register_call_site, unregister_call_site
+    from omni_accel.attention.selection import default_selector
+
+    register_call_site("test.site", lambda q, k, v, attn_mask, scale: q, lambda: True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    try:
+        for attn_mask in (None, mask):
+            args = (q, k, v, attn_mask, default_selector().index, "r", "self", None, "test.site")
+            torch.library.opcheck(diffusers_attention, args)
+    finally:
+        unregister_call_site("test.site")
