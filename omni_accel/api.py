@@ -347,11 +347,11 @@ def _plan_swap(
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
     cache = _unless_compiled(cache, config.compile_asked, limitations)
-    runtime = NativeRuntime(selector, options, cache, config.compile_in_background)
+    runtime = NativeRuntime(selector, options, cache, config.background_compile(native=True))
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
         detail += "; repeated blocks compiled"
-        if config.compile_in_background:
+        if config.background_compile(native=True):
             detail += " (in the background on one device: eager steps until the code is ready)"
     if graphs_on and torch.cuda.is_available():
         detail += "; steps replayed from CUDA graphs where they run on one CUDA device (counts below)"
@@ -442,8 +442,8 @@ def _plan_generic(
             f"{len(blocks)} repeated blocks ({', '.join(listed)}) compiled"
             + (
                 " in the background (eager blocks serve until the code is ready)"
-                if config.compile_in_background
-                else ""
+                if config.background_compile(native=False)
+                else " at the first call per input shape"
             )
             + (", on CUDA" if config.compile is None else "")
         )
@@ -482,7 +482,7 @@ def _plan_generic(
     runtime = GenericRuntime(
         selector,
         options,
-        config.compile_in_background,
+        config.background_compile(native=False),
         devices=("cuda",) if config.compile is None else None,
         raise_failures=config.compile is not None,
     )

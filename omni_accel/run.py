@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omni-accel run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--attention", choices=["auto", *provider_names()])
-    parser.add_argument("--compile", action="store_true", help="compile the native blocks")
+    parser.add_argument("--compile", action="store_true", help="compile the repeated blocks")
     parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,

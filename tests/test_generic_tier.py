@@ -78,7 +78,9 @@ def test_the_op_follows_the_scope_at_run_time():
 def test_background_compile_serves_eagerly_then_switches_in():
     torch._dynamo.reset()
     expected = _latents(omni_accel.tiny_qwenimage_pipeline(seed=0))
-    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"})
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=True
+    )
     runtime = omni_accel.describe(pipe).components[0].runtime
     first = _latents(pipe)  # eager steps queue the compile; the next step boundary starts it
     runtime.compiler.wait(120)
@@ -117,6 +119,12 @@ def test_a_users_compile_of_the_accelerated_model_routes_through_the_op():
     pipe.transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
     assert rel_err(_latents(pipe), expected) <= 1e-6
     assert backend.ops(OP) == [1]
+
+
+def test_the_generic_tier_compiles_at_the_first_call_unless_asked():
+    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"})
+    assert "compiled at the first call per input shape" in omni_accel.describe(pipe).components[0].detail
+    assert not omni_accel.describe(pipe).components[0].runtime.compiler.background
 
 
 def test_compile_false_and_no_cuda_leave_the_blocks_eager():

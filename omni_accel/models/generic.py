@@ -36,7 +36,8 @@ logger = get_logger(__name__)
 
 def repeated_blocks(transformer: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, block) of every repeated block, outermost only: the classes ``_repeated_blocks`` names, else
-    the members of each ModuleList of two or more modules of one class that have submodules of their own."""
+    the members of each ModuleList of modules of one class that have submodules of their own (two or more,
+    or any number in a list named like ``transformer_blocks`` / ``layers``: a one-layer model's blocks)."""
     named = set(getattr(transformer, "_repeated_blocks", None) or ())
     found: list[tuple[str, nn.Module]] = []
 
@@ -48,14 +49,16 @@ def repeated_blocks(transformer: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         if named and type(module).__name__ in named:
             found.append((name, module))
-        elif not named and isinstance(module, nn.ModuleList) and _one_class_of_blocks(module):
+        elif not named and isinstance(module, nn.ModuleList) and _one_class_of_blocks(name, module):
             found.extend((f"{name}.{index}", block) for index, block in enumerate(module))
     return found
 
 
-def _one_class_of_blocks(modules: nn.ModuleList) -> bool:
-    classes = {type(module) for module in modules}
-    return len(modules) >= 2 and len(classes) == 1 and any(True for _ in modules[0].children())
+def _one_class_of_blocks(name: str, modules: nn.ModuleList) -> bool:
+    if not len(modules) or len({type(module) for module in modules}) != 1:
+        return False
+    named_as_blocks = name.rpartition(".")[2].endswith(("blocks", "layers"))
+    return (len(modules) >= 2 or named_as_blocks) and any(True for _ in modules[0].children())
 
 
 class GenericRuntime(CompiledSteps):
