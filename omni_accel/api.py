@@ -34,7 +34,7 @@ from .forward_hooks import scoped_hooks
 from .layers.split_modulation import SplitModulation
 from .models.base import NativeBlock, NativeRuntime, modulation_sites, swap_blocks
 from .models.generic import GenericRuntime, install_regions, regions_of, repeated_blocks
-from .models.registry import ModelSpec, output_class, registered_natives, spec_for
+from .models.registry import ModelSpec, output_class, registered_natives, registered_spec, spec_for
 from .parallel import check_parallel, parallelize
 from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
@@ -155,7 +155,7 @@ def _is_denoiser(module: Any) -> bool:
         return False
     cls = type(module)
     return (
-        spec_for(module) is not None
+        registered_spec(module) is not None
         or cls.__module__.startswith(("diffusers.models.transformers.", "diffusers.models.unets."))
         or "Transformer" in cls.__name__
         or "UNet" in cls.__name__

@@ -1,7 +1,8 @@
 """The selection boundary: a Diffusers transformer class -> what omni_accel can do for it.
 
 This is the only place (with the model files) where model names appear. A class that is not listed still
-gets attention routing when its module calls Diffusers' ``dispatch_attention_fn``.
+gets attention routing where its module, or the module of an attention processor it holds, calls
+Diffusers' ``dispatch_attention_fn`` or (the classic processors) ``F.scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -84,15 +86,49 @@ _SPECS: dict[str, ModelSpec] = {
 }
 
 
-def spec_for(transformer: nn.Module) -> ModelSpec | None:
-    """The spec of the closest registered class in the MRO, or a generic one, or None."""
+def registered_spec(transformer: nn.Module) -> ModelSpec | None:
+    """The spec of the closest registered class in ``transformer``'s MRO, or None."""
     for cls in type(transformer).__mro__:
         if cls.__name__ in _SPECS and cls.__module__.startswith("diffusers."):
             return _SPECS[cls.__name__]
-    module = sys.modules.get(type(transformer).__module__)
-    if module is not None and hasattr(module, "dispatch_attention_fn"):
-        return ModelSpec(family="generic", attention_routes=(("dispatch_attention", module.__name__),))
     return None
+
+
+def spec_for(transformer: nn.Module) -> ModelSpec | None:
+    """The registered spec, or a generic one routing the attention call sites of the model's module and of
+    its attention processors' modules, or None."""
+    registered = registered_spec(transformer)
+    if registered is not None:
+        return registered
+    routes = tuple(route for name in sorted(_attention_modules(transformer)) for route in _routes_of(name))
+    return ModelSpec(family="generic", attention_routes=routes) if routes else None
+
+
+def _attention_modules(transformer: nn.Module) -> set[str]:
+    """The module of the model's class and of each attention processor it holds now."""
+    names = {type(transformer).__module__}
+    if "_modules" in vars(
+        transformer
+    ):  # an instance whose __init__ ran (the registry is also asked of bare ones)
+        for module in transformer.modules():
+            processor = module.__dict__.get("processor")
+            if processor is not None:
+                names.add(type(processor).__module__)
+    return names
+
+
+def _routes_of(module_name: str) -> list[tuple[str, str]]:
+    """The patches that route a Diffusers module's attention calls: its ``dispatch_attention_fn``, and its
+    ``F.scaled_dot_product_attention`` where it binds ``F`` (the classic processors and some models' own)."""
+    module = sys.modules.get(module_name)
+    if module is None or not module_name.startswith("diffusers."):
+        return []
+    routes = []
+    if hasattr(module, "dispatch_attention_fn"):
+        routes.append(("dispatch_attention", module_name))
+    if getattr(module, "F", None) is torch.nn.functional:
+        routes.append(("functional_sdpa", module_name))
+    return routes
 
 
 def registered_natives() -> list[str]:
