@@ -7,6 +7,7 @@ each recording its own undo). ``restore`` runs the undos in reverse order.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import os
@@ -656,14 +657,21 @@ def _route_attention(component: _Component) -> None:
         return
     selector = component.report.selector
     module = component.original
-    component.undo += scoped_hooks(module, lambda: routing.enter_selector(selector), routing.leave_selector)
+    component.undo += scoped_hooks(
+        module, functools.partial(routing.enter_selector, selector), routing.leave_selector
+    )
     route_classes = set()
     for name, child in module.named_modules():
         if hasattr(child, "processor"):
+            if attention_roles.ROUTE in vars(
+                child
+            ):  # another pipeline sharing the module (from_pipe) routes it
+                continue
             role, category = _role_of(component.spec, name)
-            # Strings: Dynamo guards on their value, so blocks of one route share compiled code (see patches/).
-            object.__setattr__(child, attention_roles.ROUTE, (str(selector.index), role, category))
-            component.undo.append(lambda child=child: object.__delattr__(child, attention_roles.ROUTE))
+            # Strings: Dynamo guards on their value, so blocks of one role share compiled code (see patches/).
+            route = (role, category)
+            object.__setattr__(child, attention_roles.ROUTE, route)
+            component.undo.append(lambda child=child, route=route: _unroute(child, route))
             route_classes.add(f"{type(child).__module__}:{type(child).__qualname__}")
     for target in sorted(route_classes):
         patches.apply("attention_roles", target)
@@ -671,6 +679,11 @@ def _route_attention(component: _Component) -> None:
     for name, target in component.spec.attention_routes:
         patches.apply(name, target)
         component.undo.append(lambda name=name, target=target: patches.revert(name, target))
+
+
+def _unroute(module: nn.Module, route: tuple[str, str, str]) -> None:
+    if vars(module).get(attention_roles.ROUTE) == route:
+        object.__delattr__(module, attention_roles.ROUTE)
 
 
 def _role_of(spec: ModelSpec, module_name: str) -> tuple[str, str]:

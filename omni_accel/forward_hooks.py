@@ -44,33 +44,43 @@ def _foreign(hooks: dict) -> bool:
     return bool(hooks) and any(not hasattr(hook, _OURS) for hook in hooks.values())
 
 
+class _Scope:
+    """A pre-hook that enters a context and a hook that always leaves it (``enter()`` returns the token
+    ``leave`` takes), per thread; nothing while Dynamo traces (a context variable cannot be entered there;
+    see ``patches/attention_roles.py`` for what a trace is told). Picklable where ``enter`` and ``leave``
+    are, so that a pickled model keeps its scope."""
+
+    def __init__(self, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:
+        self.enter, self.leave = enter, leave
+        self.local = threading.local()  # each thread enters and leaves its own contexts
+
+    def __reduce__(self):
+        return _Scope, (self.enter, self.leave)
+
+    def pre(self, _module, _args) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            return
+        if not hasattr(self.local, "tokens"):
+            self.local.tokens = []
+        self.local.tokens.append(self.enter())
+
+    def post(self, _module, _args, _output) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            return
+        self.leave(self.local.tokens.pop())
+
+    setattr(pre, _OURS, True)
+    setattr(post, _OURS, True)
+
+
 def scoped_hooks(
-    module: nn.Module,
-    enter: Callable[[], Any],
-    leave: Callable[[Any], None],
+    module: nn.Module, enter: Callable[[], Any], leave: Callable[[Any], None]
 ) -> list[Callable[[], None]]:
-    """A pre-hook that enters a context (``enter()`` returns its token) and a hook that always leaves it,
-    even when forward raises; returns their removers. Nothing while Dynamo traces (a context variable
-    cannot be entered there; see ``patches/attention_roles.py`` for what the trace is told)."""
-    local = threading.local()  # each thread enters and leaves its own contexts
-
-    def pre_hook(_module, _args):
-        if torch.compiler.is_dynamo_compiling():
-            return
-        if not hasattr(local, "tokens"):
-            local.tokens = []
-        local.tokens.append(enter())
-
-    def post_hook(_module, _args, _output):
-        if torch.compiler.is_dynamo_compiling():
-            return
-        leave(local.tokens.pop())
-
-    setattr(pre_hook, _OURS, True)
-    setattr(post_hook, _OURS, True)
+    """Registers ``_Scope(enter, leave)``'s hooks on ``module``; returns their removers."""
+    scope = _Scope(enter, leave)
     handles = [
-        module.register_forward_pre_hook(pre_hook),
-        module.register_forward_hook(post_hook, always_call=True),
+        module.register_forward_pre_hook(scope.pre),
+        module.register_forward_hook(scope.post, always_call=True),
     ]
     return [handle.remove for handle in handles]
 

@@ -4,10 +4,10 @@ Target: ``forward`` of a Diffusers attention module class (``Attention``, ``Flux
 among an accelerated model's modules. Why: the routed call site (``dispatch_attention_fn``,
 ``F.scaled_dot_product_attention``) does not see the module that calls it. A forward hook could say it
 eagerly, but compiled code guards on every hook's id, so each block would compile a graph of its own. The
-patched forward reads the instance attribute ``_omni_accel_route`` (the selector's number, the role and
-its category), which only accelerated models' modules have: eagerly it enters the role for the call; while
-Dynamo traces it tells the trace (``routing.trace_enter``), and Dynamo guards on the attribute's value, so
-blocks of one route share one graph and a plain model (no attribute) never shares ours. A module without
+patched forward reads the instance attribute ``_omni_accel_route`` (the role and its category), which only
+accelerated models' modules have: eagerly it enters the role for the call; while Dynamo traces it tells
+the trace (``routing.trace_enter``), and Dynamo guards on the attribute's value, so blocks of one role share
+one graph and a plain model (no attribute) never shares ours. A module without
 the attribute runs the original forward unchanged.
 """
 
@@ -38,7 +38,7 @@ def apply(cls: type) -> None:
             out = inherited(self, *args, **kwargs)
             trace_leave()
             return out
-        token = enter_role(route[1], route[2])
+        token = enter_role(*route)
         try:
             return inherited(self, *args, **kwargs)
         finally:

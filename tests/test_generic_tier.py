@@ -244,16 +244,47 @@ def test_compile_true_needs_repeated_blocks():
 
 
 def test_the_op_passes_opcheck():
-    from omni_accel.attention.routing import register_call_site, unregister_call_site
+    """Inside an accelerated forward (a selector active) and outside one (the call site's own function)."""
+    from omni_accel.attention import routing
     from omni_accel.attention.selection import default_selector
 
-    register_call_site("test.site", lambda q, k, v, attn_mask, scale: q, lambda: True)
+    routing.register_call_site("test.site", lambda q, k, v, attn_mask, scale: q * 2, lambda: True)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
     mask = torch.ones(2, 5, dtype=torch.bool)
     try:
-        for attn_mask in (None, mask):
-            args = (q, k, v, attn_mask, default_selector().index, "r", "self", None, "test.site")
-            torch.library.opcheck(diffusers_attention, args)
+        for active in (True, False):
+            token = routing.enter_selector(default_selector()) if active else None
+            try:
+                for attn_mask in (None, mask):
+                    args = (q, k, v, attn_mask, "r", "self", None, "test.site")
+                    torch.library.opcheck(diffusers_attention, args)
+            finally:
+                if token is not None:
+                    routing.leave_selector(token)
     finally:
-        unregister_call_site("test.site")
+        routing.unregister_call_site("test.site")
+
+
+def test_from_pipe_shares_the_compiled_transformer_and_pickles():
+    import pickle
+
+    from diffusers import QwenImageImg2ImgPipeline
+
+    torch._dynamo.reset()
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
+    )
+    expected = _latents(pipe)
+    sibling = QwenImageImg2ImgPipeline.from_pipe(pipe)
+    omni_accel.accelerate(sibling, compile={"backend": "eager"}, compile_in_background=False)
+    assert omni_accel.describe(sibling).components[0].mode == "native (shared)"
+    assert all(type(b.forward).__name__ == "RegionForward" for b in pipe.transformer.transformer_blocks)
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    sibling(image=image, strength=0.9, **CALL, generator=torch.Generator().manual_seed(0))
+    assert rel_err(_latents(pipe), expected) <= 1e-6
+    restored = pickle.loads(pickle.dumps(pipe.transformer))
+    assert type(restored.transformer_blocks[0].forward).__name__ == "RegionForward"
+    assert restored.transformer_blocks[0].forward.block is restored.transformer_blocks[0]
+    omni_accel.restore(pipe)
+    assert all("forward" not in vars(b) for b in pipe.transformer.transformer_blocks)

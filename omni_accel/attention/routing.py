@@ -6,12 +6,12 @@ processor or context-parallel config, a process-wide Diffusers backend no provid
 None and the original function runs unchanged. A key-padding mask that a model passes to every block is
 served by dropping the padded keys (``key_padding``): those calls resolve as unmasked ones.
 
-While Dynamo traces, the context variables cannot be read: the role hooks of an accelerated model's
-attention modules say at trace time which role and selector the calls below them belong to
-(``trace_enter``), and the patched call site puts ``diffusers_attention`` in the graph, a custom op that
-routes at run time as ``route`` does. A model with no role hooks (a plain Diffusers model of the same class
-that a user compiles elsewhere in the process) traces Diffusers' function as it is; the hooks' constants are
-part of Dynamo's guards, so the two never share compiled code.
+While Dynamo traces, the context variables cannot be read: an accelerated model's attention modules say
+at trace time which role the calls below them belong to (``trace_enter``, see
+``patches/attention_roles.py``), and the patched call site puts ``diffusers_attention`` in the graph, a
+custom op that routes at run time as ``route`` does, with the selector of the forward in flight. A plain
+Diffusers model of the same class that a user compiles elsewhere in the process traces Diffusers' function
+as it is; the role is part of Dynamo's guards, so the two never share compiled code.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from .key_padding import attend_kept, kept_keys
-from .selection import AttentionSelector, selector_by_index
+from .selection import AttentionSelector
 
 _ACTIVE: contextvars.ContextVar[AttentionSelector | None] = contextvars.ContextVar(
     "omni_accel_route_selector", default=None
@@ -113,17 +113,17 @@ def route_with(
     return selector.attend(role, category, query, key, value, attn_mask=attn_mask, scale=scale)
 
 
-# While Dynamo traces: which role and selector the attention calls being traced belong to. Set by the role
-# hooks through functions Dynamo runs at trace time (``assume_constant_result``), tagged with the trace's
-# context so that a trace that stopped between a hook's enter and leave leaves nothing a later trace reads.
+# While Dynamo traces: which role the attention calls being traced belong to. Set by the accelerated
+# model's attention modules (``patches/attention_roles.py``) through functions Dynamo runs at trace time
+# (``assume_constant_result``), tagged with the trace's context so that a trace that stopped between an
+# enter and its leave leaves nothing a later trace reads.
 _TRACED = threading.local()
 
 
 @torch.compiler.assume_constant_result
-def trace_enter(selector: str, role: str, category: str) -> bool:
-    """At trace time: the calls traced from now on belong to ``role`` of selector number ``selector`` (a
-    string: Dynamo passes strings as constants and guards on their value)."""
-    _TRACED.route = (torch._guards.TracingContext.try_get(), int(selector), role, category)
+def trace_enter(role: str, category: str) -> bool:
+    """At trace time: the attention calls traced from now on belong to ``role``."""
+    _TRACED.route = (torch._guards.TracingContext.try_get(), role, category)
     return True
 
 
@@ -134,19 +134,20 @@ def trace_leave() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def traced_route() -> tuple[int, str, str] | None:
-    """At trace time: (selector number, role, category) of the attention call being traced, or None when
-    no accelerated model's role hook entered one in this trace."""
+def traced_route() -> tuple[str, str] | None:
+    """At trace time: (role, category) of the attention call being traced, or None when no accelerated
+    model's attention module entered one in this trace."""
     entry = getattr(_TRACED, "route", None)
     if entry is None or entry[0] is not torch._guards.TracingContext.try_get():
         return None
     return entry[1:]
 
 
-# Each patched call site's Diffusers function, BSHD in and out: what the op runs for a call that no provider
-# serves at run time (a process-wide Diffusers backend chosen after the trace).
+# Each patched call site's Diffusers function, BSHD in and out: what the op runs for a call no provider
+# serves at run time (outside an accelerated forward, or under a process-wide Diffusers backend chosen after
+# the trace).
 _ORIGINALS: dict[str, Callable[..., torch.Tensor]] = {}
-_READS_ROWS: dict[str, bool] = {}
+_READS_ROWS: dict[str, Callable[[], bool]] = {}
 
 
 def register_call_site(
@@ -169,26 +170,27 @@ def diffusers_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    selector: int,
     role: str,
     category: str,
     scale: float | None,
     site: str,
 ) -> torch.Tensor:
-    """A routed Diffusers attention call inside a compiled graph (BSHD): resolved and served at run time as
-    ``route`` serves an eager one (the active ``attention_scope``, Diffusers' process-wide backend, a kernel
-    refusing the tensors), with Diffusers' function of the call site where no provider serves it."""
-    reads_rows = _READS_ROWS[site]()
-    out = route_with(
-        selector_by_index(selector), role, category, query, key, value, attn_mask, scale, None, reads_rows
-    )
+    """A routed Diffusers attention call inside a compiled graph (BSHD): served at run time as ``route``
+    serves an eager one, by the selector of the accelerated forward in flight (its scope, Diffusers'
+    process-wide backend, a kernel refusing the tensors), else by the call site's Diffusers function. The
+    graph names no pipeline, so models of one class share it."""
+    selector = _ACTIVE.get()
+    out = None
+    if selector is not None:
+        reads_rows = _READS_ROWS[site]()
+        out = route_with(selector, role, category, query, key, value, attn_mask, scale, None, reads_rows)
     if out is None:
         out = _ORIGINALS[site](query, key, value, attn_mask, scale)
     return out.contiguous()  # as the fake promises
 
 
 @diffusers_attention.register_fake
-def _(query, key, value, attn_mask, selector, role, category, scale, site):
+def _(query, key, value, attn_mask, role, category, scale, site):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
