@@ -67,6 +67,11 @@ class _RoutedFunctional(types.ModuleType):
         return getattr(F, name)
 
 
+def binds_functional(module: ModuleType) -> bool:
+    """Whether ``module`` calls torch's functions as ``F.<name>`` (also while this patch holds its ``F``)."""
+    return vars(module).get(_ORIGINAL, vars(module).get("F")) is F
+
+
 def apply(module: ModuleType) -> None:
     register_call_site(_SITE, _original, lambda: False)
     proxy = _RoutedFunctional("torch.nn.functional")

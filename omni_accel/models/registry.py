@@ -12,8 +12,9 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
+
+from omni_accel.patches import functional_sdpa
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def _routes_of(module_name: str) -> list[tuple[str, str]]:
     routes = []
     if hasattr(module, "dispatch_attention_fn"):
         routes.append(("dispatch_attention", module_name))
-    if getattr(module, "F", None) is torch.nn.functional:
+    if functional_sdpa.binds_functional(module):
         routes.append(("functional_sdpa", module_name))
     return routes
 
