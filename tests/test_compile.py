@@ -266,3 +266,27 @@ def g(x):
 def breaks(x):
     torch._dynamo.graph_break()
     return x + 1
+
+
+def _breaks_the_graph(x):
+    torch._dynamo.graph_break()
+    return x * 2
+
+
+def test_a_compile_nobody_asked_for_falls_back_to_eager_at_the_first_call():
+    """The generic tier's automatic compile (raise_failures=False): a block that cannot compile whole runs
+    eagerly, said once and in the summary; an explicit compile raises."""
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    x = torch.randn(4)
+    quiet = BlockCompiler({"backend": "eager", "fullgraph": True}, background=False, raise_failures=False)
+    for _ in range(2):
+        assert torch.equal(quiet.math(_breaks_the_graph, "a")(x), x * 2)
+    (line,) = quiet.summary()
+    assert (
+        line.startswith("_breaks_the_graph: compile failed, runs eagerly: ") and "at its first call" in line
+    )
+    loud = BlockCompiler({"backend": "eager", "fullgraph": True}, background=False)
+    with pytest.raises(Exception, match="graph_break|Graph break|graph break"):
+        loud.math(_breaks_the_graph, "a")(x)

@@ -157,7 +157,8 @@ class BlockCompiler:
         lines = []
         for fn, function in self._functions.items():
             if function.at_first_call:
-                lines.append(f"{fn.__qualname__}: compiled at its first call per input shape")
+                state = f"compile failed, runs eagerly: {function.failed}" if function.failed else "compiled"
+                lines.append(f"{fn.__qualname__}: {state} at its first call per input shape")
                 continue
             state = (
                 "compiled" if function.active else "compiling" if function.compiling else "not yet compiled"
@@ -184,6 +185,8 @@ class BlockCompiler:
                         fn.__qualname__,
                     )
                     function.compiled = torch.compile(fn, **self.options)
+                    if not self.raise_failures:
+                        function.compiled = _or_eager(function.compiled, fn, function)
             return self._functions[fn]
 
     def _switch(self) -> None:
@@ -272,6 +275,26 @@ class CompiledSteps:
     def before_replay(self) -> None:
         if self.compiler is not None:
             self.compiler.start_compiles()
+
+
+def _or_eager(compiled: Callable, fn: Callable, function: _Function) -> Callable:
+    """``compiled``, or ``fn`` from the first call that ``compiled`` fails (logged; the compile nobody asked
+    for must not fail the call). An error ``fn`` raises too is the caller's own, raised as it is."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if function.failed is not None:
+            return fn(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as error:
+            out = fn(*args, **kwargs)
+            function.failed = _reason(error)
+            logger.warning(
+                "%s failed to compile; its blocks run eagerly: %s", fn.__qualname__, function.failed
+            )
+            return out
+
+    return run
 
 
 def _counted(compiled: Callable, function: _Function) -> Callable:
