@@ -42,7 +42,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from torch import nn
 
 from .attention.selection import current_scope
-from .forward_hooks import global_hooks_active, is_hooked
+from .forward_hooks import InstanceForward, global_hooks_active, is_hooked
 from .models.compiler import no_compile_beside
 from .utils.logging import get_logger
 
@@ -80,10 +80,9 @@ class _Graph:
     output: Any  # the forward's output, its tensors in the graph's memory
 
 
-class StepGraphs:
-    """Captures and replays the forward of ``module`` (see the module docstring). Installed as the
-    module's instance ``forward``, so it travels with the module through ``deepcopy`` and pickling, and a
-    Diffusers hook registered later wraps it like any forward."""
+class StepGraphs(InstanceForward):
+    """Captures and replays the forward of ``module`` (see the module docstring), installed as the
+    module's instance ``forward`` (see ``InstanceForward``)."""
 
     def __init__(
         self,
@@ -91,11 +90,9 @@ class StepGraphs:
         max_graphs: int = 4,
         hooks: StepHooks | None = None,
     ) -> None:
-        self.module = module
+        super().__init__(module)
         self.hooks = hooks
-        self.inner = module.__dict__.get("forward")  # a hook's forward installed before us, if any
         self.max_graphs = max_graphs
-        self.enabled = True
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.warmed: set[tuple] = set()
         self.uncapturable: set[tuple] = set()
@@ -105,28 +102,12 @@ class StepGraphs:
         self._lock = threading.Lock()
         _LIVE.add(self)
 
-    def install(self) -> None:
-        self.module.forward = self
-
     def release(self) -> None:
         """Drops the captured graphs and their memory pool; later calls capture anew."""
         with self._lock:
             self.graphs.clear()
             self.warmed.clear()
             self.pool = None
-
-    def uninstall(self) -> None:
-        """Puts the module's forward back; when a hook registered later wraps us, we only step aside."""
-        if self.module.__dict__.get("forward") is not self:
-            self.enabled = False
-        elif self.inner is None:
-            del self.module.forward
-        else:
-            self.module.forward = self.inner
-
-    @property
-    def __wrapped__(self) -> Any:  # inspect.signature(module.forward) finds the real signature
-        return self._forward()
 
     def __deepcopy__(self, memo: dict) -> StepGraphs:
         # Graphs hold this module's pointers: a copy starts empty and captures its own.
@@ -136,9 +117,6 @@ class StepGraphs:
 
     def __reduce__(self):
         return _unpickle, (self.module, self.inner, self.max_graphs, self.enabled, self.hooks)
-
-    def _forward(self) -> Any:
-        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, forward = self.module, self._forward()

@@ -44,6 +44,36 @@ def _foreign(hooks: dict) -> bool:
     return bool(hooks) and any(not hasattr(hook, _OURS) for hook in hooks.values())
 
 
+class InstanceForward:
+    """A callable installed as one module's instance ``forward``: it travels with the module through
+    ``deepcopy`` and pickling, and a Diffusers hook registered later wraps it like any forward. ``inner``
+    is a hook's forward installed before us (what we call instead of the class's), and ``uninstall`` only
+    steps aside (``enabled`` False) where a hook registered later wraps us."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.inner: Callable | None = module.__dict__.get("forward")
+        self.enabled = True
+
+    def install(self) -> None:
+        self.module.forward = self
+
+    def uninstall(self) -> None:
+        if self.module.__dict__.get("forward") is not self:
+            self.enabled = False
+        elif self.inner is None:
+            del self.module.forward
+        else:
+            self.module.forward = self.inner
+
+    def _forward(self) -> Callable:
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    @property
+    def __wrapped__(self) -> Callable:  # inspect.signature(module.forward) finds the real signature
+        return self._forward()
+
+
 class _Scope:
     """A pre-hook that enters a context and a hook that always leaves it (``enter()`` returns the token
     ``leave`` takes), per thread; nothing while Dynamo traces (a context variable cannot be entered there;

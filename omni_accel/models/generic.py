@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..attention.selection import AttentionSelector
+from ..forward_hooks import InstanceForward
 from ..utils.logging import get_logger
 from .base import diffusers_only_reason
 from .compiler import BlockCompiler, CompiledSteps
@@ -129,31 +130,17 @@ def _tensors(args: tuple, kwargs: dict):
             yield leaf
 
 
-class RegionForward:
-    """The instance ``forward`` of one repeated block (see the module docstring). Travels with the block
-    through ``deepcopy`` and pickling; ``uninstall`` steps aside when a hook registered later wraps it."""
+class RegionForward(InstanceForward):
+    """The instance ``forward`` of one repeated block (see the module docstring and ``InstanceForward``)."""
 
     def __init__(self, block: nn.Module, name: str, runtime: GenericRuntime) -> None:
-        self.block = block
+        super().__init__(block)
         self.name = name
         self.runtime = runtime
-        self.inner: Callable | None = block.__dict__.get("forward")  # a hook's forward installed before us
-        self.enabled = True
-
-    def install(self) -> None:
-        self.block.forward = self
-
-    def uninstall(self) -> None:
-        if self.block.__dict__.get("forward") is not self:
-            self.enabled = False
-        elif self.inner is None:
-            del self.block.forward
-        else:
-            self.block.forward = self.inner
 
     @property
-    def __wrapped__(self) -> Callable:  # inspect.signature(block.forward) finds the real signature
-        return type(self.block).forward.__get__(self.block)
+    def block(self) -> nn.Module:
+        return self.module
 
     def __deepcopy__(self, memo: dict) -> RegionForward:
         twin = RegionForward(copy.deepcopy(self.block, memo), self.name, copy.deepcopy(self.runtime, memo))
