@@ -36,16 +36,23 @@ def _cast_layerwise(pipe) -> None:
     pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_layerwise_casting_float8_storage_before_and_after_accelerate(when):
+def _changed_before_or_after(change, when: str):
+    """A plain tiny FLUX pipeline with ``change`` applied, and an accelerated one with ``change`` applied
+    ``when`` ("before" or "after") ``accelerate``."""
     plain = omni_accel.tiny_flux_pipeline(seed=0)
-    _cast_layerwise(plain)
+    change(plain)
     fast = omni_accel.tiny_flux_pipeline(seed=0)
     if when == "before":
-        _cast_layerwise(fast)
+        change(fast)
     omni_accel.accelerate(fast)
     if when == "after":
-        _cast_layerwise(fast)
+        change(fast)
+    return plain, fast
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_layerwise_casting_float8_storage_before_and_after_accelerate(when):
+    plain, fast = _changed_before_or_after(_cast_layerwise, when)
     _assert_planned_for(_report(fast), "float32, cpu, head_dim=16")  # the compute dtype, not float8
     torch.testing.assert_close(_latents(fast), _latents(plain), rtol=0, atol=0)
     report = _report(fast)
@@ -168,14 +175,7 @@ def test_torchao_int8_weight_only_matches_diffusers(when):
     def quantize(pipe):
         quantization.quantize_(pipe.transformer, quantization.Int8WeightOnlyConfig())
 
-    plain = omni_accel.tiny_flux_pipeline(seed=0)
-    quantize(plain)
-    fast = omni_accel.tiny_flux_pipeline(seed=0)
-    if when == "before":
-        quantize(fast)
-    omni_accel.accelerate(fast)
-    if when == "after":
-        quantize(fast)
+    plain, fast = _changed_before_or_after(quantize, when)
     torch.testing.assert_close(_latents(fast), _latents(plain), rtol=0, atol=0)
     report = _report(fast)
     assert "block calls run by Diffusers' forward: 4 (" in report and "Int8Tensor" in report, report
