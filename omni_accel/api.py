@@ -348,11 +348,11 @@ def _plan_swap(
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
     cache = _unless_compiled(cache, config.compile_asked, limitations)
-    runtime = NativeRuntime(selector, options, cache, config.background_compile(native=True))
+    runtime = NativeRuntime(selector, options, cache, config.compile_in_background)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if options is not None:
         detail += "; repeated blocks compiled"
-        if config.background_compile(native=True):
+        if config.compile_in_background:
             detail += " (in the background on one device: eager steps until the code is ready)"
     if graphs_on and torch.cuda.is_available():
         detail += "; steps replayed from CUDA graphs where they run on one CUDA device (counts below)"
@@ -443,7 +443,7 @@ def _plan_generic(
             f"{len(blocks)} repeated blocks ({', '.join(listed)}) compiled"
             + (
                 " in the background (eager blocks serve until the code is ready)"
-                if config.background_compile(native=False)
+                if config.compile_in_background
                 else " at the first call per input shape"
             )
             + (", on CUDA" if config.compile is None else "")
@@ -483,7 +483,7 @@ def _plan_generic(
     runtime = GenericRuntime(
         selector,
         options,
-        config.background_compile(native=False),
+        config.compile_in_background,
         devices=("cuda",) if config.compile is None else None,
         raise_failures=config.compile is not None,
     )

@@ -27,11 +27,12 @@ class AccelConfig:
     ``torch.compile`` the repeated blocks (True, or a dict of ``torch.compile`` keyword arguments; False:
     never); None (the default) compiles those of a transformer without native blocks (the generic tier,
     ``omni_accel.models.generic``) where they run on CUDA, and leaves native blocks eager (their fused
-    kernels are the fast path). ``compile_in_background``: until a block function's compiled code is ready,
-    its calls run eagerly while a thread compiles it (see ``omni_accel.models.compiler``; False: the first
-    call waits for the compile); None (the default) compiles native blocks in the background and the
-    generic tier's at the first call (with the generic tier's compile in the background, GPU test runs
-    gave wrong images in 4 of 5 runs of many pipelines, each time in another test; not yet explained). ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and
+    kernels are the fast path). ``compile_in_background``: True compiles each block function in a thread while its calls run eagerly
+    (see ``omni_accel.models.compiler``), so the first image need not wait; False (the default): the first
+    call per input shape waits for the compile. Not the default because torch.compile restores process-wide
+    state it saved when it started (torch's CPU and CUDA random state, the deterministic-algorithms flag, the
+    default dtype, the matmul precision): what another thread set meanwhile (``torch.manual_seed`` before
+    building a model or calling a pipeline without a generator) is silently undone. ``cuda_graphs``: capture each distinct transformer step as a CUDA graph and
     replay it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for any accelerated
     transformer whose steps run on CUDA, on one GPU or under a parallel layout. ``vae_parallel``: under a parallel layout,
     split the VAE decode over the ranks by latent rows (None, the default: when the VAE's layers allow it).
@@ -42,7 +43,7 @@ class AccelConfig:
     projection_cache_bytes: int = 256 * 1024**2
     parallel: ParallelConfig | str | None = None
     compile: bool | Mapping[str, Any] | None = None
-    compile_in_background: bool | None = None
+    compile_in_background: bool = False
     cuda_graphs: bool | None = None
     vae_parallel: bool | None = None
     components: tuple[str, ...] = DEFAULT_COMPONENTS
@@ -62,9 +63,9 @@ class AccelConfig:
             raise TypeError(
                 f"compile must be None (auto), True/False or a dict of torch.compile arguments, got {self.compile!r}."
             )
-        if self.compile_in_background is not None and not isinstance(self.compile_in_background, bool):
+        if not isinstance(self.compile_in_background, bool):
             raise TypeError(
-                f"compile_in_background must be True, False or None (auto), got {self.compile_in_background!r}."
+                f"compile_in_background must be True or False, got {self.compile_in_background!r}."
             )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}.")
@@ -77,11 +78,6 @@ class AccelConfig:
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"components must be a tuple of attribute names, got {self.components!r}.")
         object.__setattr__(self, "components", tuple(self.components))
-
-    def background_compile(self, native: bool) -> bool:
-        """Whether blocks compile in the background: ``compile_in_background``, or where it is None, native
-        blocks do and the generic tier's do not."""
-        return native if self.compile_in_background is None else self.compile_in_background
 
     @property
     def compile_asked(self) -> bool:

@@ -121,7 +121,9 @@ def _compiler(pipe):
 
 def test_background_compile_runs_eager_steps_then_switches_between_steps():
     torch._dynamo.reset()
-    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), compile=True)  # inductor
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), compile=True, compile_in_background=True
+    )  # inductor
     compiler = _compiler(pipe)
     generations = []
 
@@ -290,3 +292,40 @@ def test_a_compile_nobody_asked_for_falls_back_to_eager_at_the_first_call():
     loud = BlockCompiler({"backend": "eager", "fullgraph": True}, background=False)
     with pytest.raises(Exception, match="graph_break|Graph break|graph break"):
         loud.math(_breaks_the_graph, "a")(x)
+
+
+def test_torch_compile_in_a_thread_undoes_what_another_thread_set_meanwhile():
+    """Why ``compile_in_background`` is off by default: torch.compile saves process-wide state when it starts
+    (the random state, the default dtype...) and restores it when it ends, so a ``torch.manual_seed`` in the
+    main thread during a background compile is undone (the cause of the wrong images a GPU run of many
+    pipelines showed: a model built with a seeded random init beside a compile got other weights). The day
+    this fails, torch keeps other threads' state and the background compile can become the default."""
+    inside, changed = threading.Event(), threading.Event()
+
+    def waits_for_the_main_thread(gm, example_inputs):
+        inside.set()
+        changed.wait(60)
+        return gm.forward
+
+    def f(x):
+        return torch.sin(x) + 1
+
+    torch._dynamo.reset()
+    worker = threading.Thread(
+        target=lambda: torch.compile(f, backend=waits_for_the_main_thread)(torch.ones(2))
+    )
+    worker.start()
+    assert inside.wait(60)
+    try:
+        torch.manual_seed(1)
+        torch.set_default_dtype(torch.float64)
+    finally:
+        changed.set()
+        worker.join()
+    got, dtype = torch.randn(3), torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(1)
+    assert not torch.equal(got, torch.randn(3)) and dtype == torch.float32, (
+        "torch.compile in a thread no longer undoes another thread's seed and default dtype: "
+        "compile_in_background may become the default again"
+    )

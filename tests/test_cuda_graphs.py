@@ -185,7 +185,7 @@ def test_background_compile_runs_beside_replays_and_is_captured_once_switched_in
     """The first steps are captured with the eager blocks; the compile starts before the first replay and
     runs beside the replays (never beside a capture); once its code is switched in, the compiled steps are
     captured anew and replay bitwise their eager launches."""
-    pipe = _gpu_pipeline(compile=True)
+    pipe = _gpu_pipeline(compile=True, compile_in_background=True)
     runtime = omni_accel.describe(pipe).components[0].runtime
     graphs = omni_accel.describe(pipe).components[0].graphs
     call = {"prompt": "a cat", "num_inference_steps": 4, "output_type": "latent"}

@@ -27,7 +27,7 @@ def _images(pipe, steps: int = 2):
 def test_generic_tier_compiles_then_replays(name, background):
     torch._dynamo.reset()
     plain = _BUILDERS[name](device="cuda")
-    pipe = omni_accel.accelerate(_BUILDERS[name](device="cuda"), compile_in_background=background or None)
+    pipe = omni_accel.accelerate(_BUILDERS[name](device="cuda"), compile_in_background=background)
     expected = _images(plain)
     component = omni_accel.describe(pipe).components[0]
     assert component.mode == "generic" and component.runtime is not None and component.graphs is not None

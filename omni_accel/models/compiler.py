@@ -2,7 +2,7 @@
 
 A compiled first call traces and compiles each block function, and the first image waits for it: seconds
 of host work even with a warm on-disk cache (FLUX.1-dev on an H200: 8.6-10.7 s from ``accelerate`` to the
-first image against 3.5-3.8 s for a warm one, docs/PERFORMANCE.md). In the background mode (the default on
+first image against 3.5-3.8 s for a warm one, docs/PERFORMANCE.md). In the background mode (``compile_in_background=True``, on
 one device) the first steps run the eager math, the same fused kernels, and a worker thread compiles each
 block function by calling it once with its first call's arguments (on the caller's stream, the result
 thrown away; block math never writes to its inputs). The compile starts after the first step (whose
@@ -16,6 +16,14 @@ a run that switched at another step (``compile_in_background=False`` compiles at
 step runs compiled). Later input shapes recompile at their first call, each into static code of its own
 (``dynamic=False`` unless the options say otherwise; torch's limit of 8 compiled variants per block
 function then applies, beyond which a block runs its eager math).
+
+Not the default: torch.compile saves process-wide state when a compile starts (torch's CPU and CUDA random
+state, the deterministic-algorithms flag, the default dtype, the matmul precision; Python's ``random`` state
+in its frame evaluation) and restores it when it ends, so what another thread set meanwhile is undone: a
+``torch.manual_seed`` before building a model or before a pipeline call without a generator, a
+``torch.use_deterministic_algorithms`` switch (``tests/test_compile.py`` shows it; pytorch issue 111569 is
+the thread-safety of this state). A GPU run of many pipelines beside background compiles gave wrong images
+that way: models built with a seeded random init got other weights.
 
 Under a parallel layout the ranks must run the same code at every step, so the compile waits (as in the
 first-call mode) whatever the option says.

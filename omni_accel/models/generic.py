@@ -5,8 +5,8 @@ them, else every ModuleList of two or more blocks of one class) are compiled reg
 ``torch.compile`` of each block class's forward (static shapes, the whole block in one graph) serves every
 block of that class. Their attention stays inside the graph: the role hooks of the accelerated model make
 each routed attention call a custom op of ours (``attention.routing.diffusers_attention``) that resolves
-and runs our providers at run time. The compile runs in the background while the eager blocks serve (see
-``compiler``), and the steps are replayed from CUDA graphs (``cuda_graphs.StepGraphs``, with this runtime as
+and runs our providers at run time. The compile runs at the first call per input shape, or with
+``compile_in_background=True`` beside eager blocks (see ``compiler``), and the steps are replayed from CUDA graphs (``cuda_graphs.StepGraphs``, with this runtime as
 its ``StepHooks``).
 
 The Diffusers module and its blocks stay what they are: each block gets an instance ``forward`` that runs
