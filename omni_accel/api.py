@@ -34,7 +34,13 @@ from .config import DEFAULT_COMPONENTS, AccelConfig
 from .forward_hooks import scoped_hooks
 from .layers.split_modulation import SplitModulation
 from .models.base import NativeBlock, NativeRuntime, modulation_sites, swap_blocks
-from .models.generic import GenericRuntime, install_regions, regions_of, repeated_blocks
+from .models.generic import (
+    GenericRuntime,
+    generic_parallel_plan,
+    install_regions,
+    regions_of,
+    repeated_blocks,
+)
 from .models.registry import ModelSpec, output_class, registered_natives, registered_spec, spec_for
 from .parallel import check_parallel, parallelize
 from .parallel import vae as vae_split
@@ -302,7 +308,6 @@ def _state(pipe: Pipeline) -> _State:
 
 def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelState | None) -> _Component:
     """Decides what to do with one component and builds it, touching nothing in the pipeline."""
-    cls_name = type(module).__name__
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError(
             f"pipe.{name} is a torch.compile'd module; accelerate the module itself "
@@ -313,16 +318,10 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
         return _Component(name, module, spec, _shared_report(name, module), shared=True)
     native_ok = spec is not None and spec.native is not None and config.native
     distributed = parallel is not None and parallel.mesh is not None
-    if distributed and not native_ok:
-        raise ValueError(
-            f"{config.parallel} needs a native transformer, and pipe.{name} ({cls_name}) has none"
-            f"{' enabled (native=False)' if spec is not None and spec.native else ' yet'}; natives exist for "
-            f"{', '.join(registered_natives())}. Run it without `parallel`."
-        )
     selector = AttentionSelector(config.attention)
     if native_ok:
         return _plan_swap(name, module, spec, config, selector, parallel if distributed else None)
-    return _plan_generic(name, module, spec, config, selector)
+    return _plan_generic(name, module, spec, config, selector, parallel if distributed else None)
 
 
 def _plan_swap(
@@ -397,15 +396,23 @@ def _unless_compiled(
 
 
 def _plan_generic(
-    name: str, module: nn.Module, spec: ModelSpec | None, config: AccelConfig, selector: AttentionSelector
+    name: str,
+    module: nn.Module,
+    spec: ModelSpec | None,
+    config: AccelConfig,
+    selector: AttentionSelector,
+    parallel: ParallelState | None,
 ) -> _Component:
     """A transformer with no native blocks (or ``native=False``): the Diffusers module stays, its attention
     routed through our providers where its module's call sites can be, its repeated blocks compiled and its
-    steps replayed from CUDA graphs (``models.generic``; on CUDA unless ``compile`` / ``cuda_graphs`` say)."""
+    steps replayed from CUDA graphs (``models.generic``; on CUDA unless ``compile`` / ``cuda_graphs`` say).
+    With ``parallel``, its sequence split as the model's ``_cp_plan`` declares (``models.generic``)."""
     cls_name = type(module).__name__
     routes = spec.attention_routes if spec is not None else ()
     for patch_name in {name for name, _ in routes} | ({"attention_roles"} if routes else set()):
         patches.check_applicable(patch_name)
+    if parallel is not None:
+        check_parallel(module, generic_parallel_plan(module, parallel.config, routed=bool(routes)), parallel)
     blocks = repeated_blocks(module)
     if config.compile_asked and not blocks:
         raise ValueError(
@@ -413,7 +420,15 @@ def _plan_generic(
             "(no `_repeated_blocks`, no ModuleList of blocks of one class); leave compile unset for it."
         )
     on_cuda = torch.cuda.is_available()
-    compile_on = bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
+    if parallel is not None and config.compile_asked:
+        raise ValueError(
+            f"compile=True under {parallel.config} is not supported for pipe.{name} ({cls_name}), which has no "
+            "native blocks: a call our providers cannot serve would be compiled as Diffusers' attention over "
+            "this rank's tokens only. Leave compile unset (steps are still replayed from CUDA graphs)."
+        )
+    compile_on = (
+        parallel is None and bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
+    )
     graphs_on = on_cuda if config.cuda_graphs is None else config.cuda_graphs
     if not (routes or compile_on or graphs_on):
         report = ComponentReport(
@@ -454,6 +469,9 @@ def _plan_generic(
             + (
                 "compile=False"
                 if config.compile is False
+                else f"not under {parallel.config}: a call our providers cannot serve would compile as "
+                "attention over one rank's tokens"
+                if parallel is not None
                 else "no CUDA device here; compile=True compiles on CPU"
             )
             + ")"
@@ -489,6 +507,10 @@ def _plan_generic(
     )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     tier = "generic" if compile_on or graphs_on else "routed"
+    if parallel is not None:
+        parts.append(
+            f"{parallel.config} on {dist.get_world_size()} ranks, the sequence split as its _cp_plan declares"
+        )
     report = ComponentReport(
         name,
         cls_name,
@@ -500,9 +522,12 @@ def _plan_generic(
         graphs=graphs,
         not_accelerated=not_accelerated,
     )
-    return _Component(
-        name, module, spec, report, cache, graphs=graphs, generic=runtime if compile_on else None
-    )
+    if parallel is not None and parallel.config.ulysses > 1:
+        report.ulysses_group = parallel.group("ulysses")
+    if parallel is not None and parallel.config.ring > 1:
+        report.ring_group = parallel.group("ring")
+    generic = runtime if compile_on else None
+    return _Component(name, module, spec, report, cache, parallel=parallel, graphs=graphs, generic=generic)
 
 
 def _native_sites(module: nn.Module, model) -> list[tuple[str, str, int]]:
@@ -520,7 +545,7 @@ def _routed_sites(module: nn.Module, spec: ModelSpec) -> list[tuple[str, str, in
     rows = {}
     for name, child in module.named_modules():
         if hasattr(child, "processor"):
-            role, category = _role_of(spec, name)
+            role, category = _role_of(spec, name, child)
             head_dim = getattr(child, "head_dim", None)
             if head_dim is None and hasattr(child, "inner_dim") and getattr(child, "heads", 0):
                 head_dim = child.inner_dim // child.heads
@@ -647,6 +672,8 @@ def _commit(component: _Component) -> None:
             component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
         if component.generic is not None:
             component.undo += install_regions(component.original, component.generic)
+        if component.parallel is not None:
+            _parallelize_generic(component)
         if component.graphs is not None:
             component.graphs.install()
             component.undo.append(component.graphs.uninstall)
@@ -667,7 +694,7 @@ def _route_attention(component: _Component) -> None:
                 child
             ):  # another pipeline sharing the module (from_pipe) routes it
                 continue
-            role, category = _role_of(component.spec, name)
+            role, category = _role_of(component.spec, name, child)
             # Strings: Dynamo guards on their value, so blocks of one role share compiled code (see patches/).
             route = (role, category)
             object.__setattr__(child, attention_roles.ROUTE, route)
@@ -686,11 +713,12 @@ def _unroute(module: nn.Module, route: tuple[str, str, str]) -> None:
         object.__delattr__(module, attention_roles.ROUTE)
 
 
-def _role_of(spec: ModelSpec, module_name: str) -> tuple[str, str]:
+def _role_of(spec: ModelSpec, module_name: str, module: nn.Module) -> tuple[str, str]:
     for pattern, role in spec.attention_roles.items():
         if re.fullmatch(pattern, module_name):
             return role
-    return f"{spec.family}.{module_name.rpartition('.')[2]}", "self"
+    category = "cross" if getattr(module, "is_cross_attention", False) is True else "self"
+    return f"{spec.family}.{module_name.rpartition('.')[2]}", category
 
 
 # Parallel layouts: chosen (parallel="auto" waits for the first pipeline call), checked before anything
@@ -766,6 +794,21 @@ def _check_layout(module: nn.Module, model, parallel: ParallelState, graphs: boo
     if parallel.config.tp > 1:
         for patch, _ in _tp_lora_patches():
             patches.check_applicable(patch)
+
+
+def _parallelize_generic(component: _Component) -> None:
+    """Spreads a component without native blocks over ``component.parallel``'s ranks, by its own plan."""
+    module, parallel = component.original, component.parallel
+    plan = generic_parallel_plan(module, parallel.config, routed=True)
+    layout = parallelize(module, plan, parallel, output_class(component.spec))
+    component.report.cfg = layout.cfg
+    component.undo.append(layout.revert)
+    if component.graphs is not None:  # graphs of parallel steps hold collectives
+        patches.apply("release_graphs_at_destroy", "torch.distributed")
+        component.undo.append(lambda: patches.revert("release_graphs_at_destroy", "torch.distributed"))
+    if layout.sequence is not None and patches.applicable(_CACHE_OVER_RANKS[0]):
+        patches.apply(*_CACHE_OVER_RANKS)
+        component.undo.append(lambda: patches.revert(*_CACHE_OVER_RANKS))
 
 
 def _parallelize(component: _Component) -> None:

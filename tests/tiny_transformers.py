@@ -616,6 +616,9 @@ def _decade(err: float) -> int:
     return max(1, math.floor(-math.log10(err)))
 
 
+_CP_LAYOUTS = "ulysses, ring: Diffusers' _cp_plan"  # the generic tier's (tests/test_generic_parallel.py)
+
+
 def _layouts_of(module: nn.Module) -> str:
     spec = spec_for(module)
     native = spec.native_model() if spec is not None else None
@@ -624,7 +627,7 @@ def _layouts_of(module: nn.Module) -> str:
         kinds = (["tp"] if plan.tensor else []) + (["ulysses", "ring"] if plan.sequence else [])
         return ", ".join([*kinds, "cfg"] if plan.batched_inputs else kinds) or "-"
     if getattr(module, "_cp_plan", None):
-        return "Diffusers declares _cp_plan (not yet consumed)"
+        return _CP_LAYOUTS + " (gloo parity test)"
     return "-"
 
 
@@ -645,7 +648,7 @@ def measure(name: str) -> Coverage:
     repeated = "yes" if getattr(cls, "_repeated_blocks", None) else "no"
     built = build(name)
     if isinstance(built, str):
-        layouts = "Diffusers declares _cp_plan (not yet consumed)" if getattr(cls, "_cp_plan", None) else "-"
+        layouts = _CP_LAYOUTS + " (not built tiny: untested)" if getattr(cls, "_cp_plan", None) else "-"
         return Coverage(name, _planned_tier(cls), layouts, repeated, reason=built)
     model, inputs = built
     plain = outputs(model, inputs)

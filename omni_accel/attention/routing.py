@@ -95,8 +95,25 @@ def route_with(
     unsupported: str | None = None,
     mask_rows: bool = False,
 ) -> torch.Tensor | None:
-    """``route`` for a known selector and role."""
+    """``route`` for a known selector and role; under a split forward (the generic tier under ulysses /
+    ring), the call's exchanges too, and no call falls back to Diffusers' function."""
+    from ..parallel.routed_attention import attend_split, split_forward  # parallel/ builds on attention/
+
     unsupported = unsupported or selector.unserved_reason(role, category)
+    layout = split_forward()
+    if layout is not None:
+        if unsupported:
+            raise NotImplementedError(
+                f"Attention role {role!r}: {unsupported} cannot run split over the ranks through our "
+                "providers; run this model with ulysses=1 and ring=1."
+            )
+        if mask_rows and attn_mask is not None and attn_mask.ndim == 2:
+            attn_mask = attn_mask[:, None, None, :]
+
+        def attend(q, k, v, mask, scale, need_lse):
+            return selector.attend(role, category, q, k, v, attn_mask=mask, scale=scale, return_lse=need_lse)
+
+        return attend_split(layout, attend, role, category, query, key, value, attn_mask, scale)
     if unsupported:
         selector.note_unrouted(role, unsupported)
         return None

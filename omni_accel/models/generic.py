@@ -28,9 +28,13 @@ from torch import nn
 
 from ..attention.selection import AttentionSelector
 from ..forward_hooks import InstanceForward
+from ..parallel import ParallelPlan
+from ..parallel.config import ParallelConfig
+from ..parallel.diffusers_plan import sequence_plan
 from ..utils.logging import get_logger
 from .base import diffusers_only_reason
 from .compiler import BlockCompiler, CompiledSteps
+from .registry import cp_plan, registered_natives
 
 logger = get_logger(__name__)
 
@@ -190,3 +194,38 @@ def regions_of(transformer: nn.Module) -> GenericRuntime | None:
         if isinstance(region, RegionForward) and region.enabled:
             return region.runtime
     return None
+
+
+def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: bool) -> ParallelPlan:
+    """How ``config``'s layout spreads a transformer without native blocks: its sequence split as its own
+    ``_cp_plan`` declares (Diffusers' plan, not one of ours), attention through our exchanges and providers
+    (``routed``: its attention call sites are ours). Raises for what this tier cannot spread yet."""
+    name = type(module).__name__
+    if config.tp > 1:
+        raise ValueError(
+            f"tp={config.tp} splits the projections of native blocks, and {name} has none (its _tp_plan, if it "
+            "declares one, is not taken yet); use ulysses or ring for it."
+        )
+    if config.cfg > 1:
+        raise ValueError(
+            f"cfg={config.cfg} runs the guidance branches of native blocks on separate ranks, and {name} has "
+            "none yet; use ulysses or ring for it."
+        )
+    if config.sequence_parallel > 1 and not routed:
+        raise ValueError(
+            f"ulysses/ring split {name}'s attention over the ranks through our providers, and none of its "
+            "attention call sites can be routed; run it on one GPU."
+        )
+    plan = cp_plan(module)
+    if config.sequence_parallel > 1 and plan is None:
+        raise ValueError(
+            f"ulysses/ring split a transformer's sequence as its native blocks or its Diffusers _cp_plan say, "
+            f"and {name} has neither; run it on one GPU (native blocks exist for {', '.join(registered_natives())})."
+        )
+    return ParallelPlan(
+        name=name,
+        attention_heads="num_attention_heads",
+        sequence=sequence_plan(module, plan),
+        batched_inputs=(),
+        output_like=None,  # for CFG pairing, refused above
+    )

@@ -11,7 +11,9 @@ import importlib
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from diffusers.models._modeling_parallel import ContextParallelInput
 from torch import nn
 
 from omni_accel.patches import functional_sdpa
@@ -85,6 +87,32 @@ _SPECS: dict[str, ModelSpec] = {
         attention_roles={r".*\.attn": ("sd3.joint", "self"), r".*\.attn2": ("sd3.self", "self")},
     ),
 }
+
+
+# What Diffusers' `_cp_plan` of a class lacks, in its own form, merged over it (``cp_plan``).
+_CP_PLAN_ADDITIONS: dict[str, dict[str, Any]] = {
+    # LTX-2's plan splits the video RoPE but not the one its audio<->video cross-attentions rotate the
+    # video tokens with (`cross_attn_rope`), so those calls meet a whole table beside split tokens.
+    "LTX2VideoTransformer3DModel": {
+        "cross_attn_rope": {
+            0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True),
+            1: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True),
+        },
+    },
+}
+
+
+def cp_plan(transformer: nn.Module) -> dict[str, Any] | None:
+    """The context-parallel plan ``transformer``'s class declares (``_cp_plan``) with our additions where it
+    lacks something, or None where it declares none."""
+    declared = getattr(type(transformer), "_cp_plan", None)
+    if not declared:
+        return None
+    plan = dict(declared)
+    for cls in type(transformer).__mro__:
+        for path, entry in _CP_PLAN_ADDITIONS.get(cls.__name__, {}).items():
+            plan[path] = {**plan.get(path, {}), **entry}
+    return plan
 
 
 def registered_spec(transformer: nn.Module) -> ModelSpec | None:

@@ -47,14 +47,15 @@ class ParallelPlan:
     splits whole heads). ``tensor``: block list -> its TP plan (a native model fills it in from its block
     classes' ``tp_plan``). ``sequence``: the SP plan.
     ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these).
-    ``output_like(module, arguments)``: an empty tensor shaped like the output of that call.
+    ``output_like(module, arguments)``: an empty tensor shaped like the output of that call (None: the
+    model's calls never pair, since no CFG layout applies to it).
     """
 
     name: str
     attention_heads: str
     sequence: SequencePlan | None
     batched_inputs: tuple[str, ...]
-    output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor]
+    output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor] | None
     tensor: Mapping[str, TensorPlan] = field(default_factory=dict)
 
 
@@ -143,8 +144,8 @@ def parallelize(
             submodules.add(path, SplitInputs(splits, sequence), _HOOK_PREFIX + "sp_split", outermost=True)
         for path, splits in seq.submodule_outputs.items():
             submodules.add(path, SplitOutputs(splits, sequence), _HOOK_PREFIX + "sp_split")
-        path, split = seq.output
-        submodules.add(path, GatherSequence(split, sequence), _HOOK_PREFIX + "sp_gather")
+        for path, split in (seq.output, *seq.gathers.items()):
+            submodules.add(path, GatherSequence(split, sequence), _HOOK_PREFIX + "sp_gather")
         layout.undo.append(submodules.remove)
         hook = SplitSequence(seq, sequence, submodules, tuple(plan.tensor))
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "sp_split"))

@@ -19,6 +19,7 @@ applied after the gather, so the TP level leaves it whole.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from torch import nn
 
 from .hooks import LayoutHook, SubmoduleHooks, bound_arguments
 from .sequence import SequenceParallel, gather, shard, split_sizes
+from .shares import SequenceShares, signature
 from .token_rows import Rows
 
 RANK_AWARE_HOOKS: set[type] = set()
@@ -65,6 +67,11 @@ def decides_alike_on_every_rank(hook: Any) -> bool:
 
 
 _FORWARD = threading.local()  # the SequenceState of the forward in flight on this thread
+
+
+def forward_state() -> SequenceState | None:
+    """The sequence layout of the split forward in flight on this thread, or None."""
+    return getattr(_FORWARD, "state", None)
 
 
 def token_groups() -> list[dist.ProcessGroup] | None:
@@ -109,13 +116,16 @@ class SequencePlan:
     """``inputs``: forward argument -> Split (a list argument has its dim on each item).
     ``submodule_inputs``: submodule path -> {argument -> Split}. ``submodule_outputs``: submodule path ->
     {output index -> Split}. ``output``: (path of the submodule whose output is the model's output, Split).
-    ``ring_first``: on two ranks whose K/V travel by peer writes, ring is measured faster than Ulysses for
+    ``gathers``: further submodule path -> Split whose output is gathered (a plan that splits only inside
+    the blocks). A Split whose ``stream`` no split names (a plan taken from Diffusers', which names none) is
+    gathered by its length (``SequenceState.layout_of``). ``ring_first``: on two ranks whose K/V travel by peer writes, ring is measured faster than Ulysses for
     this model (``parallel="auto"`` follows it)."""
 
     output: tuple[str, Split]
     inputs: Mapping[str, Split] = field(default_factory=dict)
     submodule_inputs: Mapping[str, Mapping[str, Split]] = field(default_factory=dict)
     submodule_outputs: Mapping[str, Mapping[int, Split]] = field(default_factory=dict)
+    gathers: Mapping[str, Split] = field(default_factory=dict)
     ring_first: bool = False
 
 
@@ -127,10 +137,13 @@ class SequenceState:
     def __init__(self, ulysses_group, ring_group, tp_group=None) -> None:
         self.groups = dict(ulysses_group=ulysses_group, ring_group=ring_group)
         self.tp_group = tp_group
+        self.shares = SequenceShares()
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, signature: tuple = ()) -> None:
+        """A new forward, whose inputs have ``signature`` (their shapes: the same on every rank)."""
         self.streams: dict[str, SequenceParallel] = {}
+        self.shares.begin(signature)
         self.tokens: dict[str, tuple[int, ...]] = {}  # stream -> this rank's tokens split over the TP group
         self.joint: SequenceParallel | None = None
 
@@ -166,9 +179,37 @@ class SequenceState:
 
     def gather(self, value: torch.Tensor, split: Split) -> torch.Tensor:
         """The whole stream from every rank's slice (over the TP group first)."""
+        if split.ndim is not None and value.ndim != split.ndim:
+            return value
+        if split.stream not in self.streams:
+            return self.layout_of(value.shape[split.dim]).gather(value, split.dim)
         if self.tp_group is not None:
             value = gather(value, split.dim, self.tp_group, self.tokens[split.stream])
         return self.streams[split.stream].gather(value, split.dim)
+
+    @property
+    def degree(self) -> int:
+        return math.prod(dist.get_world_size(g) for g in self.groups.values() if g is not None)
+
+    def layout_of(self, length: int, kv_length: int | None = None) -> SequenceParallel:
+        """The layout of a sequence this rank holds ``length`` tokens of (and ``kv_length`` of its K/V),
+        whichever tensors it was made of: split streams joined (a joint attention's text and image),
+        tensors every rank holds whole (attention over their copies is attention over them), or both. A
+        plan taken from Diffusers' says which tensors it splits, not which of them a call joins, so where
+        the streams split unevenly the ranks tell each other their lengths (``SequenceShares``)."""
+        plans = [p.sizes for p in self.streams.values()]
+        lengths = (length, length if kv_length is None else kv_length)
+        if all(len(set(sizes)) == 1 for sizes in plans):  # every rank holds as many tokens as this one
+            per_rank = [lengths] * self.degree
+        else:
+            per_rank = self.shares.exchange(lengths, self.groups)
+        sizes, kv = (tuple(row[i] for row in per_rank) for i in (0, 1))
+        return SequenceParallel(sizes, None if kv_length is None else kv, **self.groups)
+
+    def whole(self, length: int, sizes: tuple[int, ...]) -> bool:
+        """Whether a tensor every rank holds ``length`` tokens of (``sizes``) is whole on every rank
+        rather than split, as far as the streams tell: no stream gives any rank that many tokens."""
+        return len(set(sizes)) == 1 and all(length not in p.sizes for p in self.streams.values())
 
     def rows(self, *streams: str) -> Rows | None:
         """How this rank's tokens of ``streams`` (joined in this order) sit in the TP group, or None where the
@@ -198,8 +239,8 @@ class SplitSequence(LayoutHook):
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
         self._refuse_block_hooks(module)
         self.submodules.follow()
-        self.state.reset()
         arguments = bound_arguments(module, args, kwargs)
+        self.state.reset(signature(arguments))
         for name, split in self.plan.inputs.items():
             arguments[name] = self.state.split(arguments.get(name), split)
         return (), arguments

@@ -1,0 +1,147 @@
+"""The generic tier under ulysses and ring (gloo, two ranks): every transformer family that declares a
+Diffusers ``_cp_plan`` and builds tiny runs split by that plan through our exchanges and providers, within
+1e-5 (fp32) of plain Diffusers on one rank, its replica ranks bitwise equal; uneven lengths, key masks and
+``restore`` included. One spawn runs every check (a spawn costs ~13 s of imports)."""
+
+from __future__ import annotations
+
+import re
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_multirank
+from tiny_transformers import Holder, build, exported_transformers, outputs
+
+import omni_accel
+
+# Every family whose _cp_plan the installed Diffusers declares and tests/tiny_transformers builds is
+# checked (FLUX.1 and Wan with native=False: their generic path); these at least (MiniMax-H3 is not built
+# tiny yet, see docs/COVERAGE.md).
+AT_LEAST = (
+    "ChronoEditTransformer3DModel",
+    "Flux2Transformer2DModel",
+    "FluxTransformer2DModel",
+    "HeliosTransformer3DModel",
+    "LTX2VideoTransformer3DModel",
+    "LTXVideoTransformer3DModel",
+    "QwenImageTransformer2DModel",
+    "WanTransformer3DModel",
+)
+LAYOUTS = ({"ulysses": 2}, {"ring": 2})
+
+
+def _inputs(name: str, inputs: dict) -> dict:
+    if name == "Flux2Transformer2DModel":  # as Flux2Pipeline passes its ids: [batch, tokens, 4]
+        batch = inputs["hidden_states"].shape[0]
+        for key in ("img_ids", "txt_ids"):
+            if inputs[key].ndim == 2:
+                inputs[key] = inputs[key][None].expand(batch, -1, -1)
+    return inputs
+
+
+def _split(holder_model, inputs: dict, layout: dict, **options):
+    holder = omni_accel.accelerate(
+        Holder(holder_model), parallel=omni_accel.ParallelConfig(**layout), native=False, **options
+    )
+    try:
+        report = str(omni_accel.describe(holder))
+        return outputs(holder.transformer, inputs), report
+    finally:
+        omni_accel.restore(holder)
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    assert len(got) == len(want) and all(a.shape == b.shape for a, b in zip(got, want, strict=True))
+    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want, strict=True))
+
+
+def _same_on_every_rank(tensors: list[torch.Tensor]) -> bool:
+    for tensor in tensors:
+        every = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, tensor.contiguous())
+        if not all(torch.equal(every[0], other) for other in every[1:]):
+            return False
+    return True
+
+
+def _families() -> None:
+    declared = sorted(name for name, cls in exported_transformers().items() if getattr(cls, "_cp_plan", None))
+    built = {name: build(name) for name in declared}
+    built = {name: found for name, found in built.items() if not isinstance(found, str)}
+    assert set(AT_LEAST) <= set(built), f"no longer built tiny: {set(AT_LEAST) - set(built)}"
+    for name, (model, inputs) in built.items():
+        inputs = _inputs(name, inputs)
+        plain = outputs(model, inputs)
+        for layout in LAYOUTS:
+            got, report = _split(model, inputs, layout)
+            err = _close(got, plain)
+            assert err <= 1e-5, f"{name} {layout}: rel err {err:.2e}"
+            assert _same_on_every_rank(got), f"{name} {layout}: replica ranks differ"
+            assert "the sequence split as its _cp_plan declares" in report, report
+        after = outputs(model, inputs)  # restore left nothing behind
+        assert all(torch.equal(a, b) for a, b in zip(after, plain, strict=True)), name
+        assert not any(
+            hook.startswith("omni_accel.")
+            for module in model.modules()
+            for hook in getattr(module.__dict__.get("_diffusers_hook"), "hooks", {})
+        ), name
+
+
+def _masked_and_uneven() -> None:
+    """Qwen-Image with padded text (a key mask, as its pipeline passes) over 15 image tokens and 5 text
+    tokens: both split unevenly (8+7, 3+2), so the ranks exchange their lengths."""
+    model, inputs = build("QwenImageTransformer2DModel")
+    batch, channels = inputs["hidden_states"].shape[0], inputs["hidden_states"].shape[-1]
+    g = torch.Generator().manual_seed(3)
+    inputs["hidden_states"] = torch.randn(batch, 15, channels, generator=g)
+    inputs["img_shapes"] = [[(1, 3, 5)]] * batch
+    mask = torch.ones_like(inputs["encoder_hidden_states_mask"])
+    mask[-1, -2:] = 0  # the last sample's prompt is two tokens shorter
+    unmasked = outputs(model, inputs)
+    inputs["encoder_hidden_states_mask"] = mask
+    plain = outputs(model, inputs)
+    assert _close(unmasked, plain) > 1e-3, "the mask must matter for this check to mean anything"
+    for layout in LAYOUTS:
+        got, _ = _split(model, inputs, layout)
+        err = _close(got, plain)
+        assert err <= 1e-5, f"{layout}: rel err {err:.2e}"
+        assert _same_on_every_rank(got)
+        again, _ = _split(model, inputs, layout)  # lengths exchanged again by a new layout, same result
+        assert all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
+
+
+def _refusals() -> None:
+    model, _ = build("QwenImageTransformer2DModel")
+    cases = [
+        (dict(parallel=omni_accel.ParallelConfig(tp=2)), "has none (its _tp_plan"),
+        (dict(parallel=omni_accel.ParallelConfig(cfg=2)), "runs the guidance branches of native blocks"),
+        (
+            dict(parallel=omni_accel.ParallelConfig(ulysses=2), compile=True),
+            "which has no native blocks: a call our providers",
+        ),
+    ]
+    for options, message in cases:
+        pipe = Holder(model)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            omni_accel.accelerate(pipe, **options)
+        assert not hasattr(pipe, "_omni_accel_state") or not omni_accel.describe(pipe).components
+
+
+CHECKS = (_families, _masked_and_uneven, _refusals)
+
+
+def _every_check(rank: int, world: int) -> None:
+    failures = []
+    for check in CHECKS:
+        try:
+            check()
+        except Exception:
+            failures.append(f"{check.__name__}:\n{traceback.format_exc()}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.multirank
+def test_generic_tier_splits_every_cp_plan_family_exactly():
+    run_multirank(_every_check, 2, timeout=600)
