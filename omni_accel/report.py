@@ -72,6 +72,8 @@ class ComponentReport:
             stats = self.graphs.stats()
             out.append(
                 f"  cuda graphs: {stats['captures']} captured, {stats['replays']} replays, {stats['graphs']} kept"
+                f" ({stats['early_replays']} launched before the module's state was read, "
+                f"{stats['early_misses']} of them dropped: the module had changed)"
             )
             for reason, count in sorted(stats["eager"].items()):
                 out.append(f"  cuda graphs: {count} calls ran eagerly ({reason})")

@@ -242,8 +242,11 @@ def test_replays_follow_lora_scales_weight_edits_and_true_cfg():
     lora = random_lora(pipe.transformer, ["to_q", "to_v", "proj_out"], seed=5)
     pipe.load_lora_weights(lora, adapter_name="a")
     _replays_match_eager(pipe)
+    graphs = omni_accel.describe(pipe).components[0].graphs
+    misses = graphs.stats()["early_misses"]
     pipe.set_adapters("a", 0.3)
-    _replays_match_eager(pipe)
+    _replays_match_eager(pipe)  # the first step's early replay (the old scale's graph) is dropped
+    assert graphs.stats()["early_misses"] == misses + 1, graphs.stats()
     _replays_match_eager(pipe, joint_attention_kwargs={"scale": 0.7})
     with torch.no_grad():
         pipe.transformer.single_transformer_blocks[1].proj_mlp.weight.mul_(0.5)  # in place: same graph
@@ -251,6 +254,31 @@ def test_replays_follow_lora_scales_weight_edits_and_true_cfg():
     _replays_match_eager(pipe, negative_prompt="a dog", true_cfg_scale=4.0)  # cond result held over uncond
     stats = omni_accel.describe(pipe).components[0].graphs.stats()
     assert stats["eager"] == {} and stats["captures"] == 3, stats  # LoRA, its new scale, the call scale
+
+
+@pytest.mark.gpu
+def test_early_replays_serve_unchanged_steps_and_never_read_a_freed_weight():
+    """The graph is launched before the module's state is read: unchanged steps are served by it; after
+    a weight is replaced and its memory given back to the driver it is not launched at all."""
+    pipe = _gpu_pipeline()
+    graphs = omni_accel.describe(pipe).components[0].graphs
+    _replays_match_eager(pipe)
+    stats = graphs.stats()
+    assert stats["early_replays"] >= 2 and stats["early_misses"] == 0, stats
+    block = pipe.transformer.single_transformer_blocks[0]
+    with torch.no_grad():
+        block.proj_out.weight = torch.nn.Parameter(block.proj_out.weight * 0.5)
+    torch.cuda.empty_cache()  # the old weight's memory, if nothing holds it, is unmapped
+    before = graphs.stats()
+    call = {"prompt": "a cat", "num_inference_steps": 1, "output_type": "latent"}
+    pipe(**call, generator=torch.Generator("cuda").manual_seed(0))
+    torch.cuda.synchronize()  # a launch that read unmapped memory would fault here
+    after = graphs.stats()
+    # the stale graph was launched only if the old weight is still alive (held by a view), and then dropped
+    launched = after["early_replays"] - before["early_replays"]
+    assert after["early_misses"] - before["early_misses"] == launched, (before, after)
+    _replays_match_eager(pipe)  # the new weight's graphs
+    assert graphs.stats()["eager"] == {}, graphs.stats()
 
 
 def _parallel_replays(rank: int, world: int) -> None:
