@@ -516,6 +516,15 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         "diffusers_best": lambda: models["diffusers_best"](**x),
         "omni": lambda: models["omni"].transformer(**x),
     }
+    if args.probe:  # where (b) gains on (c): its fused QKV, and our CUDA graphs' share
+        fused = _build(spec, device, dtype)
+        if hasattr(fused, "fuse_qkv_projections"):
+            fused.fuse_qkv_projections()
+            models["omni_fused_qkv"] = omni_accel.accelerate(_Holder(fused), **options)
+            variants["omni_fused_qkv"] = lambda: models["omni_fused_qkv"].transformer(**x)
+        no_graphs = _build(spec, device, dtype)
+        models["omni_no_graphs"] = omni_accel.accelerate(_Holder(no_graphs), cuda_graphs=False, **options)
+        variants["omni_no_graphs"] = lambda: models["omni_no_graphs"].transformer(**x)
 
     first: dict[str, float] = {}
     _, first["diffusers"] = _wall(variants["diffusers"], device)
@@ -523,13 +532,18 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
     _, first["omni"] = _wall(variants["omni"], device)
     result["first_call_s"] = first
     result["omni_ready_s"], result["omni_compiler"] = _omni_ready(models["omni"], variants["omni"], device)
+    for probe in ("omni_fused_qkv", "omni_no_graphs"):
+        if probe in variants:
+            _omni_ready(models[probe], variants[probe], device)
     outputs = {}
     for variant, fn in variants.items():  # one more call each: the outputs compared are warm ones
-        if variant != "omni":
+        if not variant.startswith("omni"):
             fn()
         outputs[variant] = _tensors(fn())
     result["rel_err_vs_diffusers"] = {
-        variant: _error(outputs[variant], outputs["diffusers"]) for variant in ("diffusers_best", "omni")
+        variant: _error(outputs[variant], outputs["diffusers"])
+        for variant in variants
+        if variant != "diffusers"
     }
     del outputs
 
@@ -543,6 +557,8 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         "diffusers/diffusers_best": ms["diffusers"] / ms["diffusers_best"],
     }
     result["omni_report"] = str(omni_accel.describe(models["omni"]))
+    if args.probe:
+        result["probe_ms"] = {v: ms[v] for v in variants if v.startswith("omni_")}
     if device == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 1024**3
     del best
@@ -577,6 +593,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=3, help="timed calls per variant per round")
     parser.add_argument("--out", help="JSON results path (written after every model)")
     parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="also time ours with the model's fuse_qkv_projections() first, and ours without CUDA graphs",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="CPU, fp32, tiny configs, eager compile backend: a logic check"
     )
     args = parser.parse_args(argv)
@@ -592,6 +613,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             results[name] = measure(name, args, device, dtype)
             print(_summary(name, results[name]), flush=True)
+            if "probe_ms" in results[name]:
+                print(f"{name} probes (ms): {json.dumps(results[name]['probe_ms'])}", flush=True)
             print(json.dumps(results[name]["diffusers_best_switches"]), flush=True)
             print(results[name]["omni_report"], flush=True)
         except Exception as error:  # one model's failure (an OOM, a compile error) keeps the others
