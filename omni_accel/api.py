@@ -413,6 +413,8 @@ def _plan_generic(
         patches.check_applicable(patch_name)
     if parallel is not None:
         check_parallel(module, generic_parallel_plan(module, parallel.config, routed=bool(routes)), parallel)
+        if _generic_pairing(spec, parallel) is not None:
+            patches.check_applicable("pair_cfg_calls")
     blocks = repeated_blocks(module)
     if config.compile_asked and not blocks:
         raise ValueError(
@@ -509,7 +511,13 @@ def _plan_generic(
     tier = "generic" if compile_on or graphs_on else "routed"
     if parallel is not None:
         parts.append(
-            f"{parallel.config} on {dist.get_world_size()} ranks, the sequence split as its _cp_plan declares"
+            f"{parallel.config} on {dist.get_world_size()} ranks"
+            + (
+                ", the sequence split as its _cp_plan declares"
+                if parallel.config.sequence_parallel > 1
+                else ""
+            )
+            + (", the guidance branches over the cfg ranks" if parallel.config.cfg > 1 else "")
         )
     report = ComponentReport(
         name,
@@ -800,7 +808,8 @@ def _parallelize_generic(component: _Component) -> None:
     """Spreads a component without native blocks over ``component.parallel``'s ranks, by its own plan."""
     module, parallel = component.original, component.parallel
     plan = generic_parallel_plan(module, parallel.config, routed=True)
-    layout = parallelize(module, plan, parallel, output_class(component.spec))
+    pairs = _generic_pairing(component.spec, parallel) is not None
+    layout = parallelize(module, plan, parallel, output_class(component.spec), pairs_guidance=pairs)
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
     if component.graphs is not None:  # graphs of parallel steps hold collectives
@@ -861,15 +870,28 @@ def _tp_lora_patches() -> list[tuple[str, str]]:
     return needed
 
 
+def _generic_pairing(spec: ModelSpec | None, parallel: ParallelState) -> Callable | None:
+    """The rule by which a model without native blocks pairs its cond/uncond calls: only over cfg=2's ranks
+    (stacking them in one batch would need to know which arguments carry the batch; ``batch_dim_arguments``
+    guesses that well enough to halve a batch, not to stack two calls whose other arguments may differ)."""
+    if spec is None or spec.cfg_pairing is None or parallel.config.cfg == 1:
+        return None
+    return spec.cfg_pairing
+
+
 def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:
     """Pipelines that call their transformers twice per step get those calls paired: over cfg=2's ranks,
     or stacked in one call (``ParallelConfig.batch_guidance``)."""
-    paired = [
-        (component.spec.native_model().cfg_pairing, component.runtime.layout.cfg)
-        for component in components
-        if component.runtime is not None and component.runtime.layout is not None
-        if component.runtime.layout.cfg is not None and component.spec.native_model().cfg_pairing is not None
-    ]
+    paired = []
+    for component in components:
+        if component.report.cfg is None or component.parallel is None:
+            continue
+        if component.runtime is not None:
+            rule = component.spec.native_model().cfg_pairing
+        else:
+            rule = _generic_pairing(component.spec, component.parallel)
+        if rule is not None:
+            paired.append((rule, component.report.cfg))
     if not paired:
         return []
     pair_cfg_calls.apply(pipe, paired[0][0], [cfg for _, cfg in paired])

@@ -116,7 +116,6 @@ def _refusals() -> None:
     model, _ = build("QwenImageTransformer2DModel")
     cases = [
         (dict(parallel=omni_accel.ParallelConfig(tp=2)), "has none (its _tp_plan"),
-        (dict(parallel=omni_accel.ParallelConfig(cfg=2)), "runs the guidance branches of native blocks"),
         (
             dict(parallel=omni_accel.ParallelConfig(ulysses=2), compile=True),
             "which has no native blocks: a call our providers",
@@ -129,7 +128,45 @@ def _refusals() -> None:
         assert not hasattr(pipe, "_omni_accel_state") or not omni_accel.describe(pipe).components
 
 
-CHECKS = (_families, _masked_and_uneven, _refusals)
+def _pipeline_images(pipe, **call) -> torch.Tensor:
+    call = {
+        "prompt": "a cat",
+        "num_inference_steps": 3,
+        "height": 32,
+        "width": 32,
+        "output_type": "pt",
+        **call,
+    }
+    return pipe(**call, generator=torch.Generator().manual_seed(0)).images
+
+
+def _guidance_over_two_ranks() -> None:
+    """cfg=2 on pipelines without native blocks: SD3 batches its two branches in one call (halved over the
+    ranks by the arguments that carry the batch); Qwen-Image's true CFG calls the transformer twice per
+    step (paired over the ranks once the first step has shown the output's shape)."""
+    cases = (
+        (omni_accel.tiny_sd3_pipeline, {"guidance_scale": 5.0}, "batch-split calls"),
+        (omni_accel.tiny_qwenimage_pipeline, {"negative_prompt": "a dog", "true_cfg_scale": 4.0}, "paired"),
+    )
+    for build_pipeline, call, counted in cases:
+        plain = _pipeline_images(build_pipeline(seed=0), **call)
+        pipe = omni_accel.accelerate(build_pipeline(seed=0), parallel=omni_accel.ParallelConfig(cfg=2))
+        got = _pipeline_images(pipe, **call)
+        err = _close([got], [plain])
+        assert err <= 1e-5, f"{build_pipeline.__name__}: rel err {err:.2e}"
+        assert _same_on_every_rank([got])
+        cfg = omni_accel.describe(pipe).components[0].cfg
+        if counted == "paired":  # the first step ran whole on both ranks, the two others paired
+            assert cfg.paired_calls == 2 and cfg.replicated_calls == 2, cfg.describe()
+            again = _pipeline_images(pipe, **call)  # every step paired now
+            assert cfg.paired_calls == 5 and torch.equal(again, got), cfg.describe()
+        else:
+            assert cfg.split_calls == 3, cfg.describe()
+        assert "the guidance branches over the cfg ranks" in str(omni_accel.describe(pipe))
+        omni_accel.restore(pipe)
+
+
+CHECKS = (_families, _masked_and_uneven, _refusals, _guidance_over_two_ranks)
 
 
 def _every_check(rank: int, world: int) -> None:

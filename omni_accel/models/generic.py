@@ -31,6 +31,7 @@ from ..forward_hooks import InstanceForward
 from ..parallel import ParallelPlan
 from ..parallel.config import ParallelConfig
 from ..parallel.diffusers_plan import sequence_plan
+from ..parallel.shares import signature
 from ..utils.logging import get_logger
 from .base import diffusers_only_reason
 from .compiler import BlockCompiler, CompiledSteps
@@ -206,11 +207,6 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
             f"tp={config.tp} splits the projections of native blocks, and {name} has none (its _tp_plan, if it "
             "declares one, is not taken yet); use ulysses or ring for it."
         )
-    if config.cfg > 1:
-        raise ValueError(
-            f"cfg={config.cfg} runs the guidance branches of native blocks on separate ranks, and {name} has "
-            "none yet; use ulysses or ring for it."
-        )
     if config.sequence_parallel > 1 and not routed:
         raise ValueError(
             f"ulysses/ring split {name}'s attention over the ranks through our providers, and none of its "
@@ -226,6 +222,41 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
         name=name,
         attention_heads="num_attention_heads",
         sequence=sequence_plan(module, plan),
-        batched_inputs=(),
-        output_like=None,  # for CFG pairing, refused above
+        batched_inputs=batch_dim_arguments,
+        output_like=LearnedOutputs(),
     )
+
+
+def batch_dim_arguments(arguments: dict[str, Any]) -> tuple[str, ...]:
+    """A call's arguments that carry its batch (what CFG parallelism halves or stacks): the tensors whose
+    first dimension is the batch of its ``hidden_states``. A model declares no batch dimensions, so this
+    is read from the call; the token ids and RoPE tables that lack one are as long as the sequence."""
+    first = arguments.get("hidden_states")
+    if not isinstance(first, torch.Tensor):
+        first = next((v for v in arguments.values() if isinstance(v, torch.Tensor) and v.ndim), None)
+    if first is None or not first.ndim:
+        return ()
+    batch = first.shape[0]
+    return tuple(
+        name
+        for name, value in arguments.items()
+        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch
+    )
+
+
+class LearnedOutputs:
+    """``output_like`` for a model without native blocks, which cannot say its output's shape before it
+    runs: the shape each paired call gave for inputs of given shapes, learned from the first pipeline step
+    of those shapes (that pair runs whole on every rank, see ``GuidanceBranches``)."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple, tuple[torch.Size, torch.dtype, torch.device]] = {}
+
+    def __call__(self, module: nn.Module, arguments: dict[str, Any]) -> torch.Tensor | None:
+        known = self._shapes.get(signature(arguments))
+        return None if known is None else torch.empty(known[0], dtype=known[1], device=known[2])
+
+    def learn(self, arguments: dict[str, Any], output: torch.Tensor) -> None:
+        if len(self._shapes) >= 64:
+            self._shapes.clear()
+        self._shapes[signature(arguments)] = (output.shape, output.dtype, output.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,9 @@ class ModelSpec:
 
     family: str
     native: str | None = None
+    # without native blocks: tells from a pipeline call's arguments whether it calls the transformer twice
+    # per step (cond, then uncond), as a native model's ``cfg_pairing`` does
+    cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
     output_class: str = "diffusers.models.modeling_outputs:Transformer2DModelOutput"
     attention_routes: tuple[tuple[str, str], ...] = ()
     attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
@@ -78,6 +81,7 @@ _SPECS: dict[str, ModelSpec] = {
     ),
     "QwenImageTransformer2DModel": ModelSpec(
         family="qwenimage",
+        cfg_pairing=lambda arguments: _true_cfg(arguments, "negative_prompt_embeds"),
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_qwenimage"),),
         attention_roles={r".*\.attn": ("qwenimage.joint", "self")},
     ),
@@ -113,6 +117,13 @@ def cp_plan(transformer: nn.Module) -> dict[str, Any] | None:
         for path, entry in _CP_PLAN_ADDITIONS.get(cls.__name__, {}).items():
             plan[path] = {**plan.get(path, {}), **entry}
     return plan
+
+
+def _true_cfg(arguments: dict[str, Any], negative_embeds: str) -> bool:
+    """The Qwen-Image pipelines call the transformer twice per step (cond, then uncond) exactly when true CFG
+    is on: a scale above 1 and a negative prompt (or its embeddings)."""
+    negative = arguments.get("negative_prompt") is not None or arguments.get(negative_embeds) is not None
+    return arguments.get("true_cfg_scale", 1.0) > 1 and negative
 
 
 def registered_spec(transformer: nn.Module) -> ModelSpec | None:

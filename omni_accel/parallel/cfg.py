@@ -41,18 +41,23 @@ _BRANCHES = ("cond", "uncond")
 class GuidanceBranches:
     """How a layout runs a CFG step's two branches: over the two ranks of ``group`` (CFG parallelism), or,
     with ``group`` None, stacked in one call. ``batched_inputs``: the forward arguments with a batch
-    dimension."""
+    dimension, or a function that names them from a call's arguments."""
 
-    def __init__(self, group: dist.ProcessGroup | None, batched_inputs: Sequence[str]) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        batched_inputs: Sequence[str] | Callable[[dict[str, Any]], tuple[str, ...]],
+    ) -> None:
         if group is not None and dist.get_world_size(group) != 2:
             raise ValueError("CFG parallelism runs the two guidance branches on exactly two ranks.")
         self.group = group
         self.rank = 0 if group is None else dist.get_rank(group)
-        self.batched_inputs = tuple(batched_inputs)
+        self._batched = batched_inputs if callable(batched_inputs) else tuple(batched_inputs)
         self.pairing = False  # set for the duration of a pipeline call whose calls pair (see patches)
         self.branch: str | None = None  # the pipeline's cache_context of the call in flight
         self._pending: tuple[dict[str, Any], torch.Tensor] | None = None
         self._same: dict[tuple, tuple] = {}  # verdicts on unbatched tensor pairs, for one pipeline call
+        self._unpaired = False  # this step's conditional call ran at once: its unconditional one does too
         self.split_calls = self.paired_calls = self.replicated_calls = 0
         self.stacked_calls = self.unstacked_calls = self.hooked_calls = 0
 
@@ -73,12 +78,17 @@ class GuidanceBranches:
             return self._paired(model, kwargs, output_like)
         if self.group is None:
             return model(**kwargs)
-        batch = kwargs[self.batched_inputs[0]].shape[0]
+        batched = self.batched(kwargs)
+        batch = kwargs[batched[0]].shape[0] if batched else 1
         if batch % 2:
             self.replicated_calls += 1  # one sample and no pairing: both ranks compute it
             return model(**kwargs)
         self.split_calls += 1
         return all_gather_dim(model(**self._half(kwargs)), 0, self.group)
+
+    def batched(self, kwargs: dict[str, Any]) -> tuple[str, ...]:
+        """The arguments of this call with a batch dimension."""
+        return self._batched(kwargs) if callable(self._batched) else self._batched
 
     def _half(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         def half(value):
@@ -88,7 +98,8 @@ class GuidanceBranches:
                 return type(value)(half(v) for v in value)
             return value
 
-        return {k: half(v) if k in self.batched_inputs else v for k, v in kwargs.items()}
+        batched = self.batched(kwargs)
+        return {k: half(v) if k in batched else v for k, v in kwargs.items()}
 
     def _paired(self, model, kwargs, output_like) -> torch.Tensor:
         if self.branch not in _BRANCHES:
@@ -99,10 +110,18 @@ class GuidanceBranches:
             if self._pending is not None:
                 raise RuntimeError("Two conditional calls without the unconditional one between them.")
             buffer = output_like(kwargs)
+            if buffer is None:  # the output's shape is not known yet: this pair runs whole on every rank
+                self._unpaired = True
+                self.replicated_calls += 1
+                return model(**kwargs)
             # a pipeline may edit a dict argument in place before the unconditional call (IP-adapter
             # embeddings): keep the conditional call's own
             self._pending = ({k: dict(v) if isinstance(v, dict) else v for k, v in kwargs.items()}, buffer)
             return buffer
+        if self._unpaired:
+            self._unpaired = False
+            self.replicated_calls += 1
+            return model(**kwargs)
         if self._pending is None:
             raise RuntimeError("An unconditional call without the conditional one before it.")
         cond_kwargs, buffer = self._pending
@@ -130,10 +149,10 @@ class GuidanceBranches:
     def _stack(self, cond: dict[str, Any], uncond: dict[str, Any]) -> dict[str, Any] | None:
         if cond.keys() != uncond.keys():
             return None
-        stacked = {}
+        stacked, batched = {}, self.batched(cond)
         for name, a in cond.items():
             b = uncond[name]
-            if name not in self.batched_inputs or a is None or b is None:
+            if name not in batched or a is None or b is None:
                 if not self._equal(a, b):
                     return None
                 stacked[name] = a
@@ -172,7 +191,7 @@ class GuidanceBranches:
     def finish_call(self, completed: bool) -> None:
         """End of a pipeline call: a conditional result still waiting for its pair was never computed."""
         pending, self._pending = self._pending, None
-        self.pairing = False
+        self.pairing = self._unpaired = False
         self._same.clear()
         if pending is not None and completed:
             raise RuntimeError(
@@ -190,7 +209,7 @@ class GuidanceBranches:
             )
         return (
             f"cfg parallel: {self.split_calls} batch-split calls, {self.paired_calls} paired cond/uncond "
-            f"calls, {self.replicated_calls} calls computed on both ranks (batch of one)"
+            f"calls, {self.replicated_calls} calls computed on both ranks (a batch of one, or a pair whose output shape was not known yet)"
         )
 
 
@@ -205,7 +224,9 @@ class _NoState:
 
 class SplitGuidance(LayoutHook):
     """Runs the module's forward through ``GuidanceBranches``. ``output_like(module, arguments)`` is an empty
-    tensor shaped like the output; ``output_class`` wraps it as the module returns it with ``return_dict``.
+    tensor shaped like the output (or None where it is not known yet: that pair then runs whole on every
+    rank; an ``output_like`` with a ``learn(arguments, output)`` method is shown each paired call's output);
+    ``output_class`` wraps it as the module returns it with ``return_dict``.
     Registered after the step graphs are installed, so it wraps them: its per-call pairing decisions are
     made outside any captured step, which sees only the half batch, the one branch or the stacked pair it
     is given."""
@@ -237,6 +258,9 @@ class SplitGuidance(LayoutHook):
         stacking = self.cfg.group is None and self.cfg.pairing
         may_stack = not (stacking and foreign_block_hooks(module, self.block_lists))
         sample = self.cfg.run(forward, arguments, lambda call: self.output_like(module, call), may_stack)
+        learn = getattr(self.output_like, "learn", None)  # an output_like that learns shapes from calls
+        if learn is not None and self.cfg.pairing:
+            learn(arguments, sample)
         return self.output_class(sample=sample) if return_dict else (sample,)
 
     def reset_state(self, module: nn.Module) -> nn.Module:

@@ -46,16 +46,17 @@ class ParallelPlan:
     ``name``: the model family, for messages. ``attention_heads``: the config key of the head count (TP
     splits whole heads). ``tensor``: block list -> its TP plan (a native model fills it in from its block
     classes' ``tp_plan``). ``sequence``: the SP plan.
-    ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these).
-    ``output_like(module, arguments)``: an empty tensor shaped like the output of that call (None: the
-    model's calls never pair, since no CFG layout applies to it).
+    ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these), or a function
+    that names them from a call's arguments (a model that declares none).
+    ``output_like(module, arguments)``: an empty tensor shaped like the output of that call (None where
+    that is not known yet: see ``SplitGuidance``).
     """
 
     name: str
     attention_heads: str
     sequence: SequencePlan | None
-    batched_inputs: tuple[str, ...]
-    output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor] | None
+    batched_inputs: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]]
+    output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor | None]
     tensor: Mapping[str, TensorPlan] = field(default_factory=dict)
 
 
