@@ -5,9 +5,10 @@ rank's tokens; each call they make reaches ``attention.routing``, which hands it
 forward is in flight. The queries are this rank's share of some split streams (or tokens every rank holds
 whole: attention over their copies is attention over them); K/V are the same tokens (self and joint
 attention), a split stream of their own (a cross-attention whose text the plan splits) or whole on every
-rank (a cross-attention whose text it does not split: no exchange).
-A key mask travels with its keys (one more head column). No call may fall back to Diffusers' function here: that
-would attend over this rank's tokens only.
+rank (a cross-attention whose text it does not split: no exchange). Before the forward has split anything
+(a text refiner ahead of the first split) every token is whole and attention is local. A key mask travels
+with its keys (one more head column). No call may fall back to Diffusers' function here: that would attend
+over this rank's tokens only.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def attend_split(
             f"Attention role {role!r}: gradients under sequence parallelism are not supported (its exchanges "
             "are not differentiable); run the training step on one GPU."
         )
+    if not state.streams:  # nothing split yet: every rank holds every token
+        return attend(query, key, value, attn_mask, scale, False)
     q_len, kv_len = query.shape[1], key.shape[1]
     layout = state.layout_of(q_len, None if kv_len == q_len else kv_len)
     if category == "cross" and layout.kv_sizes is not None and state.whole(kv_len, layout.kv_sizes):

@@ -181,6 +181,8 @@ class SequenceState:
         """The whole stream from every rank's slice (over the TP group first)."""
         if split.ndim is not None and value.ndim != split.ndim:
             return value
+        if not self.streams:  # nothing was split (no input the plan names was met): nothing to gather
+            return value
         if split.stream not in self.streams:
             return self.layout_of(value.shape[split.dim]).gather(value, split.dim)
         if self.tp_group is not None:
