@@ -432,7 +432,7 @@ def _plan_generic(
         parallel is None and bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
     )
     graphs_on = on_cuda if config.cuda_graphs is None else config.cuda_graphs
-    if not (routes or compile_on or graphs_on):
+    if not (routes or compile_on or graphs_on or parallel is not None):
         report = ComponentReport(
             name,
             cls_name,

@@ -165,7 +165,8 @@ class StepGraphs(InstanceForward):
             graph, out = early
             if key == graph.key:
                 return out
-            self.early_misses += 1  # the module changed since: its result is dropped
+            self.early_misses += 1  # the module changed since: its result is dropped, and not tried again
+            self.latest.pop(call, None)
         if key is None:
             return self._eager(_HOOKED, forward, args, kwargs)
         with self._lock, torch.cuda.device(device):  # capture and replay on the arguments' GPU
