@@ -48,6 +48,7 @@ from .parallel.auto import choose_layout
 from .parallel.config import ParallelConfig
 from .parallel.mesh import ParallelState, init_parallel
 from .parallel.peer_exchange import ranks_write_each_other
+from .parallel.tensor import sum_row_splits
 from .report import AccelerationReport, ComponentReport
 from .utils.logging import get_logger
 
@@ -518,6 +519,7 @@ def _plan_generic(
                 else ""
             )
             + (", the guidance branches over the cfg ranks" if parallel.config.cfg > 1 else "")
+            + (", its linears split as its _tp_plan declares" if parallel.config.tp > 1 else "")
         )
     report = ComponentReport(
         name,
@@ -680,11 +682,11 @@ def _commit(component: _Component) -> None:
             component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
         if component.generic is not None:
             component.undo += install_regions(component.original, component.generic)
-        if component.parallel is not None:
-            _parallelize_generic(component)
         if component.graphs is not None:
             component.graphs.install()
             component.undo.append(component.graphs.uninstall)
+        if component.parallel is not None:  # after the graphs, as for native blocks: its hooks wrap them
+            _parallelize_generic(component)
 
 
 def _route_attention(component: _Component) -> None:
@@ -812,6 +814,8 @@ def _parallelize_generic(component: _Component) -> None:
     layout = parallelize(module, plan, parallel, output_class(component.spec), pairs_guidance=pairs)
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
+    if parallel.config.tp > 1:  # Diffusers' forward of a row-split linear: its partial sums reduced
+        component.undo.append(sum_row_splits(module))
     if component.graphs is not None:  # graphs of parallel steps hold collectives
         patches.apply("release_graphs_at_destroy", "torch.distributed")
         component.undo.append(lambda: patches.revert("release_graphs_at_destroy", "torch.distributed"))

@@ -114,15 +114,19 @@ def _masked_and_uneven() -> None:
 
 def _refusals() -> None:
     model, _ = build("QwenImageTransformer2DModel")
+    flux2, _ = build("Flux2Transformer2DModel")
+    sd3, _ = build("SD3Transformer2DModel")
     cases = [
-        (dict(parallel=omni_accel.ParallelConfig(tp=2)), "has none (its _tp_plan"),
+        (flux2, dict(parallel=omni_accel.ParallelConfig(tp=2)), "is not a split the generic tier takes yet"),
+        (sd3, dict(parallel=omni_accel.ParallelConfig(tp=2)), "and SD3Transformer2DModel has neither"),
         (
+            model,
             dict(parallel=omni_accel.ParallelConfig(ulysses=2), compile=True),
             "which has no native blocks: a call our providers",
         ),
     ]
-    for options, message in cases:
-        pipe = Holder(model)
+    for module, options, message in cases:
+        pipe = Holder(module)
         with pytest.raises(ValueError, match=re.escape(message)):
             omni_accel.accelerate(pipe, **options)
         assert not hasattr(pipe, "_omni_accel_state") or not omni_accel.describe(pipe).components
@@ -166,7 +170,28 @@ def _guidance_over_two_ranks() -> None:
         omni_accel.restore(pipe)
 
 
-CHECKS = (_families, _masked_and_uneven, _refusals, _guidance_over_two_ranks)
+def _tensor_parallel() -> None:
+    """tp=2 on Qwen-Image by its Diffusers _tp_plan: Q/K/V and MLP-up linears split by outputs, attention
+    out and MLP-down by inputs (their partial sums reduced); full tensors in state_dict, and restore gives
+    back the very weights."""
+    model, inputs = build("QwenImageTransformer2DModel")
+    plain = outputs(model, inputs)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    holder = omni_accel.accelerate(Holder(model), parallel=omni_accel.ParallelConfig(tp=2))
+    linear = model.transformer_blocks[0].attn.to_q
+    assert linear.weight.shape[0] == weights["transformer_blocks.0.attn.to_q.weight"].shape[0] // 2
+    got = outputs(model, inputs)
+    err = _close(got, plain)
+    assert err <= 1e-5, f"rel err {err:.2e}"
+    assert _same_on_every_rank(got)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())  # gathered, full
+    assert "its linears split as its _tp_plan declares" in str(omni_accel.describe(holder))
+    omni_accel.restore(holder)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, inputs), plain, strict=True))
+
+
+CHECKS = (_families, _masked_and_uneven, _refusals, _guidance_over_two_ranks, _tensor_parallel)
 
 
 def _every_check(rank: int, world: int) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 import omni_accel
 from omni_accel.models.generic import repeated_blocks
 from omni_accel.models.registry import spec_for
+from omni_accel.parallel.diffusers_plan import tensor_plan
 
 TOLERANCE = 1e-5
 BATCH = 2
@@ -616,7 +617,18 @@ def _decade(err: float) -> int:
     return max(1, math.floor(-math.log10(err)))
 
 
-_CP_LAYOUTS = "ulysses, ring: Diffusers' _cp_plan"  # the generic tier's (tests/test_generic_parallel.py)
+def _generic_layouts(cls: type, tested: bool) -> str:
+    """The generic tier's layouts for ``cls`` (tests/test_generic_parallel.py runs them on gloo): tp by a
+    Diffusers ``_tp_plan`` of plain entries, ulysses and ring by its ``_cp_plan``, cfg for any."""
+    kinds = []
+    try:
+        tensor_plan(cls.__name__, getattr(cls, "_tp_plan", None))
+        kinds.append("tp: Diffusers' _tp_plan")
+    except ValueError:
+        pass
+    if getattr(cls, "_cp_plan", None):
+        kinds.append("ulysses, ring: Diffusers' _cp_plan" + ("" if tested else " (not built tiny: untested)"))
+    return "; ".join([*kinds, "cfg"])
 
 
 def _layouts_of(module: nn.Module) -> str:
@@ -626,9 +638,7 @@ def _layouts_of(module: nn.Module) -> str:
         plan = native.parallel
         kinds = (["tp"] if plan.tensor else []) + (["ulysses", "ring"] if plan.sequence else [])
         return ", ".join([*kinds, "cfg"] if plan.batched_inputs else kinds) or "-"
-    if getattr(module, "_cp_plan", None):
-        return _CP_LAYOUTS + " (gloo parity test)"
-    return "-"
+    return _generic_layouts(type(module), tested=True)
 
 
 def _planned_tier(cls: type[ModelMixin]) -> str:
@@ -648,7 +658,7 @@ def measure(name: str) -> Coverage:
     repeated = "yes" if getattr(cls, "_repeated_blocks", None) else "no"
     built = build(name)
     if isinstance(built, str):
-        layouts = _CP_LAYOUTS + " (not built tiny: untested)" if getattr(cls, "_cp_plan", None) else "-"
+        layouts = "-" if _planned_tier(cls) == "native" else _generic_layouts(cls, tested=False)
         return Coverage(name, _planned_tier(cls), layouts, repeated, reason=built)
     model, inputs = built
     plain = outputs(model, inputs)
@@ -739,7 +749,10 @@ def coverage_table() -> str:
         "device a model without native blocks gets the generic tier: its repeated blocks compiled (the last "
         "column: the same tiny model with `compile=` Dynamo's eager backend on CPU, each block traced whole, "
         "its parity, graphs and the attention calls our op routes inside them) and its steps replayed from "
-        "CUDA graphs.",
+        "CUDA graphs. Parallel layouts of a model without native blocks (`tests/test_generic_parallel.py`, two "
+        "gloo ranks): ulysses and ring by its `_cp_plan`, checked for every such family built tiny; tp by a "
+        "`_tp_plan` of plain entries, checked on Qwen-Image; cfg for any, its batch halved by the arguments "
+        "whose first dimension is the batch, checked on the SD3 and Qwen-Image (true CFG) pipelines.",
         "",
         f"{len(rows)} classes: {tested} tested, {len(rows) - tested - defects} not built, {defects} defects.",
         "",

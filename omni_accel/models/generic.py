@@ -30,7 +30,7 @@ from ..attention.selection import AttentionSelector
 from ..forward_hooks import InstanceForward
 from ..parallel import ParallelPlan
 from ..parallel.config import ParallelConfig
-from ..parallel.diffusers_plan import sequence_plan
+from ..parallel.diffusers_plan import sequence_plan, tensor_plan
 from ..parallel.shares import signature
 from ..utils.logging import get_logger
 from .base import diffusers_only_reason
@@ -202,11 +202,14 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
     ``_cp_plan`` declares (Diffusers' plan, not one of ours), attention through our exchanges and providers
     (``routed``: its attention call sites are ours). Raises for what this tier cannot spread yet."""
     name = type(module).__name__
+    tensor = {}
     if config.tp > 1:
-        raise ValueError(
-            f"tp={config.tp} splits the projections of native blocks, and {name} has none (its _tp_plan, if it "
-            "declares one, is not taken yet); use ulysses or ring for it."
-        )
+        if config.sequence_parallel > 1:
+            raise ValueError(
+                f"tp={config.tp} with ulysses/ring is not supported for {name}, which has no native blocks: use "
+                "one of them alone (or either with cfg)."
+            )
+        tensor = tensor_plan(name, getattr(type(module), "_tp_plan", None))
     if config.sequence_parallel > 1 and not routed:
         raise ValueError(
             f"ulysses/ring split {name}'s attention over the ranks through our providers, and none of its "
@@ -221,7 +224,8 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
     return ParallelPlan(
         name=name,
         attention_heads="num_attention_heads",
-        sequence=sequence_plan(module, plan),
+        sequence=sequence_plan(module, plan) if config.tp == 1 else None,
+        tensor=tensor,
         batched_inputs=batch_dim_arguments,
         output_like=LearnedOutputs(),
     )

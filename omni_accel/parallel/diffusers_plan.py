@@ -1,4 +1,5 @@
-"""Our sequence plan from the context-parallel plan a Diffusers model declares (``_cp_plan``).
+"""Our sequence plan from the context-parallel plan a Diffusers model declares (``_cp_plan``), and our
+tensor plan from its tensor-parallel one (``_tp_plan``).
 
 Diffusers names, per submodule path (``""``: the model's forward; ``"blocks.*"``: every block of a list),
 the arguments to split (``ContextParallelInput``), the outputs to split (the same with ``split_output``,
@@ -17,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from .sequence_hooks import SequencePlan, Split
+from .tensor import Colwise, Rowwise, TensorPlan
 
 
 def sequence_plan(module: nn.Module, cp_plan: Mapping[str, Any] | None) -> SequencePlan | None:
@@ -98,3 +100,26 @@ def _has(module: nn.Module, path: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def tensor_plan(name: str, tp_plan: Mapping[str, Any] | None) -> dict[str, TensorPlan]:
+    """Block list -> our TensorPlan of Diffusers' ``_tp_plan`` (``"<list>.*.<path>": "colwise" |
+    "rowwise"``), for a model whose processors Diffusers made indifferent to how many heads a rank holds
+    (they take the head size from the module, the head count from the tensors). Its packed entries (FLUX's
+    and FLUX.2's fused projections) are not taken yet: such a plan raises, naming the entry."""
+    if not tp_plan:
+        raise ValueError(
+            f"tp splits the projections of native blocks or of a Diffusers _tp_plan, and {name} has neither; "
+            "use ulysses, ring or cfg for it."
+        )
+    plans: dict[str, dict[str, Colwise | Rowwise]] = {}
+    styles = {"colwise": Colwise(), "rowwise": Rowwise()}
+    for pattern, style in tp_plan.items():
+        list_name, star, path = pattern.partition(".*.")
+        if not star or style not in styles:
+            raise ValueError(
+                f"{name}'s _tp_plan entry {pattern!r}: {style!r} is not a split the generic tier takes yet "
+                '(only "colwise" / "rowwise" linears of repeated blocks); use ulysses, ring or cfg for it.'
+            )
+        plans.setdefault(list_name, {})[path] = styles[style]
+    return plans

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import all_gather_dim
+from .hooks import LayoutHook, register
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,31 @@ def apply_tensor_parallel(
             del linear.omni_tp
 
     return undo
+
+
+class SumRowSplit(LayoutHook):
+    """On a row-split linear that Diffusers' own forward runs (a model without native blocks): this rank's
+    partial product, summed over the TP ranks, the bias added once."""
+
+    def new_forward(self, module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (input.requires_grad or module.weight.requires_grad):
+            raise NotImplementedError(
+                "tensor parallelism of a model without native blocks is for inference: its partial sums are "
+                "reduced outside autograd; train on one GPU."
+            )
+        out = torch.nn.functional.linear(input, module.weight)
+        dist.all_reduce(out, group=module.omni_tp.group)
+        return out if module.bias is None else out + module.bias
+
+
+def sum_row_splits(module: nn.Module) -> Callable[[], None]:
+    """``SumRowSplit`` on every row-split linear below ``module``; returns the undo."""
+    undo = [
+        register(linear, SumRowSplit(), "omni_accel.tp_sum")
+        for linear in module.modules()
+        if isinstance(getattr(linear, "omni_tp", None), LinearShard) and linear.omni_tp.reduces
+    ]
+    return lambda: [step() for step in reversed(undo)]
 
 
 def shard_of(module: nn.Module) -> LinearShard | None:
