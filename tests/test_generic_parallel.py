@@ -114,10 +114,8 @@ def _masked_and_uneven() -> None:
 
 def _refusals() -> None:
     model, _ = build("QwenImageTransformer2DModel")
-    flux2, _ = build("Flux2Transformer2DModel")
     sd3, _ = build("SD3Transformer2DModel")
     cases = [
-        (flux2, dict(parallel=omni_accel.ParallelConfig(tp=2)), "is not a split the generic tier takes yet"),
         (sd3, dict(parallel=omni_accel.ParallelConfig(tp=2)), "and SD3Transformer2DModel has neither"),
         (
             model,
@@ -171,24 +169,30 @@ def _guidance_over_two_ranks() -> None:
 
 
 def _tensor_parallel() -> None:
-    """tp=2 on Qwen-Image by its Diffusers _tp_plan: Q/K/V and MLP-up linears split by outputs, attention
-    out and MLP-down by inputs (their partial sums reduced); full tensors in state_dict, and restore gives
-    back the very weights."""
-    model, inputs = build("QwenImageTransformer2DModel")
-    plain = outputs(model, inputs)
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
-    holder = omni_accel.accelerate(Holder(model), parallel=omni_accel.ParallelConfig(tp=2))
-    linear = model.transformer_blocks[0].attn.to_q
-    assert linear.weight.shape[0] == weights["transformer_blocks.0.attn.to_q.weight"].shape[0] // 2
-    got = outputs(model, inputs)
-    err = _close(got, plain)
-    assert err <= 1e-5, f"rel err {err:.2e}"
-    assert _same_on_every_rank(got)
-    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())  # gathered, full
-    assert "its linears split as its _tp_plan declares" in str(omni_accel.describe(holder))
-    omni_accel.restore(holder)
-    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
-    assert all(torch.equal(a, b) for a, b in zip(outputs(model, inputs), plain, strict=True))
+    """tp=2 by the Diffusers _tp_plan of every family that declares one and builds tiny (Qwen-Image, FLUX.2,
+    FLUX.1 with native=False): Q/K/V and MLP-up linears split by outputs, attention out and MLP-down by
+    inputs (their partial sums reduced), packed projections (FLUX.2's QKV+MLP, FLUX's attention+MLP
+    output) part by part; full tensors in state_dict, and restore gives back the very weights."""
+    declared = sorted(name for name, cls in exported_transformers().items() if getattr(cls, "_tp_plan", None))
+    built = {name: build(name) for name in declared}
+    built = {name: found for name, found in built.items() if not isinstance(found, str)}
+    assert {"Flux2Transformer2DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel"} <= set(built)
+    for name, (model, inputs) in built.items():
+        inputs = _inputs(name, inputs)
+        plain = outputs(model, inputs)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        holder = omni_accel.accelerate(Holder(model), parallel=omni_accel.ParallelConfig(tp=2), native=False)
+        linear = model.transformer_blocks[0].attn.to_q
+        assert linear.weight.shape[0] == weights["transformer_blocks.0.attn.to_q.weight"].shape[0] // 2, name
+        got = outputs(model, inputs)
+        err = _close(got, plain)
+        assert err <= 1e-5, f"{name}: rel err {err:.2e}"
+        assert _same_on_every_rank(got), name
+        assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()), name  # gathered
+        assert "its linears split as its _tp_plan declares" in str(omni_accel.describe(holder))
+        omni_accel.restore(holder)
+        assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()), name
+        assert all(torch.equal(a, b) for a, b in zip(outputs(model, inputs), plain, strict=True)), name
 
 
 CHECKS = (_families, _masked_and_uneven, _refusals, _guidance_over_two_ranks, _tensor_parallel)

@@ -619,7 +619,7 @@ def _decade(err: float) -> int:
 
 def _generic_layouts(cls: type, tested: bool) -> str:
     """The generic tier's layouts for ``cls`` (tests/test_generic_parallel.py runs them on gloo): tp by a
-    Diffusers ``_tp_plan`` of plain entries, ulysses and ring by its ``_cp_plan``, cfg for any."""
+    Diffusers ``_tp_plan``, ulysses and ring by its ``_cp_plan``, cfg for any."""
     kinds = []
     try:
         tensor_plan(cls.__name__, getattr(cls, "_tp_plan", None))
@@ -750,8 +750,8 @@ def coverage_table() -> str:
         "column: the same tiny model with `compile=` Dynamo's eager backend on CPU, each block traced whole, "
         "its parity, graphs and the attention calls our op routes inside them) and its steps replayed from "
         "CUDA graphs. Parallel layouts of a model without native blocks (`tests/test_generic_parallel.py`, two "
-        "gloo ranks): ulysses and ring by its `_cp_plan`, checked for every such family built tiny; tp by a "
-        "`_tp_plan` of plain entries, checked on Qwen-Image; cfg for any, its batch halved by the arguments "
+        "gloo ranks): ulysses and ring by its `_cp_plan`, checked for every such family built tiny; tp by its "
+        "`_tp_plan`, checked for every such family built tiny; cfg for any, its batch halved by the arguments "
         "whose first dimension is the batch, checked on the SD3 and Qwen-Image (true CFG) pipelines.",
         "",
         f"{len(rows)} classes: {tested} tested, {len(rows) - tested - defects} not built, {defects} defects.",

@@ -7,7 +7,7 @@ keyed by output index) and the outputs to gather (``ContextParallelOutput``). Ta
 through our hooks, exchanges and providers: Diffusers splits only lengths the ranks divide, we split any
 length (uneven shares, exact), and its tensors' ``expected_dims`` become our ``Split.ndim`` (a tensor of
 another rank passes unsplit, as in Diffusers). The plan names no streams, so each split tensor is its own
-stream and attention finds its tokens' spread by their length (``SequenceState.sizes_of``).
+stream and attention finds its tokens' spread by their length (``SequenceState.layout_of``).
 """
 
 from __future__ import annotations
@@ -104,22 +104,37 @@ def _has(module: nn.Module, path: str) -> bool:
 
 def tensor_plan(name: str, tp_plan: Mapping[str, Any] | None) -> dict[str, TensorPlan]:
     """Block list -> our TensorPlan of Diffusers' ``_tp_plan`` (``"<list>.*.<path>": "colwise" |
-    "rowwise"``), for a model whose processors Diffusers made indifferent to how many heads a rank holds
-    (they take the head size from the module, the head count from the tensors). Its packed entries (FLUX's
-    and FLUX.2's fused projections) are not taken yet: such a plan raises, naming the entry."""
+    "rowwise"``, or a packed projection: ``PackedColwiseParallel`` / ``PackedRowwiseParallel``), for a
+    model whose processors Diffusers made indifferent to how many heads a rank holds (they take the head
+    size from the module, the head count from the tensors). Another style raises, naming the entry."""
     if not tp_plan:
         raise ValueError(
             f"tp splits the projections of native blocks or of a Diffusers _tp_plan, and {name} has neither; "
             "use ulysses, ring or cfg for it."
         )
     plans: dict[str, dict[str, Colwise | Rowwise]] = {}
-    styles = {"colwise": Colwise(), "rowwise": Rowwise()}
     for pattern, style in tp_plan.items():
         list_name, star, path = pattern.partition(".*.")
-        if not star or style not in styles:
+        ours = _tensor_style(style)
+        if not star or ours is None:
             raise ValueError(
                 f"{name}'s _tp_plan entry {pattern!r}: {style!r} is not a split the generic tier takes yet "
-                '(only "colwise" / "rowwise" linears of repeated blocks); use ulysses, ring or cfg for it.'
+                "(only colwise / rowwise linears of repeated blocks, packed or not); use ulysses, ring or cfg."
             )
-        plans.setdefault(list_name, {})[path] = styles[style]
+        plans.setdefault(list_name, {})[path] = ours
     return plans
+
+
+def _tensor_style(style: Any) -> Colwise | Rowwise | None:
+    """Ours for one of Diffusers' tensor-parallel styles, or None."""
+    if style == "colwise":
+        return Colwise()
+    if style == "rowwise":
+        return Rowwise()
+    kind = type(style).__name__
+    blocks = tuple(getattr(style, "blocks", None) or ())
+    if kind == "PackedColwiseParallel":
+        return Colwise(ratios=blocks, ratios_attr="" if blocks else "_tp_packed_col_blocks")
+    if kind == "PackedRowwiseParallel":
+        return Rowwise(ratios=blocks, ratios_attr="" if blocks else "_tp_packed_row_blocks")
+    return None

@@ -30,18 +30,25 @@ class Colwise:
     the linear exists only in some variants of the model (skipped where it is None). A block's AdaLN
     modulation linears (a large weight, a small output every rank needs whole) split this way too: the
     native model computes them for every block at once and gathers them in one collective
-    (``layers/split_modulation.py``)."""
+    (``layers/split_modulation.py``). ``ratios``: the outputs are several projections packed in one
+    linear, in these proportions (or in those the linear's attribute ``ratios_attr`` holds), each split on
+    its own (Diffusers' ``PackedColwiseParallel``)."""
 
     optional: bool = False
+    ratios: tuple[int, ...] = ()
+    ratios_attr: str = ""
 
 
 @dataclass(frozen=True)
 class Rowwise:
     """Input features split over the TP ranks; the partial outputs are summed. ``input_parts``: the linears
-    whose outputs, concatenated, form this input (each part was split on its own), empty for one part."""
+    whose outputs, concatenated, form this input (each part was split on its own), empty for one part; or
+    ``ratios`` / ``ratios_attr`` as for ``Colwise`` (Diffusers' ``PackedRowwiseParallel``)."""
 
     input_parts: tuple[str, ...] = ()
     optional: bool = False
+    ratios: tuple[int, ...] = ()
+    ratios_attr: str = ""
 
 
 TensorPlan = Mapping[str, Colwise | Rowwise]
@@ -114,11 +121,11 @@ def plan_shards(
             continue
         linear = _base(block.get_submodule(path))
         if isinstance(style, Colwise):
-            dim, parts = 0, (linear.out_features,)
+            dim, parts = 0, _packed(linear, style, linear.out_features, path)
         else:
             dim = 1
-            parts = tuple(_base(block.get_submodule(p)).out_features for p in style.input_parts) or (
-                linear.in_features,
+            parts = tuple(_base(block.get_submodule(p)).out_features for p in style.input_parts) or _packed(
+                linear, style, linear.in_features, path
             )
             if sum(parts) != linear.in_features:
                 raise ValueError(f"{path}: input parts {parts} do not add up to {linear.in_features} inputs")
@@ -130,6 +137,23 @@ def plan_shards(
             )
         shards.append((path, linear, LinearShard(dim, parts, group, rank, size)))
     return shards
+
+
+def _packed(linear: nn.Linear, style: Colwise | Rowwise, total: int, path: str) -> tuple[int, ...]:
+    """The sizes of the projections packed along the split dim of ``linear`` (one part when not packed)."""
+    ratios = style.ratios
+    if not ratios and style.ratios_attr:
+        ratios = tuple(getattr(linear, style.ratios_attr, None) or ())
+    if not ratios:
+        if style.ratios_attr:
+            raise ValueError(
+                f"{path}: the linear has no {style.ratios_attr!r} saying how its projections pack"
+            )
+        return (total,)
+    if total % sum(ratios):
+        raise ValueError(f"{path}: its {total} features do not split in the proportions {list(ratios)}")
+    unit = total // sum(ratios)
+    return tuple(ratio * unit for ratio in ratios)
 
 
 def apply_tensor_parallel(
