@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -197,13 +198,39 @@ class SumRowSplit(LayoutHook):
         return out if module.bias is None else out + module.bias
 
 
+class SplitsUnwrapped(LayoutHook):
+    """On a model without native blocks under tp: refuses a forward once a split linear has been wrapped
+    (a LoRA adapter loaded after ``accelerate``), whose adapter would meet this rank's slice of the
+    activations with full-size weights; a check of each split linear's place, not a walk of the model."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.places = []
+        for parent in module.modules():
+            for name, child in parent._modules.items():
+                if isinstance(getattr(child, "omni_tp", None), LinearShard):
+                    self.places.append((parent, name, child))
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+        for parent, name, linear in self.places:
+            if parent._modules.get(name) is not linear:
+                raise NotImplementedError(
+                    f"{type(parent._modules.get(name)).__name__} wraps a linear that tp splits ({name}); "
+                    "adapters on a model without native blocks are not split with it yet. Unload them "
+                    "(pipe.unload_lora_weights()), or use ulysses, ring or cfg for this model."
+                )
+        return args, kwargs
+
+
 def sum_row_splits(module: nn.Module) -> Callable[[], None]:
-    """``SumRowSplit`` on every row-split linear below ``module``; returns the undo."""
+    """``SumRowSplit`` on every row-split linear below ``module``, and ``SplitsUnwrapped`` on it; returns
+    the undo."""
     undo = [
         register(linear, SumRowSplit(), "omni_accel.tp_sum")
         for linear in module.modules()
         if isinstance(getattr(linear, "omni_tp", None), LinearShard) and linear.omni_tp.reduces
     ]
+    undo.append(register(module, SplitsUnwrapped(module), "omni_accel.tp_unwrapped"))
     return lambda: [step() for step in reversed(undo)]
 
 
