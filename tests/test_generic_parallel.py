@@ -89,7 +89,7 @@ def _families() -> None:
         ), name
 
 
-def _masked_and_uneven() -> None:
+def _masked_and_uneven(layouts: tuple[dict, ...] = LAYOUTS) -> None:
     """Qwen-Image with padded text (a key mask, as its pipeline passes) over 15 image tokens and 5 text
     tokens: both split unevenly (8+7, 3+2), so the ranks exchange their lengths."""
     model, inputs = build("QwenImageTransformer2DModel")
@@ -103,7 +103,7 @@ def _masked_and_uneven() -> None:
     inputs["encoder_hidden_states_mask"] = mask
     plain = outputs(model, inputs)
     assert _close(unmasked, plain) > 1e-3, "the mask must matter for this check to mean anything"
-    for layout in LAYOUTS:
+    for layout in layouts:
         got, _ = _split(model, inputs, layout)
         err = _close(got, plain)
         assert err <= 1e-5, f"{layout}: rel err {err:.2e}"
@@ -221,3 +221,21 @@ def _every_check(rank: int, world: int) -> None:
 @pytest.mark.multirank
 def test_generic_tier_splits_every_cp_plan_family_exactly():
     run_multirank(_every_check, 2, timeout=600)
+
+
+def _hybrid(rank: int, world: int) -> None:
+    """ulysses=2 x ring=2 on four ranks: Ulysses inside each pair of ranks, the ring across the pairs."""
+    for name in ("QwenImageTransformer2DModel", "LTX2VideoTransformer3DModel", "Flux2Transformer2DModel"):
+        model, inputs = build(name)
+        inputs = _inputs(name, inputs)
+        plain = outputs(model, inputs)
+        got, _ = _split(model, inputs, {"ulysses": 2, "ring": 2})
+        err = _close(got, plain)
+        assert err <= 1e-5, f"{name}: rel err {err:.2e}"
+        assert _same_on_every_rank(got), name
+    _masked_and_uneven(({"ulysses": 2, "ring": 2},))
+
+
+@pytest.mark.multirank
+def test_generic_tier_hybrid_layout_on_four_ranks():
+    run_multirank(_hybrid, 4, timeout=600)
