@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import random_lora, rel_err
 from diffusers import ConfigMixin, ModelMixin
+from tiny_transformers import Holder
 
 import omni_accel
 from omni_accel.attention.routing import diffusers_attention
@@ -26,6 +27,13 @@ OP = "omni_accel.diffusers_attention"
 
 def _latents(pipe, **call):
     return pipe(**{**CALL, **call}, generator=torch.Generator().manual_seed(0)).images
+
+
+def _compiled_qwenimage():
+    """A tiny Qwen-Image pipeline with its blocks compiled at the first call (Dynamo's eager backend)."""
+    return omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
+    )
 
 
 class _Graphs:
@@ -65,9 +73,7 @@ def test_compiled_blocks_attend_through_our_op_in_one_graph_per_class(family):
 
 def test_the_op_follows_the_scope_at_run_time():
     torch._dynamo.reset()
-    pipe = omni_accel.accelerate(
-        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
-    )
+    pipe = _compiled_qwenimage()
     _latents(pipe)
     with omni_accel.attention_scope(default="sdpa_math"):
         _latents(pipe)
@@ -96,9 +102,7 @@ def test_a_plain_model_of_the_same_class_compiled_elsewhere_keeps_diffusers_atte
     """A user's fullgraph compile of another Diffusers model of the same class, in the same process as an
     accelerated one: Diffusers' attention in its graph, never our op or our compiled code."""
     torch._dynamo.reset()
-    pipe = omni_accel.accelerate(
-        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
-    )
+    pipe = _compiled_qwenimage()
     _latents(pipe)
     other = omni_accel.tiny_qwenimage_pipeline(seed=1)
     expected = _latents(other)
@@ -161,9 +165,7 @@ def test_restore_leaves_no_patch_attribute_or_forward():
 def test_gradients_run_diffusers_forward_and_equal_plain():
     torch._dynamo.reset()
     plain = omni_accel.tiny_qwenimage_pipeline(seed=0).transformer
-    pipe = omni_accel.accelerate(
-        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
-    )
+    pipe = _compiled_qwenimage()
     model = pipe.transformer
     g = torch.Generator().manual_seed(3)
     x = dict(
@@ -187,9 +189,7 @@ def test_lora_and_a_step_cache_behave_as_in_plain_diffusers():
 
     torch._dynamo.reset()
     plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
-    pipe = omni_accel.accelerate(
-        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
-    )
+    pipe = _compiled_qwenimage()
     _latents(pipe)
     lora = random_lora(plain.transformer, ["to_q", "to_k", "to_v", "to_out.0"], seed=5)
     for p in (plain, pipe):
@@ -209,9 +209,7 @@ def test_lora_and_a_step_cache_behave_as_in_plain_diffusers():
 
 def test_deepcopy_of_an_accelerated_pipeline_runs_its_own_compiled_blocks():
     torch._dynamo.reset()
-    pipe = omni_accel.accelerate(
-        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
-    )
+    pipe = _compiled_qwenimage()
     expected = _latents(pipe)
     twin = copy.deepcopy(pipe)
     assert rel_err(_latents(twin), expected) <= 1e-6
@@ -232,11 +230,6 @@ class _NoBlocksTransformer(ModelMixin, ConfigMixin):
 
 
 def test_compile_true_needs_repeated_blocks():
-    class Holder(omni_accel.api.DiffusionPipeline):
-        def __init__(self, transformer) -> None:
-            super().__init__()
-            self.register_modules(transformer=transformer)
-
     with pytest.raises(ValueError, match="declares none"):
         omni_accel.accelerate(Holder(_NoBlocksTransformer()), compile=True)
     report = omni_accel.describe(omni_accel.accelerate(Holder(_NoBlocksTransformer())))
@@ -272,9 +265,7 @@ def test_from_pipe_shares_the_compiled_transformer_and_pickles():
     from diffusers import QwenImageImg2ImgPipeline
 
     torch._dynamo.reset()
-    pipe = omni_accel.accelerate(
-        omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
-    )
+    pipe = _compiled_qwenimage()
     expected = _latents(pipe)
     sibling = QwenImageImg2ImgPipeline.from_pipe(pipe)
     omni_accel.accelerate(sibling, compile={"backend": "eager"}, compile_in_background=False)

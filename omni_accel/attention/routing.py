@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..parallel.routed_attention import attend_split, split_forward
 from .key_padding import attend_kept, kept_keys
 from .selection import AttentionSelector
 
@@ -97,8 +98,6 @@ def route_with(
 ) -> torch.Tensor | None:
     """``route`` for a known selector and role; under a split forward (the generic tier under ulysses /
     ring), the call's exchanges too, and no call falls back to Diffusers' function."""
-    from ..parallel.routed_attention import attend_split, split_forward  # parallel/ builds on attention/
-
     unsupported = unsupported or selector.unserved_reason(role, category)
     layout = split_forward()
     if layout is not None:
