@@ -89,7 +89,7 @@ class _Graph:
     # every tensor its key names (weak, with its address) and whether no layout hook was keyed: then its
     # replay may run while the key is checked (see ``StepGraphs.__call__``)
     reads: tuple = ()
-    speculative: bool = False
+    may_replay_early: bool = False
 
     def in_place(self) -> bool:
         """Every tensor the graph was keyed on is alive at its address: a replay reads valid memory."""
@@ -206,7 +206,7 @@ class StepGraphs(InstanceForward):
         alive at its address (the replay reads valid memory) and no layout hook was keyed (every rank of a
         layout must launch the same collectives)."""
         graph = self.latest.get(call)
-        if graph is None or not graph.speculative or not graph.in_place():
+        if graph is None or not graph.may_replay_early or not graph.in_place():
             return None
         with self._lock, torch.cuda.device(device):
             if self.graphs.get(graph.key) is not graph:  # evicted or released since

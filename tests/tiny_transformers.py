@@ -750,7 +750,7 @@ def coverage_table() -> str:
         "column: the same tiny model with `compile=` Dynamo's eager backend on CPU, each block traced whole, "
         "its parity, graphs and the attention calls our op routes inside them) and its steps replayed from "
         "CUDA graphs. Parallel layouts of a model without native blocks (`tests/test_generic_parallel.py`, two "
-        "gloo ranks): ulysses and ring by its `_cp_plan`, checked for every such family built tiny; tp by its "
+        "and four gloo ranks): ulysses and ring by its `_cp_plan`, checked for every such family built tiny; tp by its "
         "`_tp_plan`, checked for every such family built tiny; cfg for any, its batch halved by the arguments "
         "whose first dimension is the batch, checked on the SD3 and Qwen-Image (true CFG) pipelines.",
         "",

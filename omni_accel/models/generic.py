@@ -6,8 +6,9 @@ them, else every ModuleList of two or more blocks of one class) are compiled reg
 block of that class. Their attention stays inside the graph: the role hooks of the accelerated model make
 each routed attention call a custom op of ours (``attention.routing.diffusers_attention``) that resolves
 and runs our providers at run time. The compile runs at the first call per input shape, or with
-``compile_in_background=True`` beside eager blocks (see ``compiler``), and the steps are replayed from CUDA graphs (``cuda_graphs.StepGraphs``, with this runtime as
-its ``StepHooks``).
+``compile_in_background=True`` beside eager blocks (see ``compiler``), and the steps are replayed from
+CUDA graphs (``cuda_graphs.StepGraphs``, with this runtime as its ``StepHooks``). Under a parallel layout
+(``generic_parallel_plan``) the model is spread by the plans it declares to Diffusers.
 
 The Diffusers module and its blocks stay what they are: each block gets an instance ``forward`` that runs
 the compiled code or, for a call compiled code cannot serve exactly (gradients, active dropout, hooks below
@@ -198,9 +199,11 @@ def regions_of(transformer: nn.Module) -> GenericRuntime | None:
 
 
 def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: bool) -> ParallelPlan:
-    """How ``config``'s layout spreads a transformer without native blocks: its sequence split as its own
-    ``_cp_plan`` declares (Diffusers' plan, not one of ours), attention through our exchanges and providers
-    (``routed``: its attention call sites are ours). Raises for what this tier cannot spread yet."""
+    """How ``config``'s layout spreads a transformer without native blocks, by the plans it declares to
+    Diffusers (not ones of ours): its sequence split as its ``_cp_plan`` says, attention through our
+    exchanges and providers (``routed``: its attention call sites are ours); its linears as its
+    ``_tp_plan`` says; its guidance branches by the arguments that carry the batch. Raises for what this
+    tier cannot spread yet."""
     name = type(module).__name__
     tensor = {}
     if config.tp > 1:

@@ -118,8 +118,8 @@ class SequencePlan:
     {output index -> Split}. ``output``: (path of the submodule whose output is the model's output, Split).
     ``gathers``: further submodule path -> Split whose output is gathered (a plan that splits only inside
     the blocks). A Split whose ``stream`` no split names (a plan taken from Diffusers', which names none) is
-    gathered by its length (``SequenceState.layout_of``). ``ring_first``: on two ranks whose K/V travel by peer writes, ring is measured faster than Ulysses for
-    this model (``parallel="auto"`` follows it)."""
+    gathered by its length (``SequenceState.layout_of``). ``ring_first``: on two ranks whose K/V travel
+    by peer writes, ring is measured faster than Ulysses for this model (``parallel="auto"`` follows it)."""
 
     output: tuple[str, Split]
     inputs: Mapping[str, Split] = field(default_factory=dict)
