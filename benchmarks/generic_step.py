@@ -53,6 +53,7 @@ from diffusers import (
 from flux_step import rel_err
 from random_models import randomized
 from routed_step import SD35_LARGE
+from step_anatomy import gaps
 from timing import cudnn_backend_for, interleaved, write_json
 
 import omni_accel
@@ -557,6 +558,8 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         "diffusers/diffusers_best": ms["diffusers"] / ms["diffusers_best"],
     }
     result["omni_report"] = str(omni_accel.describe(models["omni"]))
+    if args.profile and device == "cuda":  # where the two compiled variants differ, kernel family by family
+        result["profile"] = {v: gaps(variants[v], steps=2) for v in ("diffusers_best", "omni")}
     if args.probe:
         result["probe_ms"] = {v: ms[v] for v in variants if v.startswith("omni_")}
     if device == "cuda":
@@ -575,6 +578,15 @@ def _summary(name: str, r: dict[str, Any]) -> str:
         f"x{up['diffusers_best/omni']:.2f} vs best, best x{up['diffusers/diffusers_best']:.2f} | first call: "
         f"best {first['diffusers_best']:.1f} s, omni {first['omni']:.1f} s (ready after "
         f"{r['omni_ready_s']:.1f} s more) | rel err: best {err['diffusers_best']:.1e}, omni {err['omni']:.1e}"
+    )
+
+
+def _profile_line(table: dict[str, Any]) -> str:
+    families = ", ".join(f"{k} {v:.1f}" for k, v in sorted(table["family_ms_per_step"].items()))
+    top = "; ".join(f"{name[:70]} {ms:.2f} x{n}" for name, ms, n in table["top_kernels"][:10])
+    return (
+        f"{table['kernels_per_step']:.0f} kernels, busy {table['busy_ms_per_step']:.1f} ms of a span of "
+        f"{table['span_ms_per_step']:.1f} | {families} | top: {top}"
     )
 
 
@@ -598,6 +610,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="also time ours with the model's fuse_qkv_projections() first, and ours without CUDA graphs",
     )
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile (b) and ours: GPU busy time and span per call, kernel families, the top kernels",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="CPU, fp32, tiny configs, eager compile backend: a logic check"
     )
     args = parser.parse_args(argv)
@@ -613,6 +630,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             results[name] = measure(name, args, device, dtype)
             print(_summary(name, results[name]), flush=True)
+            for variant, table in results[name].get("profile", {}).items():
+                print(f"{name} {variant} profile: {_profile_line(table)}", flush=True)
             if "probe_ms" in results[name]:
                 print(f"{name} probes (ms): {json.dumps(results[name]['probe_ms'])}", flush=True)
             print(json.dumps(results[name]["diffusers_best_switches"]), flush=True)

@@ -49,6 +49,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from torch import nn
 
 from .attention.selection import current_scope
+from .capture_constants import REFUSED_COPY, CaptureConstants
 from .forward_hooks import InstanceForward, global_hooks_active, is_hooked
 from .models.compiler import no_compile_beside
 from .utils.logging import get_logger
@@ -90,6 +91,7 @@ class _Graph:
     # replay may run while the key is checked (see ``StepGraphs.__call__``)
     reads: tuple = ()
     may_replay_early: bool = False
+    constants: tuple = ()  # the pinned host tensors its copies read (``capture_constants``)
 
     def in_place(self) -> bool:
         """Every tensor the graph was keyed on is alive at its address: a replay reads valid memory."""
@@ -115,7 +117,7 @@ class StepGraphs(InstanceForward):
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.warmed: set[tuple] = set()
-        self.uncapturable: set[tuple] = set()
+        self.uncapturable: dict[tuple, str] = {}  # key -> why its capture failed
         self.pool: Any = None
         self.captures = self.replays = self.early_replays = self.early_misses = 0
         self.latest: dict[tuple, _Graph] = {}  # the graph last replayed per key without the module state
@@ -173,7 +175,7 @@ class StepGraphs(InstanceForward):
             graph = self.graphs.get(key)
             if graph is None:
                 if key in self.uncapturable:
-                    return self._eager("the step failed to capture (logged once)", forward, args, kwargs)
+                    return self._eager(self.uncapturable[key], forward, args, kwargs)
                 if key not in self.warmed:
                     out = forward(*args, **kwargs)
                     if len(self.warmed) >= 64:
@@ -223,16 +225,21 @@ class StepGraphs(InstanceForward):
     def _capture(self, key: tuple, forward, leaves: list[Any], spec) -> _Graph | None:
         inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         args, kwargs = pytree.tree_unflatten(inputs, spec)
-        graph = torch.cuda.CUDAGraph()
+        constants = None
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                output = forward(*args, **kwargs)
+            try:
+                graph, output = self._record(forward, args, kwargs, contextlib.nullcontext())
+            except RuntimeError as exc:  # host values copied to the GPU: again, served from pinned memory
+                if not _refused_copy(exc):
+                    raise
+                constants = CaptureConstants()
+                graph, output = self._record(forward, args, kwargs, constants)
         except Exception as exc:  # e.g. a host synchronisation inside the forward
-            self.uncapturable.add(key)
+            self.uncapturable[key] = f"the step failed to capture: {_first_line(exc)}"
             logger.warning("CUDA graphs: this step cannot be captured, it runs eagerly: %s", exc)
             return None
         if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(output)):
-            self.uncapturable.add(key)
+            self.uncapturable[key] = "the forward returned no tensor a replay could copy out"
             logger.warning("CUDA graphs: the forward returned no tensor we can copy out; it runs eagerly")
             return None
         self.pool = graph.pool()
@@ -241,11 +248,18 @@ class StepGraphs(InstanceForward):
         with contextlib.suppress(Unkeyable):
             if _module_state(self.module, seen) is not None:
                 reads = tuple((weakref.ref(t), t.data_ptr()) for t in seen.tensors)
-        captured = self.graphs[key] = _Graph(graph, inputs, output, key, reads, not seen.layouts)
+        pinned = tuple(constants.pinned) if constants is not None else ()
+        captured = self.graphs[key] = _Graph(graph, inputs, output, key, reads, not seen.layouts, pinned)
         while len(self.graphs) > self.max_graphs:
             _, evicted = self.graphs.popitem(last=False)
             self.latest = {call: kept for call, kept in self.latest.items() if kept is not evicted}
         return captured
+
+    def _record(self, forward, args: tuple, kwargs: dict, mode: contextlib.AbstractContextManager):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), mode:
+            output = forward(*args, **kwargs)
+        return graph, output
 
     def _replay(self, graph: _Graph, leaves: list[Any]) -> Any:
         if self.hooks is not None:
@@ -266,6 +280,21 @@ class StepGraphs(InstanceForward):
             "graphs": len(self.graphs),
             "eager": dict(self.eager),
         }
+
+
+def _refused_copy(exc: BaseException | None) -> bool:
+    """Whether a capture failed on a copy from pageable host memory (maybe under the error its end raised)."""
+    while exc is not None:
+        if REFUSED_COPY in str(exc):
+            return True
+        exc = exc.__context__
+    return False
+
+
+def _first_line(exc: Exception) -> str:
+    """An exception as one short line for ``describe``'s counters (the log has it whole)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
 
 
 def _unpickle(module: nn.Module, inner: Any, max_graphs: int, enabled: bool, hooks: Any) -> StepGraphs:

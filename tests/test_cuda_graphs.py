@@ -18,7 +18,7 @@ from diffusers import FirstBlockCacheConfig, FluxPipeline
 
 import omni_accel
 from omni_accel import ParallelConfig
-from omni_accel.cuda_graphs import step_key
+from omni_accel.cuda_graphs import StepGraphs, step_key
 from omni_accel.models.tiny_pipelines import tiny_flux_pipeline, tiny_sd3_pipeline
 from omni_accel.parallel import peer_exchange
 
@@ -218,6 +218,37 @@ def _replays_match_eager(pipe, exact: bool = True, **call):
         assert torch.equal(got, want), (got.float() - want.float()).abs().max()
     else:
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
+class _HostConstants(torch.nn.Module):
+    """A forward that makes tensors from Python values on the GPU, as Qwen-Image and LTX-2 do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        scale = torch.tensor([n, 2 * n], dtype=x.dtype, device=x.device)
+        length = torch.as_tensor(n, device=x.device)
+        return self.proj(x) * scale.sum() + length
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_steps_that_copy_host_values_to_the_gpu_capture_them_from_pinned_memory():
+    module = _HostConstants().cuda()
+    twin = copy.deepcopy(module)
+    graphs = StepGraphs(module)
+    graphs.install()
+    x = torch.randn(4, 8, device="cuda")
+    for n in (1, 1, 1, 3, 3, 3, 1, 3):  # each n its own key, so its own constants
+        torch.testing.assert_close(module(x.clone(), n), twin(x, n), rtol=0, atol=0)
+    stats = graphs.stats()
+    assert stats["captures"] == 2 and stats["replays"] + stats["early_replays"] >= 4, stats
+    assert not stats["eager"], stats
+    assert all(
+        len(graph.constants) == 2 and graph.constants[0].is_pinned() for graph in graphs.graphs.values()
+    )
 
 
 @pytest.mark.gpu

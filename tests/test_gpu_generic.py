@@ -3,9 +3,13 @@ first call, steps replayed from CUDA graphs, against plain Diffusers; the same w
 background (eager steps until the code is ready); and a user's own inductor compile of another model of the
 same class in the same process."""
 
+import copy
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from conftest import rel_err
+from tiny_transformers import Holder, build, outputs
 
 import omni_accel
 
@@ -69,3 +73,31 @@ def test_a_users_inductor_compile_of_another_model_in_the_same_process():
     other.transformer.compile_repeated_blocks(fullgraph=True)
     assert rel_err(_images(other), expected) <= _COMPILED
     assert rel_err(_images(pipe), _images(omni_accel.tiny_qwenimage_pipeline(device="cuda"))) <= _COMPILED
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", ["QwenImageTransformer2DModel", "LTX2VideoTransformer3DModel"])
+def test_steps_that_make_host_values_on_the_gpu_are_captured_and_replayed(name, compiled):
+    """Qwen-Image's text length (``torch.as_tensor``) and LTX-2's patch sizes and scale factors
+    (``torch.tensor``) are made on the host inside the forward; their steps now capture, those values served
+    from pinned memory, and the compiled blocks run without compiling again inside the capture."""
+    torch._dynamo.reset()
+    model, inputs = build(name)
+    inputs = pytree.tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, inputs)
+    if "encoder_hidden_states_mask" in inputs:
+        inputs["encoder_hidden_states_mask"][:, -2:] = 0  # padded text: the length is made from it
+    plain = copy.deepcopy(model).cuda()
+    pipe = omni_accel.accelerate(Holder(model.cuda()), compile=None if compiled else False)
+    expected = outputs(plain, inputs)
+    first = outputs(pipe.transformer, inputs)  # eager, or compiled at this first call
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    later = [outputs(pipe.transformer, inputs) for _ in range(3)]  # captured, then replayed
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before
+    stats = omni_accel.describe(pipe).components[0].graphs.stats()
+    assert stats["captures"] == 1 and stats["replays"] + stats["early_replays"] >= 2, stats
+    assert not any("capture" in reason for reason in stats["eager"]), stats
+    for got in later:  # a replay is the step it recorded
+        for a, b in zip(got, first, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(first, expected, strict=True):
+        assert rel_err(a, b) <= (_COMPILED if compiled else 1e-5)

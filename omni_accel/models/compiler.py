@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..capture_constants import outside_capture_constants
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -293,7 +294,7 @@ def _or_eager(compiled: Callable, fn: Callable, function: _Function) -> Callable
         if function.failed is not None:
             return fn(*args, **kwargs)
         try:
-            return compiled(*args, **kwargs)
+            return outside_capture_constants(compiled, *args, **kwargs)
         except Exception as error:
             out = fn(*args, **kwargs)
             function.failed = _reason(error)
@@ -308,7 +309,7 @@ def _or_eager(compiled: Callable, fn: Callable, function: _Function) -> Callable
 def _counted(compiled: Callable, function: _Function) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         function.compiled_calls += 1
-        return compiled(*args, **kwargs)
+        return outside_capture_constants(compiled, *args, **kwargs)
 
     return run
 
