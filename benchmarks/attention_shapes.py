@@ -32,6 +32,13 @@ SHAPES = {
     "wan14b_480p_81f_ulysses2_stage": (1, 32760, 10, 128, 32760, False),
     "wan14b_480p_81f_ring2_block": (1, 16380, 40, 128, 16380, True),
     "wan14b_480p_81f_ring2_whole": (1, 16380, 40, 128, 32760, False),
+    # the generic tier's models (benchmarks/generic_step.py's shapes): joint image + text self-attention
+    "sd35_large_1024": (1, 4429, 38, 64, 4429, False),
+    "zimage_1024": (1, 4352, 30, 128, 4352, False),
+    "flux2_1024": (1, 4608, 48, 128, 4608, False),
+    "qwenimage_1024": (1, 4352, 24, 128, 4352, False),
+    "ltx2_768x512_121f_video": (1, 6144, 32, 128, 6144, False),
+    "hunyuanvideo15_480p_81f": (1, 35375, 16, 128, 35375, False),
 }
 PROVIDERS = ("sdpa_cudnn", "sdpa_flash", "sdpa", "flashinfer")
 

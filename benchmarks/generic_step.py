@@ -57,6 +57,7 @@ from step_anatomy import gaps
 from timing import cudnn_backend_for, interleaved, write_json
 
 import omni_accel
+from omni_accel.attention import kernel_builds
 
 Inputs = Callable[[str, torch.dtype], dict[str, Any]]
 
@@ -459,14 +460,15 @@ def _first_best_call(model: torch.nn.Module, fn: Callable[[], Any], device: str,
 
 
 def _omni_ready(holder: _Holder, fn: Callable[[], Any], device: str) -> tuple[float, list[str]]:
-    """Calls (c) until its background compile is done and a CUDA graph of the compiled step is captured:
-    one call, the compiler's wait, three calls; their wall seconds and the compiler's summary."""
+    """Calls (c) until its background compile and kernel builds are done and a CUDA graph of the compiled
+    step is captured: one call, the waits, three calls; their wall seconds and the compiler's summary."""
     runtime = omni_accel.describe(holder).components[0].runtime
     compiler = getattr(runtime, "compiler", None)
     t0 = time.perf_counter()
     fn()
     if compiler is not None:
         compiler.wait()
+    kernel_builds.wait()
     for _ in range(3):
         fn()
     if device == "cuda":

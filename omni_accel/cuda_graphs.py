@@ -48,10 +48,11 @@ import torch.utils._pytree as pytree
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from torch import nn
 
+from .attention import kernel_builds
 from .attention.selection import current_scope
+from .background import nothing_beside
 from .capture_constants import REFUSED_COPY, CaptureConstants
 from .forward_hooks import InstanceForward, global_hooks_active, is_hooked
-from .models.compiler import no_compile_beside
 from .utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -188,7 +189,7 @@ class StepGraphs(InstanceForward):
                     return self._eager(
                         "compiled blocks are being built in the background", forward, args, kwargs
                     )
-                with no_compile_beside() as free:
+                with nothing_beside() as free:
                     if not free:
                         return self._eager(_COMPILE_BESIDE, forward, args, kwargs)
                     graph = self._capture(key, forward, leaves, spec)
@@ -318,7 +319,7 @@ def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
 
 
 _HOOKED = "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
-_COMPILE_BESIDE = "a background compile of another model runs in this process (no capture beside it)"
+_COMPILE_BESIDE = "a background compile or kernel build runs in this process (no capture beside it)"
 
 
 def step_key(
@@ -444,7 +445,8 @@ def _layout_hooks_state(module: nn.Module) -> tuple | None:
 
 def _global_state() -> tuple:
     """The process-wide switches a step's kernels are picked by: autocast, reduced-precision matmuls, which
-    SDPA kernels PyTorch may use, determinism, an ``attention_scope`` and Diffusers' attention backend."""
+    SDPA kernels PyTorch may use, determinism, an ``attention_scope``, Diffusers' attention backend and the
+    kernels built so far (``auto`` picks a kernel once its background build is done)."""
     cuda = torch.backends.cuda
     return (
         torch.is_autocast_enabled("cuda"),
@@ -460,4 +462,5 @@ def _global_state() -> tuple:
         torch.are_deterministic_algorithms_enabled(),
         current_scope(),
         _AttentionBackendRegistry._active_backend,
+        kernel_builds.generation(),
     )

@@ -144,6 +144,12 @@ class AttentionProvider(abc.ABC):
         """Why the provider cannot run in this process at all (a missing package...), or None."""
         return None
 
+    def kernel_ready(self, request: AttentionRequest) -> bool:
+        """Whether the kernel serving ``request`` is built in this process. A provider that compiles its
+        kernels on first use says False while one builds in the background, so ``auto`` lets the next
+        provider serve meanwhile (``kernel_builds``)."""
+        return True
+
     def reasons_against(self, request: AttentionRequest) -> list[str]:
         missing = self.unavailable_reason()
         return ([missing] if missing else []) + self.capabilities.reasons_against(request)

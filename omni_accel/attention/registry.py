@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import AttentionProvider, AttentionProviderError
+from .base import AttentionProvider, AttentionProviderError, AttentionRequest
 
 _TARGETS: dict[str, str] = {
     "sdpa": "omni_accel.attention.providers.sdpa:SdpaProvider",
@@ -23,12 +23,15 @@ _PLATFORM_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "sdpa_math"),
 }
 _DEFAULT_PREFERENCE = ("sdpa", "sdpa_math")
-# Long sequences go to FlashInfer first where it is installed: at Wan 14B's 32760 tokens its fa3 kernel ran
-# 648 TFLOP/s on an H200 against cuDNN's 567 (the same at 20 heads, a ulysses=2 rank's share). Its first
-# use on a machine JIT-compiles the kernel (~75 s, then cached on disk), a price a video model pays once.
-# Where it is not installed nothing changes. The threshold sits between the measured points (4608: a tie).
+# FlashInfer goes first where it is installed and beats cuDNN on an H200 (``benchmarks/attention_shapes.py``,
+# docs/PERFORMANCE.md): long sequences (Wan 14B's 32760 tokens: fa3 648 TFLOP/s against cuDNN's 567;
+# HunyuanVideo 1.5's 35375: 15.7 against 18.0 ms) and head size 64 (SD3.5-large's 4429 tokens x 38 heads:
+# 0.47 against 0.61 ms). At head size 128 and 4352-6144 tokens (FLUX, Qwen-Image, Z-Image, FLUX.2, LTX-2)
+# cuDNN ties or wins, so it keeps those. Its kernel is JIT-compiled on first use; until it is built in the
+# background (``kernel_builds``) the next provider serves. Where it is not installed nothing changes.
 _LONG_SEQUENCE = 16384
-_LONG_SEQUENCE_FIRST = "flashinfer"
+_SMALL_HEADS = (64, 4096)  # head size, from this many keys
+_FLASHINFER = "flashinfer"
 # A masked call goes to PyTorch's own SDPA dispatch first: it picks the kernel plain Diffusers gets for the
 # same mask (on an H200, Qwen-Image's padded text mask ran 1.4x faster there than pinned to the efficient
 # kernel; cuDNN given the mask made the compiled Qwen-Image forward 90.1 ms against 84.3 with SDPA's choice,
@@ -42,15 +45,27 @@ def provider_names() -> list[str]:
     return sorted(_TARGETS)
 
 
-def platform_preference(device_type: str, masked: bool = False, kv_len: int | None = None) -> tuple[str, ...]:
-    """The lossless providers ``auto`` tries, in order, for a call on ``device_type``."""
-    preference = _PLATFORM_PREFERENCE.get(device_type, _DEFAULT_PREFERENCE)
-    if masked:
-        return (_MASKED_FIRST, *(name for name in preference if name != _MASKED_FIRST))
-    long = device_type == "cuda" and kv_len is not None and kv_len >= _LONG_SEQUENCE
-    if long and get_provider(_LONG_SEQUENCE_FIRST).unavailable_reason() is None:
-        return (_LONG_SEQUENCE_FIRST, *preference)
-    return preference
+def platform_preference(request: AttentionRequest) -> tuple[tuple[str, ...], str]:
+    """The lossless providers ``auto`` tries for ``request``, in order, and a note on the order ("" or
+    why a faster provider waits: its kernel is being built)."""
+    preference = _PLATFORM_PREFERENCE.get(request.device_type, _DEFAULT_PREFERENCE)
+    if request.has_mask:
+        return (_MASKED_FIRST, *(name for name in preference if name != _MASKED_FIRST)), ""
+    if not _flashinfer_first(request):
+        return preference, ""
+    flashinfer = get_provider(_FLASHINFER)
+    if flashinfer.unavailable_reason() is not None or flashinfer.reasons_against(request):
+        return preference, ""
+    if not flashinfer.kernel_ready(request):
+        return preference, f"{_FLASHINFER} waits for its kernel, built in the background"
+    return (_FLASHINFER, *preference), ""
+
+
+def _flashinfer_first(request: AttentionRequest) -> bool:
+    if request.device_type != "cuda" or request.kv_len is None:
+        return False
+    head_dim, from_keys = _SMALL_HEADS
+    return request.kv_len >= _LONG_SEQUENCE or (request.head_dim == head_dim and request.kv_len >= from_keys)
 
 
 def check_provider_name(name: str, *, where: str) -> None:

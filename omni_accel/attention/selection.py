@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..utils.logging import get_logger
-from . import diffusers_backend
+from . import diffusers_backend, kernel_builds
 from .base import AttentionProvider, AttentionProviderError, AttentionRequest, KernelRefusal
 from .registry import check_provider_name, get_provider, platform_preference
 
@@ -160,7 +160,7 @@ def _explicit(config: AttentionConfig, role: str, category: str) -> tuple[str, s
 
 def _usable(request: AttentionRequest) -> list[str]:
     """The lossless providers, in ``auto``'s order, that can serve ``request``."""
-    preference = platform_preference(request.device_type, request.has_mask, request.kv_len)
+    preference, _ = platform_preference(request)
     return [n for n in preference if not get_provider(n).reasons_against(request)]
 
 
@@ -190,12 +190,13 @@ def resolve(
         return _resolve_diffusers(diffusers_choice, role, request)
 
     skipped = []
-    preference = platform_preference(request.device_type, request.has_mask, request.kv_len)
+    preference, waits = platform_preference(request)
     for index, name in enumerate(preference):
         provider = get_provider(name)
         reasons = provider.reasons_against(request)
         if not reasons:
             note = f"; skipped {'; '.join(skipped)}" if skipped else ""
+            note += f" ({waits})" if waits else ""
             rest = tuple(n for n in preference[index + 1 :] if not get_provider(n).reasons_against(request))
             return Resolution(provider, f"auto: best lossless provider for {request.device_type}{note}", rest)
         skipped.append(f"{name} ({', '.join(reasons)})")
@@ -254,7 +255,7 @@ class AttentionSelector:
     def _resolve(self, role: str, category: str, request: AttentionRequest) -> tuple[tuple, Resolution]:
         config = _SCOPED_CONFIG.get() or self.config
         choice = diffusers_backend.explicit_choice()
-        key = (config, role, category, request, choice)
+        key = (config, role, category, request, choice, kernel_builds.generation())
         found = self._cache.get(key)
         if found is None:
             found = self._cache[key] = resolve(config, role, category, request, choice)

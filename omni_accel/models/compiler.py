@@ -35,33 +35,17 @@ import contextlib
 import contextvars
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .. import background
 from ..capture_constants import outside_capture_constants
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-# One background compile at a time in the process: tracing keeps process-wide state (torch.fx's patcher).
-# A CUDA graph capture holds it too: a worker's GPU work beside a capture (its run of the compiled code,
-# inductor's autotuning) invalidates the capture, whichever model either belongs to.
-_COMPILING = threading.Lock()
-
-
-@contextlib.contextmanager
-def no_compile_beside() -> Iterator[bool]:
-    """Holds off every background compile in the process while the block runs; yields False (holding
-    nothing) when one is running now, so that the caller does not capture."""
-    free = _COMPILING.acquire(blocking=False)
-    try:
-        yield free
-    finally:
-        if free:
-            _COMPILING.release()
 
 
 @dataclass
@@ -261,7 +245,7 @@ class BlockCompiler:
     @staticmethod
     def _build(fn: Callable, args: tuple, kwargs: dict, state: _CallerState, options: dict) -> Callable:
         """``torch.compile(fn)``, compiled by calling it once in the caller's state."""
-        with _COMPILING, contextlib.ExitStack() as stack:
+        with background.LOCK, contextlib.ExitStack() as stack:
             state.enter(stack)
             compiled = torch.compile(fn, **options)
             compiled(*args, **kwargs)

@@ -22,7 +22,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ...utils.logging import get_logger
-from ..base import AttentionProvider, Capabilities
+from .. import kernel_builds
+from ..base import AttentionProvider, AttentionRequest, Capabilities
 
 logger = get_logger(__name__)
 
@@ -84,6 +85,25 @@ def natural_lse(lse_log2: torch.Tensor, batch: int) -> torch.Tensor:
     return lse_log2.view(batch, rows // batch, heads).transpose(1, 2).mul(_LN2).contiguous()
 
 
+def _new_wrapper(workspace: torch.Tensor, device: torch.device):
+    import flashinfer
+
+    # fa3 is FlashInfer's Hopper kernel; elsewhere FlashInfer knows best (fa2 on Ampere/Ada/Blackwell).
+    backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "auto"
+    return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+
+
+def _build_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """JIT-compiles (or loads from the disk cache) the kernel every plan of ``head_dim`` and ``dtype`` runs:
+    a plan of a tiny problem builds the same module, keyed by head size and dtypes, not by heads or tokens."""
+    with torch.cuda.device(device):
+        workspace = torch.empty(16 * 1024 * 1024, dtype=torch.uint8, device=device)
+        indptr = ragged_indptr(1, 128)
+        _new_wrapper(workspace, device).plan(
+            indptr, indptr, 1, 1, head_dim, causal=False, q_data_type=dtype, kv_data_type=dtype
+        )
+
+
 def _planned_wrapper(
     batch: int,
     seq_q: int,
@@ -100,14 +120,10 @@ def _planned_wrapper(
     wrapper = _PLANS.get(key)
     if wrapper is not None:
         return wrapper
-    import flashinfer
-
     workspace = _WORKSPACES.get(device)
     if workspace is None:
         workspace = _WORKSPACES[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    # fa3 is FlashInfer's Hopper kernel; elsewhere FlashInfer knows best (fa2 on Ampere/Ada/Blackwell).
-    backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "auto"
-    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+    wrapper = _new_wrapper(workspace, device)
     # The first plan of a process is said at WARNING (shown by default): it may JIT-compile for a minute.
     log = logger.info if _PLANS else logger.warning
     log(
@@ -168,8 +184,8 @@ def _flashinfer_attention_fake(query, key, value, scale, return_lse):
 
 class FlashInferProvider(AttentionProvider):
     """FlashInfer ragged batch prefill: lossless, one launch per batch, returns the LSE. ``auto`` picks it
-    only for long sequences (where it beats cuDNN), since its first use on a machine JIT-compiles for about
-    a minute; anywhere else it is an explicit choice."""
+    where it beats cuDNN (long sequences, head size 64: ``registry``), once its kernel is built
+    (``kernel_ready``); anywhere else it is an explicit choice."""
 
     name = "flashinfer"
     capabilities = Capabilities(
@@ -182,6 +198,14 @@ class FlashInferProvider(AttentionProvider):
 
     def unavailable_reason(self) -> str | None:
         return _unavailable()
+
+    def kernel_ready(self, request: AttentionRequest) -> bool:
+        """Whether the kernel ``request`` runs is built in this process; if not, its build starts in the
+        background (``kernel_builds``): an explicit choice plans, and so builds, at its first call instead."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        key = ("flashinfer", request.head_dim, request.dtype, torch.cuda.get_device_capability(device))
+        what = f"flashinfer's kernel for head size {request.head_dim} in {str(request.dtype).removeprefix('torch.')}"
+        return kernel_builds.ready(key, lambda: _build_kernel(request.head_dim, request.dtype, device), what)
 
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if attn_mask is not None:
