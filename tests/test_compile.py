@@ -329,3 +329,47 @@ def test_torch_compile_in_a_thread_undoes_what_another_thread_set_meanwhile():
         "torch.compile in a thread no longer undoes another thread's seed and default dtype: "
         "compile_in_background may become the default again"
     )
+
+
+def _complex_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Qwen-Image's and Z-Image's rotation: q or k times complex frequencies."""
+    rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * freqs.unsqueeze(1)
+    return torch.view_as_real(rotated).flatten(3).type_as(x) * 2
+
+
+def test_complex_products_compile_as_real_arithmetic():
+    """Inductor generates no code for complex tensors; our pass rewrites their products so they fuse."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from omni_accel.models.complex_products import RealComplexProducts
+
+    seen: list[str] = []
+
+    class Recorded(CustomGraphPass):
+        def __call__(self, graph):
+            RealComplexProducts()(graph)
+            seen.extend(str(node.target) for node in graph.nodes)
+
+        def uuid(self):
+            return None
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 8, 3, 16)
+    freqs = torch.polar(torch.ones(8, 8), torch.randn(8, 8))
+    compiled = torch.compile(_complex_rope, fullgraph=True, options={"post_grad_custom_pre_pass": Recorded()})
+    torch.testing.assert_close(compiled(x, freqs), _complex_rope(x, freqs), rtol=1e-6, atol=1e-6)
+    assert "aten.mul.Tensor" in seen and "aten.view_as_complex.default" not in seen, seen
+    assert sum(target == "aten.view_as_real.default" for target in seen) == 1  # of the frequencies: a view
+
+
+def test_block_compiles_carry_our_graph_passes_where_inductor_compiles():
+    from omni_accel.models.compiler import BlockCompiler
+    from omni_accel.models.complex_products import RealComplexProducts
+
+    passes = BlockCompiler({"fullgraph": True}).options["options"]
+    assert isinstance(passes["post_grad_custom_pre_pass"], RealComplexProducts)
+    assert "options" not in BlockCompiler({"backend": "eager"}).options
+    assert "options" not in BlockCompiler({"mode": "max-autotune"}).options  # torch takes one of the two
+    own = object()
+    options = BlockCompiler({"options": {"post_grad_custom_pre_pass": own}}).options
+    assert options["options"]["post_grad_custom_pre_pass"] is own
