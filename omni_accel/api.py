@@ -48,6 +48,7 @@ from .parallel.auto import choose_layout
 from .parallel.config import ParallelConfig
 from .parallel.mesh import ParallelState, init_parallel
 from .parallel.peer_exchange import ranks_write_each_other
+from .parallel.routed_attention import count_split
 from .parallel.tensor import sum_row_splits
 from .report import AccelerationReport, ComponentReport
 from .utils.logging import get_logger
@@ -423,15 +424,7 @@ def _plan_generic(
             "(no `_repeated_blocks`, no ModuleList of blocks of one class); leave compile unset for it."
         )
     on_cuda = torch.cuda.is_available()
-    if parallel is not None and config.compile_asked:
-        raise ValueError(
-            f"compile=True under {parallel.config} is not supported for pipe.{name} ({cls_name}), which has no "
-            "native blocks: a call our providers cannot serve would be compiled as Diffusers' attention over "
-            "this rank's tokens only. Leave compile unset (steps are still replayed from CUDA graphs)."
-        )
-    compile_on = (
-        parallel is None and bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
-    )
+    compile_on = bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
     graphs_on = on_cuda if config.cuda_graphs is None else config.cuda_graphs
     if not (routes or compile_on or graphs_on or parallel is not None):
         report = ComponentReport(
@@ -454,6 +447,7 @@ def _plan_generic(
         parts.append("its attention routed through our providers")
     not_accelerated = [] if routes else ["attention: Diffusers' own (no call site of this module we route)"]
     options = None
+    background = config.compile_in_background and parallel is None  # the ranks run the same code each step
     if compile_on:
         options = {} if not isinstance(config.compile, Mapping) else dict(config.compile)
         listed = sorted({type(block).__name__ for _, block in blocks})
@@ -461,8 +455,9 @@ def _plan_generic(
             f"{len(blocks)} repeated blocks ({', '.join(listed)}) compiled"
             + (
                 " in the background (eager blocks serve until the code is ready)"
-                if config.compile_in_background
+                if background
                 else " at the first call per input shape"
+                + (" (every rank alike: never in the background under a layout)" if parallel else "")
             )
             + (", on CUDA" if config.compile is None else "")
         )
@@ -472,9 +467,6 @@ def _plan_generic(
             + (
                 "compile=False"
                 if config.compile is False
-                else f"not under {parallel.config}: a call our providers cannot serve would compile as "
-                "attention over one rank's tokens"
-                if parallel is not None
                 else "no CUDA device here; compile=True compiles on CPU"
             )
             + ")"
@@ -504,7 +496,7 @@ def _plan_generic(
     runtime = GenericRuntime(
         selector,
         options,
-        config.compile_in_background,
+        background,
         devices=("cuda",) if config.compile is None else None,
         raise_failures=config.compile is not None,
     )
@@ -814,6 +806,9 @@ def _parallelize_generic(component: _Component) -> None:
     layout = parallelize(module, plan, parallel, output_class(component.spec), pairs_guidance=pairs)
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
+    if layout.sequence is not None:  # read by traces of calls our providers cannot split
+        count_split(+1)
+        component.undo.append(lambda: count_split(-1))
     if parallel.config.tp > 1:  # Diffusers' forward of a row-split linear: its partial sums reduced
         component.undo.append(sum_row_splits(module))
     if component.graphs is not None:  # graphs of parallel steps hold collectives

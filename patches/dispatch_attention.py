@@ -27,6 +27,7 @@ from omni_accel.attention.routing import (
     route,
     traced_call,
     traced_route,
+    traced_unsupported,
     unregister_call_site,
     unsupported_reason,
 )
@@ -68,7 +69,10 @@ def apply(module: ModuleType) -> None:
         if torch.compiler.is_dynamo_compiling():
             if traced_route() is not None:  # below an accelerated model's role hook (else: as Diffusers')
                 args = (dropout_p, is_causal, enable_gqa, attention_kwargs, backend, parallel_config)
-                out = None if _unsupported(*args) else traced_call(site, query, key, value, attn_mask, scale)
+                unsupported = _unsupported(*args)
+                if unsupported:
+                    traced_unsupported(unsupported)
+                out = None if unsupported else traced_call(site, query, key, value, attn_mask, scale)
                 if out is not None:
                     return out
         else:

@@ -21,6 +21,8 @@ from omni_accel.attention.routing import (
     register_call_site,
     route,
     traced_call,
+    traced_route,
+    traced_unsupported,
     unsupported_reason,
 )
 
@@ -36,6 +38,8 @@ def scaled_dot_product_attention(
     unsupported = unsupported_reason(is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa)
     bshd = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
     if torch.compiler.is_dynamo_compiling():
+        if unsupported and traced_route() is not None:
+            traced_unsupported(unsupported)
         out = None if unsupported else traced_call(_SITE, *bshd, attn_mask, scale)
     else:
         out = route(*bshd, attn_mask=attn_mask, scale=scale, unsupported=unsupported)

@@ -295,3 +295,27 @@ def test_our_scope_hook_is_not_a_hook_to_the_graphs_and_a_users_is():
     handle = transformer.register_forward_pre_hook(lambda module, args: None)
     assert is_hooked(transformer) and _module_state(transformer) is None
     handle.remove()
+
+
+def test_a_call_our_providers_cannot_split_is_not_compiled_while_a_model_is_split(monkeypatch):
+    """Compiled code of a block class serves every model of that class: while any model of the process is
+    split over ranks, a call our providers do not model must not compile as Diffusers' attention over one
+    rank's tokens. How many split models live is read through Dynamo's guards, so the code compiled before
+    a split is compiled again, and that trace refuses the call."""
+    from omni_accel.attention.routing import traced_unsupported
+    from omni_accel.parallel import routed_attention
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        traced_unsupported("causal attention")
+        return x * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    monkeypatch.setattr(routed_attention, "LIVE_SPLITS", 1)
+    with pytest.raises(
+        Exception, match="causal attention cannot run split over the ranks through our providers"
+    ):
+        compiled(torch.ones(3))
+    monkeypatch.setattr(routed_attention, "LIVE_SPLITS", 0)
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))

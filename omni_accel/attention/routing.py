@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..parallel import routed_attention
 from ..parallel.routed_attention import attend_split, split_forward
 from .key_padding import attend_kept, kept_keys
 from .selection import AttentionSelector
@@ -208,6 +209,19 @@ def diffusers_attention(
 @diffusers_attention.register_fake
 def _(query, key, value, attn_mask, role, category, scale, site):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+def traced_unsupported(reason: str) -> None:
+    """While Dynamo traces an accelerated model's call that our providers do not model (``reason``): it is
+    traced as Diffusers' own function, unless an accelerated model in the process is split over ranks by
+    its tokens. Then the trace stops here (the compile fails and the block runs eagerly, where a split
+    forward raises for the call), since compiled code of one block class serves every model of that class,
+    and Diffusers' function would attend over one rank's tokens only. ``LIVE_SPLITS`` is in the guards."""
+    if routed_attention.LIVE_SPLITS:
+        raise NotImplementedError(
+            f"{reason} cannot run split over the ranks through our providers, so it is not compiled while "
+            "a model of this process is split; run this model with ulysses=1 and ring=1."
+        )
 
 
 def traced_call(

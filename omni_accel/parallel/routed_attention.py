@@ -27,6 +27,18 @@ RoutedAttend = Callable[
 """``attend(q, k, v, attn_mask, scale, need_lse)`` over BSHD tensors through the call's provider."""
 
 
+# How many accelerated models in the process are spread over ranks by their token split. Read while Dynamo
+# traces an attention call our providers cannot serve (``attention.routing.traced_unsupported``): a plain
+# int global, so that compiled code depends on it through Dynamo's guards.
+LIVE_SPLITS = 0
+
+
+def count_split(delta: int) -> None:
+    """A split layout was installed (+1) or reverted (-1)."""
+    global LIVE_SPLITS
+    LIVE_SPLITS += delta
+
+
 def split_forward() -> SequenceState | None:
     """The layout of the split forward in flight on this thread, or None (no layout, or one of one rank)."""
     state = forward_state()
