@@ -145,9 +145,15 @@ def _compiled_split() -> None:
 
 
 def _refusals() -> None:
+    model, _ = build("QwenImageTransformer2DModel")
     sd3, _ = build("SD3Transformer2DModel")
     cases = [
         (sd3, dict(parallel=omni_accel.ParallelConfig(tp=2)), "and SD3Transformer2DModel has neither"),
+        (
+            model,
+            dict(parallel=omni_accel.ParallelConfig(tp=2), compile=True),
+            "which has no native blocks: under tp its split linears",
+        ),
     ]
     for module, options, message in cases:
         pipe = Holder(module)
