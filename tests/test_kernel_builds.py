@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from omni_accel import cuda_graphs
+from omni_accel import background, cuda_graphs
 from omni_accel.attention import kernel_builds
 from omni_accel.attention.base import AttentionRequest
 from omni_accel.attention.providers.flashinfer import FlashInferProvider
@@ -77,5 +77,6 @@ def test_under_a_parallel_layout_the_caller_builds_and_waits(monkeypatch):
     monkeypatch.setattr(kernel_builds, "_parallel", lambda: True)
     built = []
     key = uuid.uuid4().hex
-    assert kernel_builds.ready(key, lambda: built.append(threading.current_thread()), "a rank's kernel")
+    with background.LOCK:  # as a CUDA graph capture holds it: the caller's build must not wait for it
+        assert kernel_builds.ready(key, lambda: built.append(threading.current_thread()), "a rank's kernel")
     assert built == [threading.current_thread()] and kernel_builds.state(key) == "ready"

@@ -10,13 +10,14 @@ both kernels; each is lossless, so it agrees with either to rounding, not bitwis
 
 Under a parallel layout (a process group of more than one rank) the caller builds it instead and waits:
 every rank must pick the same kernel at the same call, or ranks that compute the same tokens (the tokens a
-layout leaves whole) would round differently. A build holds ``background.LOCK``, so no CUDA graph is
-captured beside its GPU work. A failed build is logged once and never retried; that kernel is then never
+layout leaves whole) would round differently. A background build holds ``background.LOCK``, so no CUDA
+graph is captured beside its GPU work. A failed build is logged once and never retried; that kernel is then never
 picked automatically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Hashable
 
@@ -55,8 +56,8 @@ def ready(key: Hashable, build: Callable[[], None], what: str) -> bool:
         return True
     if key in _FAILED:
         return False
-    if _parallel():
-        _run(key, build, what)
+    if _parallel():  # nothing runs beside the caller's build: no lock (a capture may hold it)
+        _run(key, build, what, contextlib.nullcontext())
         return key in _READY
     with _LOCK:
         if key not in _BUILDING and key not in _READY and key not in _FAILED:
@@ -65,7 +66,8 @@ def ready(key: Hashable, build: Callable[[], None], what: str) -> bool:
                 "minute, cached on disk afterwards); the next provider serves meanwhile",
                 what,
             )
-            thread = threading.Thread(target=_run, args=(key, build, what), daemon=True, name="omni-build")
+            args = (key, build, what, background.LOCK)
+            thread = threading.Thread(target=_run, args=args, daemon=True, name="omni-build")
             _BUILDING[key] = thread
             thread.start()
     return key in _READY
@@ -77,9 +79,11 @@ def wait(timeout: float | None = None) -> None:
         thread.join(timeout)
 
 
-def _run(key: Hashable, build: Callable[[], None], what: str) -> None:
+def _run(
+    key: Hashable, build: Callable[[], None], what: str, held: contextlib.AbstractContextManager
+) -> None:
     try:
-        with background.LOCK:
+        with held:
             build()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # its GPU work is done before a capture may start

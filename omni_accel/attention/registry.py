@@ -30,7 +30,7 @@ _DEFAULT_PREFERENCE = ("sdpa", "sdpa_math")
 # cuDNN ties or wins, so it keeps those. Its kernel is JIT-compiled on first use; until it is built in the
 # background (``kernel_builds``) the next provider serves. Where it is not installed nothing changes.
 _LONG_SEQUENCE = 16384
-_SMALL_HEADS = (64, 4096)  # head size, from this many keys
+_SMALL_HEAD_DIM, _SMALL_HEADS_FROM = 64, 4096  # head size 64, from this many keys
 _FLASHINFER = "flashinfer"
 # A masked call goes to PyTorch's own SDPA dispatch first: it picks the kernel plain Diffusers gets for the
 # same mask (on an H200, Qwen-Image's padded text mask ran 1.4x faster there than pinned to the efficient
@@ -64,8 +64,8 @@ def platform_preference(request: AttentionRequest) -> tuple[tuple[str, ...], str
 def _flashinfer_first(request: AttentionRequest) -> bool:
     if request.device_type != "cuda" or request.kv_len is None:
         return False
-    head_dim, from_keys = _SMALL_HEADS
-    return request.kv_len >= _LONG_SEQUENCE or (request.head_dim == head_dim and request.kv_len >= from_keys)
+    small_heads = request.head_dim == _SMALL_HEAD_DIM and request.kv_len >= _SMALL_HEADS_FROM
+    return request.kv_len >= _LONG_SEQUENCE or small_heads
 
 
 def check_provider_name(name: str, *, where: str) -> None:
