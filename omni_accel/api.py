@@ -41,7 +41,14 @@ from .models.generic import (
     regions_of,
     repeated_blocks,
 )
-from .models.registry import ModelSpec, output_class, registered_natives, registered_spec, spec_for
+from .models.registry import (
+    ModelSpec,
+    generic_adaptation,
+    output_class,
+    registered_natives,
+    registered_spec,
+    spec_for,
+)
 from .parallel import check_parallel, parallelize
 from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
@@ -683,6 +690,11 @@ def _commit(component: _Component) -> None:
             _parallelize(component)
     else:
         _route_attention(component)
+        adaptation = generic_adaptation(component.original)
+        if adaptation is not None:
+            note, undo = adaptation(component.original)
+            component.undo += undo
+            component.report.adapted.append(note)
         if component.cache is not None:
             component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
         if component.generic is not None:

@@ -34,6 +34,7 @@ class ComponentReport:
     tp_group: Any = None  # the TP group of a model whose tokens may be split over it between projections
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
+    adapted: list[str] = field(default_factory=list)  # where the model's own code was replaced, and how
 
     def lines(self) -> list[str]:
         out = [f"{self.name} ({self.diffusers_class}): {self.mode} - {self.detail}"]
@@ -84,6 +85,7 @@ class ComponentReport:
                 out.append(f"  modulation: {self.runtime.modulation.describe()}")
             for reason, count in sorted(self.runtime.fallbacks.items()):
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")
+        out.extend(f"  adapted: {item}" for item in self.adapted)
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out
 

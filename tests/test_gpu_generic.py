@@ -101,3 +101,21 @@ def test_steps_that_make_host_values_on_the_gpu_are_captured_and_replayed(name, 
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(first, expected, strict=True):
         assert rel_err(a, b) <= (_COMPILED if compiled else 1e-5)
+
+
+def test_hunyuan_video15_drops_its_padded_keys_inside_inductor_compiled_blocks():
+    """The key mask built once per forward reaches our attention op inside the inductor-compiled blocks as
+    the very tensor every block gets, so the padded keys are dropped there too."""
+    from test_key_padding import _Holder, _tiny_hunyuan_video15
+
+    torch._dynamo.reset()
+    plain, accelerated, inputs = _tiny_hunyuan_video15()
+    inputs = pytree.tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, inputs)
+    pipe = omni_accel.accelerate(_Holder(accelerated.cuda()), compile_in_background=False)
+    with torch.no_grad():
+        expected = plain.cuda()(**inputs)[0]
+        got = pipe.transformer(**inputs)[0]
+    assert rel_err(got, expected) <= _COMPILED
+    component = omni_accel.describe(pipe).components[0]
+    assert component.selector.served_without_mask == {"generic.attn": 2}
+    assert component.runtime.compiler.summary() and not component.runtime.fallbacks

@@ -206,3 +206,96 @@ def test_routed_hunyuan_video_drops_the_padded_keys_of_its_per_forward_mask():
     calls = omni_accel.describe(pipe).components[0].selector.served_without_mask
     assert calls == {"generic.attn": 3}, calls  # 4 blocks: the first with the dense mask, then dropped
     omni_accel.restore(pipe)
+
+
+def _tiny_hunyuan_video15(layers: int = 3):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    config = dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=layers,
+        num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=16, image_embed_dim=16,
+        rope_axes_dim=(4, 6, 6),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = HunyuanVideo15Transformer3DModel(**config).eval()
+    accelerated = HunyuanVideo15Transformer3DModel(**config).eval()
+    accelerated.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(1)
+    text_mask = torch.ones(2, 7, dtype=torch.long)
+    text_mask[0, 4:] = 0  # the first prompt is shorter: 3 padded text tokens
+    glyph_mask = torch.zeros(2, 3, dtype=torch.long)
+    glyph_mask[1, :2] = 1  # glyph text in the second sample only
+    inputs = dict(
+        hidden_states=torch.randn(2, 4, 2, 8, 8, generator=g),
+        timestep=torch.tensor([500.0, 500.0]),
+        encoder_hidden_states=torch.randn(2, 7, 16, generator=g),
+        encoder_attention_mask=text_mask,
+        encoder_hidden_states_2=torch.randn(2, 3, 16, generator=g),
+        encoder_attention_mask_2=glyph_mask,
+        image_embeds=torch.zeros(2, 4, 16),  # text-to-video: the image tokens are masked out
+        return_dict=False,
+    )
+    return plain, accelerated, inputs
+
+
+def _block_outputs(model) -> list:
+    seen = []
+    for block in model.transformer_blocks:
+        block.register_forward_hook(lambda module, args, out: seen.append([t.clone() for t in out]))
+    return seen
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_hunyuan_video15_attends_over_a_key_mask_and_drops_its_padded_keys(compiled):
+    """HunyuanVideo 1.5's processor expands the text padding into a dense [S, S] mask in every block; ours
+    passes the key mask built once per forward, so from the second block on the padded keys are dropped.
+    Every block's outputs (the padded text rows included: zero attention, as under the dense mask) and the
+    model's equal Diffusers'; ``restore`` gives back Diffusers' processors and leaves no hook."""
+    torch._dynamo.reset()
+    plain, accelerated, inputs = _tiny_hunyuan_video15()
+    expected_blocks, got_blocks = _block_outputs(plain), _block_outputs(accelerated)
+    compile = {"backend": "eager"} if compiled else False
+    with torch.no_grad():
+        expected = plain(**inputs)[0]
+        pipe = omni_accel.accelerate(_Holder(accelerated), compile=compile, compile_in_background=False)
+        got = pipe.transformer(**inputs)[0]
+    assert rel_err(got, expected) <= 1e-5
+    assert len(got_blocks) == len(expected_blocks) == 3
+    for ours, theirs in zip(got_blocks, expected_blocks, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert rel_err(a, b) <= 1e-5
+    component = omni_accel.describe(pipe).components[0]
+    assert component.selector.served_without_mask == {"generic.attn": 2}  # 3 blocks: the first dense
+    assert "3 transformer blocks attend over a key mask built once per forward" in str(
+        omni_accel.describe(pipe)
+    )
+    if compiled:
+        assert component.runtime.compiler.summary(), "the blocks compiled"
+        assert not component.runtime.fallbacks
+    omni_accel.restore(pipe)
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+
+    for block in accelerated.transformer_blocks:
+        assert type(block.attn.processor) is HunyuanVideo15AttnProcessor2_0
+        assert not block._forward_pre_hooks
+    got_blocks.clear()
+    with torch.no_grad():
+        assert torch.equal(accelerated(**inputs)[0], expected)  # Diffusers' own code again, bitwise
+
+
+def test_a_hunyuan_video15_key_mask_follows_a_users_attention_backend_and_deepcopy():
+    """A Diffusers backend the user sets on the model reaches our processors (and runs Diffusers' own
+    attention, as it would); a deep copy of the accelerated pipeline runs on its own masks."""
+    import copy
+
+    plain, accelerated, inputs = _tiny_hunyuan_video15(layers=2)
+    with torch.no_grad():
+        expected = plain(**inputs)[0]
+        pipe = omni_accel.accelerate(_Holder(accelerated), compile=False)
+        twin = copy.deepcopy(pipe)
+        assert rel_err(twin.transformer(**inputs)[0], expected) <= 1e-5
+        assert omni_accel.describe(twin).components[0].selector.served_without_mask == {"generic.attn": 1}
+        pipe.transformer.set_attention_backend("native")
+        assert rel_err(pipe.transformer(**inputs)[0], expected) <= 1e-5
+    unrouted = omni_accel.describe(pipe).components[0].selector.unrouted
+    assert unrouted, "a backend set on the processors runs Diffusers' attention"

@@ -106,6 +106,24 @@ _CP_PLAN_ADDITIONS: dict[str, dict[str, Any]] = {
 }
 
 
+# Models without native blocks whose Diffusers code defeats our kernels in one place: the ``module:function``
+# that replaces that place, ``function(transformer) -> (what describe says, undos)``.
+_GENERIC_ADAPTATIONS: dict[str, str] = {
+    # a dense [S, S] mask expanded from the text padding in every block
+    "HunyuanVideo15Transformer3DModel": "omni_accel.models.hunyuan_video15:adapt",
+}
+
+
+def generic_adaptation(
+    transformer: nn.Module,
+) -> Callable[[nn.Module], tuple[str, list[Callable[[], None]]]] | None:
+    """The adaptation of ``transformer``'s class (or the closest class in its MRO), or None."""
+    for cls in type(transformer).__mro__:
+        if cls.__name__ in _GENERIC_ADAPTATIONS and cls.__module__.startswith("diffusers."):
+            return _import(_GENERIC_ADAPTATIONS[cls.__name__])
+    return None
+
+
 def cp_plan(transformer: nn.Module) -> dict[str, Any] | None:
     """The context-parallel plan ``transformer``'s class declares (``_cp_plan``) with our additions where it
     lacks something, or None where it declares none."""
