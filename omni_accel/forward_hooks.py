@@ -2,7 +2,8 @@
 
 Native blocks, CUDA graphs, the generic tier's compiled blocks and the projection cache all skip work a hook
 may observe or change, so they ask here. Our own scope hooks (``scoped_hooks``: they only say which
-pipeline and attention role a call belongs to) observe and change nothing, and do not count.
+pipeline and attention role a call belongs to) observe and change nothing, and do not count; nor do hooks
+of ours that rewrite an argument into another form of the same thing (``OurHook``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def is_hooked(module: nn.Module) -> bool:
 
 def _foreign(hooks: dict) -> bool:
     return bool(hooks) and any(not hasattr(hook, _OURS) for hook in hooks.values())
+
+
+class OurHook:
+    """Base of a hook object of ours that does not count as a hook (see the module docstring)."""
+
+
+setattr(OurHook, _OURS, True)
 
 
 class InstanceForward:

@@ -299,3 +299,17 @@ def test_a_hunyuan_video15_key_mask_follows_a_users_attention_backend_and_deepco
         assert rel_err(pipe.transformer(**inputs)[0], expected) <= 1e-5
     unrouted = omni_accel.describe(pipe).components[0].selector.unrouted
     assert unrouted, "a backend set on the processors runs Diffusers' attention"
+
+
+def test_the_hunyuan_video15_mask_hook_is_not_a_users_hook():
+    """The pre-hook giving every block the same key mask changes no value a hook could observe, so CUDA
+    graphs and the compiled blocks do not treat the blocks as hooked."""
+    from omni_accel.forward_hooks import is_hooked
+
+    _, accelerated, _ = _tiny_hunyuan_video15(layers=1)
+    pipe = omni_accel.accelerate(_Holder(accelerated), compile=False)
+    block = accelerated.transformer_blocks[0]
+    assert block._forward_pre_hooks and not is_hooked(block)
+    block.register_forward_pre_hook(lambda module, args: None)
+    assert is_hooked(block)
+    omni_accel.restore(pipe)

@@ -21,6 +21,8 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_hunyuan_video15 as diffusers_module
 from torch import nn
 
+from ..forward_hooks import OurHook
+
 _MASK_ARGUMENT = 3  # the block's forward(hidden_states, encoder_hidden_states, temb, attention_mask, ...)
 
 
@@ -95,7 +97,7 @@ def key_mask(mask: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.cat([kept, mask.bool()], dim=1).reshape(mask.shape[0], 1, 1, tokens)
 
 
-class _OneMaskPerForward:
+class _OneMaskPerForward(OurHook):
     """Gives every block of a forward the same key-mask tensor, built from the text mask the model passes
     to each (the same tensor, unchanged, for all of them): kept per thread, for the last text mask seen."""
 
