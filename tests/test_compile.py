@@ -294,6 +294,45 @@ def test_a_compile_nobody_asked_for_falls_back_to_eager_at_the_first_call():
         loud.math(_breaks_the_graph, "a")(x)
 
 
+def h(x):
+    return torch.tanh(x) - 1
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["first-call", "background"])
+def test_a_call_past_dynamos_recompile_limit_runs_eagerly_alone(background):
+    """Dynamo's cache of compiled versions per code object is shared with every compile of a block class
+    in the process (a user's compile_repeated_blocks of another pipeline, our other pipelines): a call that
+    needs a version past its limit runs eagerly, said in the summary, and the versions compiled before keep
+    serving their inputs. Never an error from a compile nobody asked for."""
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        _past_the_recompile_limit(background)
+
+
+def _past_the_recompile_limit(background: bool) -> None:
+    from omni_accel.models.compiler import BlockCompiler
+
+    compiler = BlockCompiler(
+        {"backend": "eager", "fullgraph": True}, background=background, raise_failures=False
+    )
+    small, large = torch.randn(4), torch.randn(6)
+    for _ in range(3):  # background: the first steps eager, the compile between, then compiled
+        assert torch.equal(compiler.math(h, "a")(small), h(small))
+        compiler.wait()
+    assert torch.equal(compiler.math(h, "a")(large), h(large))  # another static shape: past the limit
+    assert torch.equal(compiler.math(h, "a")(small), h(small))  # the compiled version still serves
+    summary = compiler.summary()
+    assert "compile failed" not in summary[0]
+    assert summary[1] == (
+        "h: 1 calls ran eagerly: Dynamo's recompile limit (torch._dynamo.config.recompile_limit) was reached "
+        "for this block class in the process"
+    )
+    if background:
+        eager, compiled = compiler.calls()["h"]
+        assert eager >= 1 and compiled >= 2, (eager, compiled)
+
+
 def test_torch_compile_in_a_thread_undoes_what_another_thread_set_meanwhile():
     """Why ``compile_in_background`` is off by default: torch.compile saves process-wide state when it starts
     (the random state, the default dtype...) and restores it when it ends, so a ``torch.manual_seed`` in the

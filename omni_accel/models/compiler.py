@@ -61,6 +61,7 @@ class _Function:
     active: bool = False  # the blocks call ``compiled``
     error: BaseException | None = None  # raised at the next step boundary
     failed: str | None = None  # after the error was raised: runs eagerly, described
+    over_limit: int = 0  # calls run eagerly: Dynamo's recompile limit for the function was reached
     eager_calls: int = 0
     compiled_calls: int = 0
     # perf_counter() when its worker started (it may first wait for another function's compile) and ended
@@ -150,23 +151,29 @@ class BlockCompiler:
         """One line per block function, for ``describe``."""
         lines = []
         for fn, function in self._functions.items():
-            if function.at_first_call:
-                state = f"compile failed, runs eagerly: {function.failed}" if function.failed else "compiled"
-                lines.append(f"{fn.__qualname__}: {state} at its first call per input shape")
-                continue
-            state = (
-                "compiled" if function.active else "compiling" if function.compiling else "not yet compiled"
-            )
-            if function.ready:
-                state = "compiled, switched in at the next step"
-            if function.failed:
-                state = f"compile failed, runs eagerly: {function.failed}"
-            took = f" in {function.window[1] - function.window[0]:.1f} s" if function.window else ""
-            lines.append(
-                f"{fn.__qualname__}: {state} in the background{took} ({function.eager_calls} calls ran eagerly "
-                f"before, {function.compiled_calls} compiled)"
-            )
+            lines.append(self._line(fn, function))
+            if function.over_limit:
+                lines.append(
+                    f"{fn.__qualname__}: {function.over_limit} calls ran eagerly: Dynamo's recompile limit "
+                    "(torch._dynamo.config.recompile_limit) was reached for this block class in the process"
+                )
         return lines
+
+    @staticmethod
+    def _line(fn: Callable, function: _Function) -> str:
+        if function.at_first_call:
+            state = f"compile failed, runs eagerly: {function.failed}" if function.failed else "compiled"
+            return f"{fn.__qualname__}: {state} at its first call per input shape"
+        state = "compiled" if function.active else "compiling" if function.compiling else "not yet compiled"
+        if function.ready:
+            state = "compiled, switched in at the next step"
+        if function.failed:
+            state = f"compile failed, runs eagerly: {function.failed}"
+        took = f" in {function.window[1] - function.window[0]:.1f} s" if function.window else ""
+        return (
+            f"{fn.__qualname__}: {state} in the background{took} ({function.eager_calls} calls ran eagerly "
+            f"before, {function.compiled_calls} compiled)"
+        )
 
     def _function(self, fn: Callable, background: bool) -> _Function:
         with self._lock:
@@ -240,6 +247,8 @@ class BlockCompiler:
         with self._lock:
             function.window = (start, time.perf_counter())
             function.compiled = _counted(compiled, function)
+            if not self.raise_failures:
+                function.compiled = _or_eager(function.compiled, fn, function)
             function.ready, function.compiling, self._pending = True, False, True
         logger.info("%s compiled in the background; used from the next step", fn.__qualname__)
 
@@ -283,13 +292,22 @@ def _with_graph_passes(options: dict[str, Any]) -> dict[str, Any]:
 
 def _or_eager(compiled: Callable, fn: Callable, function: _Function) -> Callable:
     """``compiled``, or ``fn`` from the first call that ``compiled`` fails (logged; the compile nobody asked
-    for must not fail the call). An error ``fn`` raises too is the caller's own, raised as it is."""
+    for must not fail the call). An error ``fn`` raises too is the caller's own, raised as it is. A call
+    past Dynamo's recompile limit (its cache of compiled versions per code object is shared with every
+    compile of the same block class in the process) runs eagerly alone: the versions compiled before keep
+    serving the inputs they were compiled for."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if function.failed is not None:
             return fn(*args, **kwargs)
         try:
             return outside_capture_constants(compiled, *args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            out = fn(*args, **kwargs)
+            if not function.over_limit:
+                logger.warning(_OVER_LIMIT + ": %s", fn.__qualname__, _reason(error))
+            function.over_limit += 1
+            return out
         except Exception as error:
             out = fn(*args, **kwargs)
             function.failed = _reason(error)
@@ -299,6 +317,12 @@ def _or_eager(compiled: Callable, fn: Callable, function: _Function) -> Callable
             return out
 
     return run
+
+
+_OVER_LIMIT = (
+    "%s: Dynamo's recompile limit was reached (torch._dynamo.config.recompile_limit, counted over every compile of "
+    "this block class in the process), so calls needing another compiled version run eagerly"
+)
 
 
 def _counted(compiled: Callable, function: _Function) -> Callable:
