@@ -33,6 +33,8 @@ import argparse
 import gc
 import inspect
 import json
+import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -564,12 +566,46 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         result["profile"] = {v: gaps(variants[v], steps=2) for v in ("diffusers_best", "omni")}
     if args.probe:
         result["probe_ms"] = {v: ms[v] for v in variants if v.startswith("omni_")}
+    if args.power and device == "cuda":
+        result["power"] = [  # interleaved: (b), ours, (b), ours
+            {"variant": v, **sustained(variants[v], args.power)}
+            for v in ("diffusers_best", "omni", "diffusers_best", "omni")
+        ]
     if device == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 1024**3
     del best
     variants.clear()
     models.clear()
     return result
+
+
+def sustained(fn: Callable[[], Any], seconds: float) -> dict[str, float]:
+    """``fn`` called back to back for ``seconds`` while ``nvidia-smi`` samples the SM clock and the board
+    power every 100 ms: whether a variant that keeps the GPU busier runs at lower clocks (the H200 here sits
+    at its 700 W cap under dense GEMMs). Median ms per call (CUDA events around the whole window / calls),
+    median clock (MHz) and power (W) over the window's second half."""
+    sampler = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.perf_counter()
+    start.record()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        calls += 1
+    end.record()
+    torch.cuda.synchronize()
+    sampler.terminate()
+    rows = [line.split(",") for line in sampler.communicate()[0].splitlines() if line.count(",") == 1]
+    rows = rows[len(rows) // 2 :]
+    return {
+        "ms_per_call": start.elapsed_time(end) / calls,
+        "calls": calls,
+        "sm_clock_mhz": statistics.median(float(r[0]) for r in rows) if rows else float("nan"),
+        "power_w": statistics.median(float(r[1]) for r in rows) if rows else float("nan"),
+    }
 
 
 def _summary(name: str, r: dict[str, Any]) -> str:
@@ -617,6 +653,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="also profile (b) and ours: GPU busy time and span per call, kernel families, the top kernels",
     )
     parser.add_argument(
+        "--power",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also run (b) and ours back to back for SECONDS each, twice, sampling SM clock and board power",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="CPU, fp32, tiny configs, eager compile backend: a logic check"
     )
     args = parser.parse_args(argv)
@@ -634,6 +677,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(_summary(name, results[name]), flush=True)
             for variant, table in results[name].get("profile", {}).items():
                 print(f"{name} {variant} profile: {_profile_line(table)}", flush=True)
+            if "power" in results[name]:
+                print(f"{name} sustained: {json.dumps(results[name]['power'])}", flush=True)
             if "probe_ms" in results[name]:
                 print(f"{name} probes (ms): {json.dumps(results[name]['probe_ms'])}", flush=True)
             print(json.dumps(results[name]["diffusers_best_switches"]), flush=True)
