@@ -287,6 +287,10 @@ class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
         "txt_up": "ff_context.net.0.proj",
         "txt_down": "ff_context.net.2",
     }
+    # Diffusers' FluxTransformer2DModel._tp_plan splits the same projections the same way; ours is kept
+    # because it also splits the AdaLN modulation projections (norm1*.linear, gathered whole: a third of
+    # this block's weights, a fifth of the single block's, which its plan leaves whole on every rank) and
+    # declares the packed QKV GEMMs our blocks run over those linears' parameters.
     tp_plan = {
         **dict.fromkeys(packed["img_qkv"] + packed["txt_qkv"], Colwise()),
         "attn.to_out.0": Rowwise(),
@@ -356,6 +360,10 @@ FLUX = NativeModel(
     parallel=ParallelPlan(
         name="FLUX",
         attention_heads="num_attention_heads",
+        # Diffusers' _cp_plan splits hidden_states, encoder_hidden_states, img_ids and txt_ids and gathers
+        # proj_out as this does; ours is kept for what it lacks: ControlNet residuals split with the image
+        # tokens, the deprecated 3-D ids, which stream each input belongs to (so that uneven splits need no
+        # length exchange) and the ring's schedule.
         sequence=SequencePlan(
             inputs={
                 "hidden_states": Split("image", 1),

@@ -316,6 +316,11 @@ def _wan_model(name: str, blocks: dict, first_blocks: dict, batched: tuple[str, 
         parallel=ParallelPlan(
             name=name,
             attention_heads="num_attention_heads",
+            # Diffusers' WanTransformer3DModel._cp_plan splits the RoPE tables and the first block's tokens
+            # and gathers proj_out as this does, and Wan 2.2 TI2V's per-token timesteps before the condition
+            # embedder where this splits its outputs (the same tokens). Ours is kept for what it lacks: the
+            # VACE control blocks' inputs, and which stream each split belongs to (uneven splits need no
+            # length exchange). Wan declares no _tp_plan.
             sequence=SequencePlan(
                 # The video tokens are made inside the model: split the RoPE tables, the per-token timestep
                 # embeddings (Wan 2.2 TI2V; per-sample ones stay whole) and the first blocks' tokens.
