@@ -431,17 +431,7 @@ def _plan_generic(
             "(no `_repeated_blocks`, no ModuleList of blocks of one class); leave compile unset for it."
         )
     on_cuda = torch.cuda.is_available()
-    split_linears = parallel is not None and parallel.config.tp > 1
-    if split_linears and config.compile_asked:
-        raise ValueError(
-            f"compile=True under {parallel.config} is not supported for pipe.{name} ({cls_name}), which has no "
-            "native blocks: under tp its split linears reduce their partial sums in hooks inside its blocks, "
-            "which compiled blocks do not run yet. Leave compile unset (its blocks run eagerly), or use "
-            "ulysses, ring or cfg for it."
-        )
-    compile_on = (
-        bool(blocks) and not split_linears and (on_cuda if config.compile is None else config.compile_asked)
-    )
+    compile_on = bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
     graphs_on = on_cuda if config.cuda_graphs is None else config.cuda_graphs
     if not (routes or compile_on or graphs_on or parallel is not None):
         report = ComponentReport(
@@ -484,9 +474,6 @@ def _plan_generic(
             + (
                 "compile=False"
                 if config.compile is False
-                else "under tp its split linears reduce in hooks inside the blocks, which compiled blocks do "
-                "not run yet"
-                if split_linears
                 else "no CUDA device here; compile=True compiles on CPU"
             )
             + ")"

@@ -123,11 +123,27 @@ def scoped_hooks(
     return [handle.remove for handle in handles]
 
 
-def _first_hooked_below(module: nn.Module) -> nn.Module | None:
+# Set on a Diffusers hook (a class attribute) whose forward belongs to the computation of the block above its
+# module, so that our compiled blocks trace it in (a row-split linear's reduction under tp).
+TRACED = "_omni_accel_traced"
+
+
+def _traced_only(module: nn.Module) -> bool:
+    """Every hook on ``module`` is a Diffusers hook marked ``TRACED``."""
+    state = module.__dict__
+    registry = state.get("_diffusers_hook")
+    return (
+        registry is not None
+        and all(getattr(hook, TRACED, False) for hook in registry.hooks.values())
+        and not (_foreign(state["_forward_hooks"]) or _foreign(state["_forward_pre_hooks"]) or "_hf_hook" in state)
+    )
+
+
+def _first_hooked_below(module: nn.Module, traced_count: bool = True) -> nn.Module | None:
     stack = [m for m in module._modules.values() if m is not None]
     while stack:
         child = stack.pop()
-        if is_hooked(child):
+        if is_hooked(child) and (traced_count or not _traced_only(child)):
             return child
         stack.extend(m for m in child._modules.values() if m is not None)
     return None
@@ -135,10 +151,10 @@ def _first_hooked_below(module: nn.Module) -> nn.Module | None:
 
 def hooked_submodule(block: nn.Module) -> str | None:
     """The name of a submodule of ``block`` (not ``block`` itself) with a forward hook, or "a global forward
-    hook"; None when nothing below ``block`` is hooked."""
+    hook"; None when nothing below ``block`` is hooked but by hooks marked ``TRACED``."""
     if global_hooks_active():
         return "a global forward hook"
-    hooked = _first_hooked_below(block)
+    hooked = _first_hooked_below(block, traced_count=False)
     if hooked is None:
         return None
     return next(name for name, module in block.named_modules() if module is hooked)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..forward_hooks import TRACED
 from .comm import all_gather_dim
 from .hooks import LayoutHook, register
 
@@ -185,7 +186,8 @@ def apply_tensor_parallel(
 
 class SumRowSplit(LayoutHook):
     """On a row-split linear that Diffusers' own forward runs (a model without native blocks): this rank's
-    partial product, summed over the TP ranks, the bias added once."""
+    partial product, summed over the TP ranks, the bias added once. Compiled blocks trace it in (Dynamo
+    takes the in-place all-reduce as its functional collective)."""
 
     def new_forward(self, module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (input.requires_grad or module.weight.requires_grad):
@@ -196,6 +198,9 @@ class SumRowSplit(LayoutHook):
         out = torch.nn.functional.linear(input, module.weight)
         dist.all_reduce(out, group=module.omni_tp.group)
         return out if module.bias is None else out + module.bias
+
+
+setattr(SumRowSplit, TRACED, True)
 
 
 class SplitsUnwrapped(LayoutHook):
