@@ -424,6 +424,9 @@ def _plan_generic(
         check_parallel(module, generic_parallel_plan(module, parallel.config, routed=bool(routes)), parallel)
         if _generic_pairing(spec, parallel) is not None:
             patches.check_applicable("pair_cfg_calls")
+        if parallel.config.tp > 1:
+            for patch, _ in _tp_lora_patches():
+                patches.check_applicable(patch)
     blocks = repeated_blocks(module)
     if config.compile_asked and not blocks:
         raise ValueError(
@@ -823,6 +826,9 @@ def _parallelize_generic(component: _Component) -> None:
         component.undo.append(lambda: count_split(-1))
     if parallel.config.tp > 1:  # Diffusers' forward of a row-split linear: its partial sums reduced
         component.undo.append(sum_row_splits(module))
+        for patch in _tp_lora_patches():  # LoRA loaded later: full shapes checked, split adapters merged
+            patches.apply(*patch)
+            component.undo.append(lambda patch=patch: patches.revert(*patch))
     if component.graphs is not None:  # graphs of parallel steps hold collectives
         patches.apply("release_graphs_at_destroy", "torch.distributed")
         component.undo.append(lambda: patches.revert("release_graphs_at_destroy", "torch.distributed"))

@@ -135,7 +135,9 @@ def _traced_only(module: nn.Module) -> bool:
     return (
         registry is not None
         and all(getattr(hook, TRACED, False) for hook in registry.hooks.values())
-        and not (_foreign(state["_forward_hooks"]) or _foreign(state["_forward_pre_hooks"]) or "_hf_hook" in state)
+        and not (
+            _foreign(state["_forward_hooks"]) or _foreign(state["_forward_pre_hooks"]) or "_hf_hook" in state
+        )
     )
 
 

@@ -4,7 +4,8 @@ Target: ``peft.tuners.lora.layer.Linear.get_delta_weight``. Why: ``fuse_lora``/`
 ``merge``/``unmerge``) add the full ``B @ A * scale`` to the base weight, which under tensor parallelism
 holds this rank's slice only. For a linear split by ``parallel.tensor`` the delta is cut the way its weight
 was (the full delta is computed, then sliced, so the merged values are bit for bit those of one rank);
-every other linear gets peft's own result.
+every other linear gets peft's own result, and so does one whose adapter was split with it (the generic
+tier's ``AdaptersSplit``: its delta is this rank's slice already).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def apply(module: ModuleType) -> None:
     def get_delta_weight(self, adapter):
         delta = original(self, adapter)
         shard = getattr(self.get_base_layer(), "omni_tp", None)
-        return delta if shard is None else shard.take(delta, shard.dim).contiguous()
+        if shard is None or delta.shape == self.get_base_layer().weight.shape:
+            return delta
+        return shard.take(delta, shard.dim).contiguous()
 
     setattr(linear, _ORIGINAL, original)
     linear.get_delta_weight = get_delta_weight

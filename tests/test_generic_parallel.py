@@ -155,7 +155,10 @@ def _compiled_tensor_parallel() -> None:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         holder = omni_accel.accelerate(
-            Holder(model), parallel=omni_accel.ParallelConfig(tp=2), compile={"backend": "eager"}, native=False
+            Holder(model),
+            parallel=omni_accel.ParallelConfig(tp=2),
+            compile={"backend": "eager"},
+            native=False,
         )
         try:
             got = [outputs(holder.transformer, inputs) for _ in range(2)]
@@ -249,16 +252,74 @@ def _tensor_parallel() -> None:
         omni_accel.restore(holder)
         assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items()), name
         assert all(torch.equal(a, b) for a, b in zip(outputs(model, inputs), plain, strict=True)), name
-    # an adapter loaded onto a split linear afterwards is refused by name, not a shape error inside peft
+
+
+# LoRA targets covering column- and row-split linears, packed ones included (FLUX.2's QKV+MLP and output).
+_LORA_TARGETS = {
+    "QwenImageTransformer2DModel": ["to_q", "add_k_proj", "to_out.0", "to_add_out", "img_mlp.net.2"],
+    "Flux2Transformer2DModel": (
+        r".*(attn\.to_q|to_add_out|ff\.linear_in|to_qkv_mlp_proj|single_transformer_blocks\.\d+\.attn\.to_out)"
+    ),
+}
+
+
+def _add_lora(model, name: str, adapter: str, seed: int) -> None:
     from peft import LoraConfig
 
-    model, inputs = built["QwenImageTransformer2DModel"]
-    holder = omni_accel.accelerate(Holder(model), parallel=omni_accel.ParallelConfig(tp=2))
-    model.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
-    with pytest.raises(NotImplementedError, match=re.escape("wraps a linear that tp splits (to_q)")):
-        outputs(model, inputs)
-    model.delete_adapters("default")
-    omni_accel.restore(holder)
+    torch.manual_seed(seed)  # the same random A and B on every rank and for the plain twin
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=_LORA_TARGETS[name], init_lora_weights=False)
+    model.add_adapter(config, adapter)
+
+
+def _agree(model, plain, inputs: dict, what: str) -> None:
+    got, want = outputs(model, inputs), outputs(plain, inputs)
+    err = _close(got, want)
+    assert err <= 1e-5, f"{what}: rel err {err:.2e}"
+    assert _same_on_every_rank(got), f"{what}: the ranks differ"
+
+
+def _lora_under_tensor_parallel() -> None:
+    """LoRA adapters added after ``accelerate`` under tp=2 are split with the linears they wrap (lora_B by
+    outputs, lora_A by inputs with its rank-r partial sums reduced): the outputs, the adapter's state dict
+    (full tensors), fuse_lora / unfuse_lora (of a split adapter, and of one fused before any forward),
+    delete_adapters and restore all as plain Diffusers' on one rank."""
+    import copy
+
+    from peft.utils import get_peft_model_state_dict
+
+    for name in _LORA_TARGETS:
+        model, inputs = build(name)
+        inputs = _inputs(name, inputs)
+        plain = copy.deepcopy(model)
+        holder = omni_accel.accelerate(Holder(model), parallel=omni_accel.ParallelConfig(tp=2), native=False)
+        for twin in (plain, model):
+            _add_lora(twin, name, "x", seed=7)
+
+        _agree(model, plain, inputs, f"{name} adapter x")
+        split, full = model.transformer_blocks[0].attn.to_q, plain.transformer_blocks[0].attn.to_q
+        assert split.lora_B["x"].weight.shape[0] * 2 == full.lora_B["x"].weight.shape[0], name  # by outputs
+        ours = get_peft_model_state_dict(model, adapter_name="x")
+        theirs = get_peft_model_state_dict(plain, adapter_name="x")
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs), name
+        for twin in (plain, model):
+            twin.fuse_lora(adapter_names=["x"])
+        _agree(model, plain, inputs, f"{name} x fused")
+        for twin in (plain, model):
+            twin.unfuse_lora()
+        _agree(model, plain, inputs, f"{name} x unfused")
+        for twin in (plain, model):  # fused before any forward of ours split it: the full delta, sliced
+            _add_lora(twin, name, "y", seed=8)
+            twin.set_adapters(["x", "y"])
+            twin.fuse_lora(adapter_names=["y"])
+        _agree(model, plain, inputs, f"{name} y fused before a forward")
+        for twin in (plain, model):
+            twin.unfuse_lora()
+            twin.delete_adapters(["x", "y"])
+        _agree(model, plain, inputs, f"{name} adapters deleted")
+        omni_accel.restore(holder)  # full weights back, as the plain twin's after the same steps
+        ours, theirs = model.state_dict(), plain.state_dict()
+        assert ours.keys() == theirs.keys(), name
+        assert all(torch.allclose(ours[k], theirs[k], rtol=0, atol=1e-6) for k in theirs), name
 
 
 CHECKS = (
@@ -269,6 +330,7 @@ CHECKS = (
     _refusals,
     _guidance_over_two_ranks,
     _tensor_parallel,
+    _lora_under_tensor_parallel,
 )
 
 

@@ -163,23 +163,29 @@ def apply_tensor_parallel(
 ) -> Callable[[], None]:
     """Shards every planned linear of ``blocks`` in place; returns the undo (a collective)."""
     shards = [entry for block, plan in blocks for entry in plan_shards(block, plan, group)]
-    handles = []
-    for _, linear, shard in shards:
-        for name, dim in _sharded_params(linear, shard).items():
-            param = getattr(linear, name)
-            param.data = shard.take(param.data, dim).contiguous().clone()
-        linear.omni_tp = shard
-        handles.append(linear.register_state_dict_post_hook(_full_state))
-        handles.append(linear.register_load_state_dict_pre_hook(_local_state))
+    undos = [shard_linear(linear, shard) for _, linear, shard in shards]
+    return lambda: [undo() for undo in undos]
+
+
+def shard_linear(linear: nn.Linear, shard: LinearShard) -> Callable[[], None]:
+    """Shards ``linear`` in place as ``shard`` says (full tensors in its state_dict, full ones loaded into
+    it are sliced); returns the undo (a collective)."""
+    for name, dim in _sharded_params(linear, shard).items():
+        param = getattr(linear, name)
+        param.data = shard.take(param.data, dim).contiguous().clone()
+    linear.omni_tp = shard
+    handles = [
+        linear.register_state_dict_post_hook(_full_state),
+        linear.register_load_state_dict_pre_hook(_local_state),
+    ]
 
     def undo() -> None:
         for handle in handles:
             handle.remove()
-        for _, linear, shard in shards:
-            for name, dim in _sharded_params(linear, shard).items():
-                param = getattr(linear, name)
-                param.data = shard.gather(param.data, dim)
-            del linear.omni_tp
+        for name, dim in _sharded_params(linear, shard).items():
+            param = getattr(linear, name)
+            param.data = shard.gather(param.data, dim)
+        del linear.omni_tp
 
     return undo
 
@@ -203,10 +209,14 @@ class SumRowSplit(LayoutHook):
 setattr(SumRowSplit, TRACED, True)
 
 
-class SplitsUnwrapped(LayoutHook):
-    """On a model without native blocks under tp: refuses a forward once a split linear has been wrapped
-    (a LoRA adapter loaded after ``accelerate``), whose adapter would meet this rank's slice of the
-    activations with full-size weights; a check of each split linear's place, not a walk of the model."""
+class AdaptersSplit(LayoutHook):
+    """On a model without native blocks under tp: before each forward, splits the LoRA adapters peft has
+    wrapped around a split linear since (loaded after ``accelerate``) the way that linear is split, so that
+    they meet this rank's slice of the activations: a column-split linear's ``lora_B`` keeps its slice of
+    the outputs; a row-split one's ``lora_A`` its slice of the inputs, its rank-r partial products summed
+    over the TP ranks before ``lora_B`` (a sum of r values per token; ``B(sum A_i x_i)`` is ``B A x``).
+    Merging (``fuse_lora``) then adds this rank's slice of the delta by itself. A check of each split
+    linear's place per call, not a walk of the model."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -215,27 +225,59 @@ class SplitsUnwrapped(LayoutHook):
             for name, child in parent._modules.items():
                 if isinstance(getattr(child, "omni_tp", None), LinearShard):
                     self.places.append((parent, name, child))
+        self.split: list[tuple[nn.Linear, LinearShard, Callable[[], None]]] = []
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
         for parent, name, linear in self.places:
-            if parent._modules.get(name) is not linear:
-                raise NotImplementedError(
-                    f"{type(parent._modules.get(name)).__name__} wraps a linear that tp splits ({name}); "
-                    "adapters on a model without native blocks are not split with it yet. Unload them "
-                    "(pipe.unload_lora_weights()), or use ulysses, ring or cfg for this model."
-                )
+            wrapper = parent._modules.get(name)
+            if wrapper is not linear:
+                self._split_adapters(wrapper, name, linear.omni_tp)
         return args, kwargs
+
+    def _split_adapters(self, wrapper: nn.Module, name: str, shard: LinearShard) -> None:
+        lora_a, lora_b = getattr(wrapper, "lora_A", None), getattr(wrapper, "lora_B", None)
+        if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+            raise NotImplementedError(
+                f"{type(wrapper).__name__} wraps a linear that tp splits ({name}), and only peft's LoRA adapters "
+                "are split with it. Remove it, or use ulysses, ring or cfg for this model."
+            )
+        for adapter, down in lora_a.items():
+            up = lora_b[adapter]
+            target = up if shard.dim == 0 else down  # the adapter's linear on the split side
+            if getattr(target, "omni_tp", None) is not None:
+                continue
+            if getattr(wrapper, "use_dora", {}).get(adapter):
+                raise NotImplementedError(
+                    f"the DoRA adapter {adapter!r} on {name}, a linear tp splits, cannot be split with it (its "
+                    "magnitude normalises the whole weight). Unload it, or use ulysses, ring or cfg."
+                )
+            undo = shard_linear(target, shard)
+            if shard.reduces:  # its rank-r partial products, summed before lora_B
+                undo = _then(register(target, SumRowSplit(), "omni_accel.tp_sum"), undo)
+            self.split.append((target, shard, undo))
+
+    def undo(self) -> None:
+        """Gives every adapter split here its full weights back (a collective)."""
+        for _, _, undo in reversed(self.split):
+            undo()
+        self.split.clear()
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    return lambda: (first(), second())
 
 
 def sum_row_splits(module: nn.Module) -> Callable[[], None]:
-    """``SumRowSplit`` on every row-split linear below ``module``, and ``SplitsUnwrapped`` on it; returns
-    the undo."""
+    """``SumRowSplit`` on every row-split linear below ``module``, and ``AdaptersSplit`` on it; returns
+    the undo (which gives split adapters their full weights back)."""
     undo = [
         register(linear, SumRowSplit(), "omni_accel.tp_sum")
         for linear in module.modules()
         if isinstance(getattr(linear, "omni_tp", None), LinearShard) and linear.omni_tp.reduces
     ]
-    undo.append(register(module, SplitsUnwrapped(module), "omni_accel.tp_unwrapped"))
+    adapters = AdaptersSplit(module)
+    undo.append(register(module, adapters, "omni_accel.tp_adapters"))
+    undo.append(adapters.undo)
     return lambda: [step() for step in reversed(undo)]
 
 
