@@ -12,7 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from multirank import run_multirank
-from tiny_transformers import Holder, build, exported_transformers, outputs
+from tiny_transformers import (
+    OVERRIDES,
+    Holder,
+    build,
+    exported_transformers,
+    outputs,
+    randomized,
+    tiny_config,
+)
 
 import omni_accel
 
@@ -360,6 +368,40 @@ def _hybrid(rank: int, world: int) -> None:
         assert err <= 1e-5, f"{name}: rel err {err:.2e}"
         assert _same_on_every_rank(got), name
     _masked_and_uneven(({"ulysses": 2, "ring": 2},))
+    _tensor_and_sequence_parallel()
+
+
+def _four_heads(name: str):
+    """``build(name)``'s model with 4 heads of 8 (the same widths, so its inputs serve): tp=2 x ulysses=2
+    needs a head count both divide."""
+    cls = exported_transformers()[name]
+    axes = {"QwenImageTransformer2DModel": (2, 2, 4), "Flux2Transformer2DModel": (2, 2, 2, 2)}[name]
+    overrides = {**OVERRIDES.get(name, {}), "num_attention_heads": 4, "attention_head_dim": 8}
+    torch.manual_seed(0)
+    return randomized(cls(**tiny_config(cls, {**overrides, "axes_dims_rope": axes})))
+
+
+def _tensor_and_sequence_parallel() -> None:
+    """tp=2 with ring=2 or ulysses=2 on four ranks: the sequence split over the ring/Ulysses ranks by the
+    _cp_plan, each share's linears split over the TP pair by the _tp_plan (every TP rank holds all of its
+    share's tokens); Qwen-Image with padded text split unevenly, and FLUX.2."""
+    for name in ("QwenImageTransformer2DModel", "Flux2Transformer2DModel"):
+        _, inputs = build(name)
+        model = _four_heads(name)
+        inputs = _inputs(name, inputs)
+        if name == "QwenImageTransformer2DModel":
+            inputs["encoder_hidden_states_mask"][-1, -2:] = 0
+        plain = outputs(model, inputs)
+        for layout in ({"tp": 2, "ring": 2}, {"tp": 2, "ulysses": 2}):
+            got, report = _split(model, inputs, layout)
+            err = _close(got, plain)
+            assert err <= 1e-5, f"{name} {layout}: rel err {err:.2e}"
+            assert _same_on_every_rank(got), f"{name} {layout}: replica ranks differ"
+            assert "the sequence split as its _cp_plan declares" in report and "_tp_plan" in report, report
+        torch._dynamo.reset()  # and compiled (Dynamo's eager backend): the same within 1e-5
+        got, report = _split(model, inputs, {"tp": 2, "ulysses": 2}, compile={"backend": "eager"})
+        assert _close(got, plain) <= 1e-5 and _same_on_every_rank(got), name
+        assert "compiled at the first call per input shape (every rank alike" in report, report
 
 
 @pytest.mark.multirank

@@ -207,11 +207,6 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
     name = type(module).__name__
     tensor = {}
     if config.tp > 1:
-        if config.sequence_parallel > 1:
-            raise ValueError(
-                f"tp={config.tp} with ulysses/ring is not supported for {name}, which has no native blocks: use "
-                "one of them alone (or either with cfg)."
-            )
         tensor = tensor_plan(name, getattr(type(module), "_tp_plan", None))
     if config.sequence_parallel > 1 and not routed:
         raise ValueError(
@@ -227,8 +222,9 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
     return ParallelPlan(
         name=name,
         attention_heads="num_attention_heads",
-        sequence=sequence_plan(module, plan) if config.tp == 1 else None,
+        sequence=sequence_plan(module, plan),
         tensor=tensor,
+        tokens_over_tp=False,  # Diffusers' forward of the blocks: each TP rank holds its share's tokens
         batched_inputs=batch_dim_arguments,
         output_like=LearnedOutputs(),
     )

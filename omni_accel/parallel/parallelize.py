@@ -49,7 +49,10 @@ class ParallelPlan:
     ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these), or a function
     that names them from a call's arguments (a model that declares none).
     ``output_like(module, arguments)``: an empty tensor shaped like the output of that call (None where
-    that is not known yet: see ``SplitGuidance``).
+    that is not known yet: see ``SplitGuidance``). ``tokens_over_tp``: under tp, the blocks may take their
+    tokens split over the TP ranks as well (native blocks gather them before the column-split projections,
+    ``token_rows.py``); False where Diffusers' own forward runs the blocks (every TP rank holds all of its
+    sequence share's tokens, and the row-split linears' all-reduce sums over them).
     """
 
     name: str
@@ -58,6 +61,7 @@ class ParallelPlan:
     batched_inputs: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]]
     output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor | None]
     tensor: Mapping[str, TensorPlan] = field(default_factory=dict)
+    tokens_over_tp: bool = True
 
 
 _LAYOUTS: list[weakref.ref] = []
@@ -136,7 +140,9 @@ def parallelize(
         layout.undo.append(apply_tensor_parallel(blocks, state.group("tp")))
     tp = state.group("tp")
     with torch.cuda.device(state.device) if state.device.type == "cuda" else contextlib.nullcontext():
-        tp_splits_tokens = tp is not None and plan.sequence is not None and split_pays(tp)
+        tp_splits_tokens = (
+            tp is not None and plan.tokens_over_tp and plan.sequence is not None and split_pays(tp)
+        )
     if config.sequence_parallel > 1 or tp_splits_tokens:
         tp = tp if tp_splits_tokens else None
         layout.sequence = sequence = SequenceState(state.group("ulysses"), state.group("ring"), tp)
