@@ -225,16 +225,19 @@ class AdaptersSplit(LayoutHook):
             for name, child in parent._modules.items():
                 if isinstance(getattr(child, "omni_tp", None), LinearShard):
                     self.places.append((parent, name, child))
-        self.split: list[tuple[nn.Linear, LinearShard, Callable[[], None]]] = []
+        # (parent, name, adapter, its split linear, undo): where each split adapter sits
+        self.split: list[tuple[nn.Module, str, str, nn.Linear, Callable[[], None]]] = []
 
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
+        # Adapters deleted or unloaded since are dropped, not gathered back (the same on every rank).
+        self.split = [entry for entry in self.split if _still_holds(*entry[:4])]
         for parent, name, linear in self.places:
             wrapper = parent._modules.get(name)
             if wrapper is not linear:
-                self._split_adapters(wrapper, name, linear.omni_tp)
+                self._split_adapters(parent, wrapper, name, linear.omni_tp)
         return args, kwargs
 
-    def _split_adapters(self, wrapper: nn.Module, name: str, shard: LinearShard) -> None:
+    def _split_adapters(self, parent: nn.Module, wrapper: nn.Module, name: str, shard: LinearShard) -> None:
         lora_a, lora_b = getattr(wrapper, "lora_A", None), getattr(wrapper, "lora_B", None)
         if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
             raise NotImplementedError(
@@ -254,13 +257,23 @@ class AdaptersSplit(LayoutHook):
             undo = shard_linear(target, shard)
             if shard.reduces:  # its rank-r partial products, summed before lora_B
                 undo = _then(register(target, SumRowSplit(), "omni_accel.tp_sum"), undo)
-            self.split.append((target, shard, undo))
+            self.split.append((parent, name, adapter, target, undo))
 
     def undo(self) -> None:
-        """Gives every adapter split here its full weights back (a collective)."""
-        for _, _, undo in reversed(self.split):
-            undo()
+        """Gives every adapter split here and still in place its full weights back (a collective)."""
+        for *where, undo in reversed(self.split):
+            if _still_holds(*where):
+                undo()
         self.split.clear()
+
+
+def _still_holds(parent: nn.Module, name: str, adapter: str, linear: nn.Linear) -> bool:
+    """The wrapper at ``parent.name`` still holds ``linear`` as adapter ``adapter``'s A or B."""
+    wrapper = parent._modules.get(name)
+    return any(
+        isinstance(layers, nn.ModuleDict) and adapter in layers and layers[adapter] is linear
+        for layers in (getattr(wrapper, "lora_A", None), getattr(wrapper, "lora_B", None))
+    )
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
