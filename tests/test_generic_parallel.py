@@ -308,7 +308,9 @@ def _lora_under_tensor_parallel() -> None:
             twin.unfuse_lora()
             twin.delete_adapters(["x", "y"])
         _agree(model, plain, inputs, f"{name} adapters deleted")
-        assert not model._diffusers_hook.get_hook("omni_accel.tp_adapters").split, "deleted adapters are let go"
+        assert not model._diffusers_hook.get_hook("omni_accel.tp_adapters").split, (
+            "deleted adapters are let go"
+        )
         omni_accel.restore(holder)  # full weights back, as the plain twin's after the same steps
         ours, theirs = model.state_dict(), plain.state_dict()
         assert ours.keys() == theirs.keys(), name
