@@ -359,8 +359,8 @@ def _hybrid(rank: int, world: int) -> None:
 
 
 def _four_heads(name: str):
-    """``build(name)``'s model with 4 heads of 8 (the same widths, so its inputs serve): tp=2 x ulysses=2
-    needs a head count both divide."""
+    """``build(name)``'s model with 4 heads of 8 (the same widths, so its inputs serve): under tp=2 x
+    ulysses=2 each rank then exchanges whole heads (the tiny models' 2 heads split unevenly there)."""
     cls = exported_transformers()[name]
     axes = {"QwenImageTransformer2DModel": (2, 2, 4), "Flux2Transformer2DModel": (2, 2, 2, 2)}[name]
     overrides = {**OVERRIDES.get(name, {}), "num_attention_heads": 4, "attention_head_dim": 8}
