@@ -313,3 +313,32 @@ def test_the_hunyuan_video15_mask_hook_is_not_a_users_hook():
     block.register_forward_pre_hook(lambda module, args: None)
     assert is_hooked(block)
     omni_accel.restore(pipe)
+
+
+def test_hunyuan_video15_key_mask_beside_lora_and_a_step_cache():
+    """A LoRA on the joint attention's projections behaves on the adapted blocks as on Diffusers' own, and
+    a step cache Diffusers' hooks cannot take on this model (FirstBlockCache: its block class is not
+    registered in 0.42) is refused with the very error plain Diffusers gives."""
+    from diffusers.hooks import FirstBlockCacheConfig
+    from peft import LoraConfig
+
+    plain, accelerated, inputs = _tiny_hunyuan_video15()
+    pipe = omni_accel.accelerate(_Holder(accelerated), compile=False)
+    errors = []
+    for model in (plain, accelerated):
+        torch.manual_seed(4)
+        config = LoraConfig(r=2, target_modules=["to_q", "add_k_proj", "to_add_out"], init_lora_weights=False)
+        model.add_adapter(config, "style")
+        try:
+            model.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+        except ValueError as error:
+            errors.append(str(error))
+    assert len(errors) in (0, 2) and len(set(errors)) <= 1, errors
+    with torch.no_grad():
+        for step in range(3):
+            timestep = torch.tensor([900.0 - 100 * step] * 2)
+            expected = plain(**{**inputs, "timestep": timestep})[0]
+            got = accelerated(**{**inputs, "timestep": timestep})[0]
+            assert rel_err(got, expected) <= 1e-5, step
+    assert omni_accel.describe(pipe).components[0].selector.served_without_mask == {"generic.attn": 6}
+    omni_accel.restore(pipe)
