@@ -168,6 +168,17 @@ def _compiled_under(name: str, layouts: tuple[dict, ...]) -> None:
         assert "every rank alike" in report, report
 
 
+def _adapted_under_cfg() -> None:
+    """HunyuanVideo 1.5's adapted blocks (one key mask per forward, ``models/hunyuan_video15.py``) under
+    cfg=2: each rank's half of the batch with its own padding, within 1e-5 of one rank."""
+    from test_key_padding import _tiny_hunyuan_video15
+
+    plain, accelerated, inputs = _tiny_hunyuan_video15()
+    got, report = _split(accelerated, inputs, {"cfg": 2})
+    assert _close(got, outputs(plain, inputs)) <= 1e-5 and _same_on_every_rank(got)
+    assert "adapted: 3 transformer blocks attend over a key mask" in report, report
+
+
 def _refusals() -> None:
     model, _ = build("QwenImageTransformer2DModel")
     sd3, _ = build("SD3Transformer2DModel")
@@ -326,6 +337,7 @@ CHECKS = (
     _guidance_over_two_ranks,
     _tensor_parallel,
     _lora_under_tensor_parallel,
+    _adapted_under_cfg,
 )
 
 
