@@ -168,6 +168,32 @@ def _compiled_under(name: str, layouts: tuple[dict, ...]) -> None:
         assert "every rank alike" in report, report
 
 
+def _pipeline_lora_under_tensor_parallel() -> None:
+    """The Diffusers way, on the tiny Qwen-Image pipeline under tp=2: ``load_lora_weights`` (its shape
+    checks see full shapes), ``fuse_lora``, ``unfuse_lora`` and ``unload_lora_weights``, each step's images
+    as plain Diffusers' doing the same."""
+    import copy
+
+    from conftest import random_lora
+
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_qwenimage_pipeline(seed=0), parallel=omni_accel.ParallelConfig(tp=2)
+    )
+    lora = random_lora(plain.transformer, ["to_q", "to_k", "to_v", "to_out.0", "to_add_out"], seed=5)
+    steps = (
+        lambda p: p.load_lora_weights(copy.deepcopy(lora), adapter_name="style"),
+        lambda p: p.fuse_lora(),
+        lambda p: (p.unfuse_lora(), p.unload_lora_weights()),
+    )
+    for step in steps:
+        for p in (plain, pipe):
+            step(p)
+        got = _pipeline_images(pipe)
+        assert _close([got], [_pipeline_images(plain)]) <= 1e-5 and _same_on_every_rank([got])
+    omni_accel.restore(pipe)
+
+
 def _adapted_under_cfg() -> None:
     """HunyuanVideo 1.5's adapted blocks (one key mask per forward, ``models/hunyuan_video15.py``) under
     cfg=2: each rank's half of the batch with its own padding, within 1e-5 of one rank."""
@@ -337,6 +363,7 @@ CHECKS = (
     _guidance_over_two_ranks,
     _tensor_parallel,
     _lora_under_tensor_parallel,
+    _pipeline_lora_under_tensor_parallel,
     _adapted_under_cfg,
 )
 
