@@ -171,7 +171,7 @@ def _compiled_under(name: str, layouts: tuple[dict, ...]) -> None:
 def _pipeline_lora_under_tensor_parallel() -> None:
     """The Diffusers way, on the tiny Qwen-Image pipeline under tp=2: ``load_lora_weights`` (its shape
     checks see full shapes), ``fuse_lora``, ``unfuse_lora`` and ``unload_lora_weights``, each step's images
-    as plain Diffusers' doing the same."""
+    as plain Diffusers' doing the same; and a LoRA loaded before ``accelerate``."""
     import copy
 
     from conftest import random_lora
@@ -192,6 +192,16 @@ def _pipeline_lora_under_tensor_parallel() -> None:
         got = _pipeline_images(pipe)
         assert _close([got], [_pipeline_images(plain)]) <= 1e-5 and _same_on_every_rank([got])
     omni_accel.restore(pipe)
+    # loaded before accelerate: split at the first forward, given back whole by restore
+    plain, before = omni_accel.tiny_qwenimage_pipeline(seed=0), omni_accel.tiny_qwenimage_pipeline(seed=0)
+    for p in (plain, before):  # fresh twins: fuse and unfuse above left rounding in the weights
+        p.load_lora_weights(copy.deepcopy(lora), adapter_name="style")
+    expected = _pipeline_images(plain)
+    before = omni_accel.accelerate(before, parallel=omni_accel.ParallelConfig(tp=2))
+    got = _pipeline_images(before)
+    assert _close([got], [expected]) <= 1e-5 and _same_on_every_rank([got])
+    omni_accel.restore(before)
+    assert torch.equal(_pipeline_images(before), expected)
 
 
 def _adapted_under_cfg() -> None:

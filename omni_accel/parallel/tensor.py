@@ -211,7 +211,7 @@ setattr(SumRowSplit, TRACED, True)
 
 class AdaptersSplit(LayoutHook):
     """On a model without native blocks under tp: before each forward, splits the LoRA adapters peft has
-    wrapped around a split linear since (loaded after ``accelerate``) the way that linear is split, so that
+    wrapped around a split linear (loaded before or after ``accelerate``) the way that linear is split, so that
     they meet this rank's slice of the activations: a column-split linear's ``lora_B`` keeps its slice of
     the outputs; a row-split one's ``lora_A`` its slice of the inputs, its rank-r partial products summed
     over the TP ranks before ``lora_B`` (a sum of r values per token; ``B(sum A_i x_i)`` is ``B A x``).
@@ -220,11 +220,14 @@ class AdaptersSplit(LayoutHook):
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.places = []
+        self.places = []  # (parent, name, split linear): where the linear, or a wrapper of it, sits
         for parent in module.modules():
+            if hasattr(parent, "get_base_layer"):
+                continue  # a peft wrapper (adapters loaded before accelerate): its own parent holds it
             for name, child in parent._modules.items():
-                if isinstance(getattr(child, "omni_tp", None), LinearShard):
-                    self.places.append((parent, name, child))
+                linear = None if child is None else _base(child)
+                if isinstance(getattr(linear, "omni_tp", None), LinearShard):
+                    self.places.append((parent, name, linear))
         # (parent, name, adapter, its split linear, undo): where each split adapter sits
         self.split: list[tuple[nn.Module, str, str, nn.Linear, Callable[[], None]]] = []
 
