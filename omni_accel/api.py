@@ -891,9 +891,10 @@ def _generic_pairing(spec: ModelSpec | None, parallel: ParallelState) -> Callabl
     """The rule by which a model without native blocks pairs its cond/uncond calls: only over cfg=2's ranks
     (stacking them in one batch would need to know which arguments carry the batch; ``batch_dim_arguments``
     guesses that well enough to halve a batch, not to stack two calls whose other arguments may differ)."""
-    if spec is None or spec.cfg_pairing is None or parallel.config.cfg == 1:
+    if spec is None or parallel.config.cfg == 1:
         return None
-    return spec.cfg_pairing
+    native = spec.native_model()  # native=False: how the pipeline calls the model is the same
+    return spec.cfg_pairing or (native.cfg_pairing if native is not None else None)
 
 
 def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> list[Callable[[], None]]:

@@ -237,20 +237,28 @@ def _pipeline_images(pipe, **call) -> torch.Tensor:
         "output_type": "pt",
         **call,
     }
-    return pipe(**call, generator=torch.Generator().manual_seed(0)).images
+    out = pipe(**call, generator=torch.Generator().manual_seed(0))
+    return out.frames if hasattr(out, "frames") else out.images  # a video pipeline's, or an image one's
 
 
 def _guidance_over_two_ranks() -> None:
     """cfg=2 on pipelines without native blocks: SD3 batches its two branches in one call (halved over the
-    ranks by the arguments that carry the batch); Qwen-Image's true CFG calls the transformer twice per
-    step (paired over the ranks once the first step has shown the output's shape)."""
+    ranks by the arguments that carry the batch); Qwen-Image's true CFG, FLUX's and Wan's (native=False)
+    call the transformer twice per step (paired over the ranks once the first step has shown the output's
+    shape)."""
+    true_cfg = {"negative_prompt": "a dog", "true_cfg_scale": 4.0}
     cases = (
-        (omni_accel.tiny_sd3_pipeline, {"guidance_scale": 5.0}, "batch-split calls"),
-        (omni_accel.tiny_qwenimage_pipeline, {"negative_prompt": "a dog", "true_cfg_scale": 4.0}, "paired"),
+        (omni_accel.tiny_sd3_pipeline, {"guidance_scale": 5.0}, "batch-split calls", {}),
+        (omni_accel.tiny_qwenimage_pipeline, true_cfg, "paired", {}),
+        # FLUX with true CFG and Wan, with native=False: the pipeline pairs its calls as for native blocks
+        (omni_accel.tiny_flux_pipeline, true_cfg, "paired", {"native": False}),
+        (omni_accel.tiny_wan_pipeline, {"guidance_scale": 5.0, "num_frames": 5}, "paired", {"native": False}),
     )
-    for build_pipeline, call, counted in cases:
+    for build_pipeline, call, counted, options in cases:
         plain = _pipeline_images(build_pipeline(seed=0), **call)
-        pipe = omni_accel.accelerate(build_pipeline(seed=0), parallel=omni_accel.ParallelConfig(cfg=2))
+        pipe = omni_accel.accelerate(
+            build_pipeline(seed=0), parallel=omni_accel.ParallelConfig(cfg=2), **options
+        )
         got = _pipeline_images(pipe, **call)
         err = _close([got], [plain])
         assert err <= 1e-5, f"{build_pipeline.__name__}: rel err {err:.2e}"
