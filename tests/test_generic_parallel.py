@@ -25,8 +25,7 @@ from tiny_transformers import (
 import omni_accel
 
 # Every family whose _cp_plan the installed Diffusers declares and tests/tiny_transformers builds is
-# checked (FLUX.1 and Wan with native=False: their generic path); these at least (MiniMax-H3 is not built
-# tiny yet, see docs/COVERAGE.md).
+# checked (FLUX.1 and Wan with native=False: their generic path); these at least.
 AT_LEAST = (
     "ChronoEditTransformer3DModel",
     "Flux2Transformer2DModel",
@@ -34,6 +33,7 @@ AT_LEAST = (
     "HeliosTransformer3DModel",
     "LTX2VideoTransformer3DModel",
     "LTXVideoTransformer3DModel",
+    "MiniMaxH3Transformer3DModel",  # one packed video/audio/text sequence, two gathered outputs
     "QwenImageTransformer2DModel",
     "WanTransformer3DModel",
 )

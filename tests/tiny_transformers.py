@@ -361,6 +361,34 @@ def _cogvideox(model: nn.Module) -> dict[str, Any]:
     return _with(model, "video", hidden_states=lambda i, g: i["hidden_states"].transpose(1, 2).contiguous())
 
 
+def _minimax_h3(model: nn.Module) -> dict[str, Any]:
+    """One packed sequence of text, video and audio rows (the video's first rows conditioning ones at
+    another noise level), each modality's rows placed by its index tensor, as its modular pipeline packs
+    them."""
+    config, g = model.config, torch.Generator().manual_seed(2)
+    text, video, audio = TEXT_TOKENS, 12, 4
+    rows = text + video + audio
+    patch = config.in_channels * math.prod(config.patch_size)
+    order = torch.randperm(rows, generator=g)  # the modalities interleaved in the packed sequence
+    tags = torch.tensor([1] * text + [0] * video + [2] * audio)[order]
+    conditioning = torch.zeros(rows, dtype=torch.long)
+    conditioning[order[text : text + video // 3]] = 1  # a third of the video rows: the other noise level
+    position = torch.arange(rows)
+    return dict(
+        hidden_states=_randn(g, BATCH, video, patch),
+        audio_hidden_states=_randn(g, BATCH, audio, config.audio_in_channels),
+        encoder_hidden_states=_randn(g, BATCH, text, config.text_dim),
+        timestep=torch.tensor([0.7, 0.05]),
+        timestep_indices=conditioning,
+        token_tags=tags,
+        position_ids=torch.stack([position // 8, position // 4 % 2, position % 4], dim=-1),
+        text_indices=(tags == 1).nonzero().squeeze(1),
+        video_indices=(tags == 0).nonzero().squeeze(1),
+        audio_indices=(tags == 2).nonzero().squeeze(1),
+        return_dict=False,
+    )
+
+
 def _cogview(model: nn.Module) -> dict[str, Any]:
     size = torch.tensor([[32.0, 32.0]] * BATCH)
     return _with(model, "image", original_size=size, target_size=size, crop_coords=torch.zeros(BATCH, 2))
@@ -368,6 +396,7 @@ def _cogview(model: nn.Module) -> dict[str, Any]:
 
 # Config overrides: only what the generic rules get wrong for a class.
 OVERRIDES: dict[str, dict[str, Any]] = {
+    "MiniMaxH3Transformer3DModel": dict(rope_freq_dim=2),  # its RoPE rotates 6 x rope_freq_dim channels
     "WanVACETransformer3DModel": dict(num_layers=2, vace_layers=[0, 1], vace_in_channels=8),
     "HiDreamImageTransformer2DModel": dict(
         patch_size=2,
@@ -416,6 +445,7 @@ RECIPES: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
     "WanVACETransformer3DModel": lambda m: _with(
         m, "video", control_hidden_states=lambda i, g: _randn(g, BATCH, m.config.vace_in_channels, 2, 8, 8)
     ),
+    "MiniMaxH3Transformer3DModel": _minimax_h3,
     "HunyuanVideo15Transformer3DModel": lambda m: _with(
         m,
         "video",
@@ -472,8 +502,6 @@ NOT_BUILT: dict[str, str] = {
     "Kandinsky's rope positions; no recipe yet",
     "Krea2Transformer2DModel": _NEEDS + "`position_ids` of its joint text/image sequence; no recipe yet",
     "LuminaNextDiT2DModel": _NEEDS + "`encoder_mask` and a precomputed `image_rotary_emb`; no recipe yet",
-    "MiniMaxH3Transformer3DModel": _NEEDS
-    + "joint video/audio/text token tags and index tensors; no recipe yet",
     "MiniMaxMusic3Transformer1DModel": "plain Diffusers forward raised a concat shape error with the generic "
     "inputs (its condition layout is not derived yet)",
     "OmniGenTransformer2DModel": _NEEDS + "tokenized `input_ids` with image latents and their positions; no "
