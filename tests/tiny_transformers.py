@@ -389,6 +389,26 @@ def _minimax_h3(model: nn.Module) -> dict[str, Any]:
     )
 
 
+def _krea2(model: nn.Module) -> dict[str, Any]:
+    """Its pipeline's inputs: packed latents, a stack of tapped text-encoder states per token, and the
+    (t, h, w) positions of the joint [text, image] sequence (text rows all zero); the last prompt padded."""
+    config, g = model.config, torch.Generator().manual_seed(2)
+    height, width = 4, 4
+    positions = torch.zeros(TEXT_TOKENS + height * width, 3, dtype=torch.long)
+    positions[TEXT_TOKENS:, 1] = torch.arange(height).repeat_interleave(width)
+    positions[TEXT_TOKENS:, 2] = torch.arange(width).repeat(height)
+    mask = torch.ones(BATCH, TEXT_TOKENS, dtype=torch.bool)
+    mask[-1, -2:] = False
+    return dict(
+        hidden_states=_randn(g, BATCH, height * width, config.in_channels),
+        encoder_hidden_states=_randn(g, BATCH, TEXT_TOKENS, config.num_text_layers, config.text_hidden_dim),
+        timestep=torch.tensor([0.7] * BATCH),
+        position_ids=positions,
+        encoder_attention_mask=mask,
+        return_dict=False,
+    )
+
+
 def _cogview(model: nn.Module) -> dict[str, Any]:
     size = torch.tensor([[32.0, 32.0]] * BATCH)
     return _with(model, "image", original_size=size, target_size=size, crop_coords=torch.zeros(BATCH, 2))
@@ -446,6 +466,7 @@ RECIPES: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
         m, "video", control_hidden_states=lambda i, g: _randn(g, BATCH, m.config.vace_in_channels, 2, 8, 8)
     ),
     "MiniMaxH3Transformer3DModel": _minimax_h3,
+    "Krea2Transformer2DModel": _krea2,
     "HunyuanVideo15Transformer3DModel": lambda m: _with(
         m,
         "video",
@@ -500,7 +521,6 @@ NOT_BUILT: dict[str, str] = {
     "the latents (129 channels from 64); no recipe yet",
     "Kandinsky6Transformer3DModel": "the generic config leaves `in_text_dim2` (768) and its inputs need "
     "Kandinsky's rope positions; no recipe yet",
-    "Krea2Transformer2DModel": _NEEDS + "`position_ids` of its joint text/image sequence; no recipe yet",
     "LuminaNextDiT2DModel": _NEEDS + "`encoder_mask` and a precomputed `image_rotary_emb`; no recipe yet",
     "MiniMaxMusic3Transformer1DModel": "plain Diffusers forward raised a concat shape error with the generic "
     "inputs (its condition layout is not derived yet)",
