@@ -582,7 +582,7 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
 def sustained(fn: Callable[[], Any], seconds: float) -> dict[str, float]:
     """``fn`` called back to back for ``seconds`` while ``nvidia-smi`` samples the SM clock and the board
     power every 100 ms: whether a variant that keeps the GPU busier runs at lower clocks (the H200 here sits
-    at its 700 W cap under dense GEMMs). Median ms per call (CUDA events around the whole window / calls),
+    at its 700 W cap under dense GEMMs). Mean ms per call (CUDA events around the whole window / calls),
     median clock (MHz) and power (W) over the window's second half."""
     sampler = subprocess.Popen(
         ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],

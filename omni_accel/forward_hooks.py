@@ -141,11 +141,11 @@ def _traced_only(module: nn.Module) -> bool:
     )
 
 
-def _first_hooked_below(module: nn.Module, traced_count: bool = True) -> nn.Module | None:
+def _first_hooked_below(module: nn.Module, count_traced: bool = True) -> nn.Module | None:
     stack = [m for m in module._modules.values() if m is not None]
     while stack:
         child = stack.pop()
-        if is_hooked(child) and (traced_count or not _traced_only(child)):
+        if is_hooked(child) and (count_traced or not _traced_only(child)):
             return child
         stack.extend(m for m in child._modules.values() if m is not None)
     return None
@@ -156,7 +156,7 @@ def hooked_submodule(block: nn.Module) -> str | None:
     hook"; None when nothing below ``block`` is hooked but by hooks marked ``TRACED``."""
     if global_hooks_active():
         return "a global forward hook"
-    hooked = _first_hooked_below(block, traced_count=False)
+    hooked = _first_hooked_below(block, count_traced=False)
     if hooked is None:
         return None
     return next(name for name, module in block.named_modules() if module is hooked)

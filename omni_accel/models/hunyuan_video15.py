@@ -74,13 +74,16 @@ class KeyMaskJointAttention:
             parallel_config=self._parallel_config,
         )
         out = out.flatten(2, 3).to(query.dtype)
-        if mask is not None:  # a padded query has no valid key: its row is zero, as under the dense mask
-            out = out * mask.reshape(batch, tokens, 1)
-
+        # A padded query has no valid key: its row is zero, as under the dense mask. Only text rows can be
+        # padded (``key_mask`` keeps every video token), so only they are multiplied.
         if encoder_hidden_states is None:
-            return out
+            return out if mask is None else out * mask.reshape(batch, tokens, 1)
         text_tokens = encoder_hidden_states.shape[1]
         hidden_states, encoder_hidden_states = out[:, :-text_tokens], out[:, -text_tokens:]
+        if mask is not None:
+            encoder_hidden_states = encoder_hidden_states * mask[..., -text_tokens:].reshape(
+                batch, text_tokens, 1
+            )
         if getattr(attn, "to_out", None) is not None:
             hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
         if getattr(attn, "to_add_out", None) is not None:
