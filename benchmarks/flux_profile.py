@@ -23,7 +23,7 @@ _FAMILIES = (
     # attention output: "concat" in its name, elementwise work all the same)
     (
         "elementwise / norm / other",
-        ("triton_", "_norm_modulate", "_gated_residual", "_concat_gelu", "_qkv_norm"),
+        ("triton_", "_norm_modulate", "_gated_residual", "_concat_gelu", "_qkv_norm", "_quantize"),
     ),
     ("attention", ("fmha", "flash", "cudnn", "attention", "sdpa", "fprop")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")),
@@ -53,7 +53,7 @@ def kernel_table(fn, steps: int, x: dict) -> dict:
             ms = event.self_device_time_total / 1000 / steps
             totals[family(event.key)] += ms
             top[event.key] += ms
-    biggest = dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])
+    biggest = dict(sorted(top.items(), key=lambda kv: -kv[1])[:16])
     return {"per_step_ms": dict(totals), "total_ms": sum(totals.values()), "top_kernels_ms": biggest}
 
 
@@ -61,19 +61,26 @@ def kernel_table(fn, steps: int, x: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=["diffusers_default", "omni_eager", "omni_compiled"])
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     device, dtype = "cuda", torch.bfloat16
     x = inputs(1, 4096, 512, device, dtype)
     results = {}
-    results["diffusers_default"] = kernel_table(build_transformer(device, dtype).__call__, args.steps, x)
-    for name, options in (
-        ("omni_eager", {}),
-        ("omni_compiled", {"compile": True, "compile_in_background": False}),
-    ):
-        pipe = omni_accel.accelerate(bare_pipeline(build_transformer(device, dtype)), **options)
+    if "diffusers_default" in args.variants:
+        results["diffusers_default"] = kernel_table(build_transformer(device, dtype).__call__, args.steps, x)
+    variants = {
+        "omni_eager": {},
+        "omni_compiled": {"compile": True, "compile_in_background": False},
+        "omni_fp8": {"quantize": "fp8"},
+    }
+    for name, options in variants.items():
+        if name not in args.variants:
+            continue
+        model = build_transformer(device, dtype)
+        pipe = omni_accel.accelerate(bare_pipeline(model), cuda_graphs=False, **options)
         results[name] = kernel_table(pipe.transformer.__call__, args.steps, x)
-        del pipe
+        del pipe, model
         gc.collect()
     for name, table in results.items():
         families = ", ".join(f"{k} {v:.1f}" for k, v in sorted(table["per_step_ms"].items()))

@@ -32,6 +32,7 @@ from .attention.selection import AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
 from .config import DEFAULT_COMPONENTS, AccelConfig
 from .forward_hooks import scoped_hooks
+from .layers.fp8 import Fp8Weights
 from .layers.split_modulation import SplitModulation
 from .models.base import NativeBlock, NativeRuntime, modulation_sites, swap_blocks
 from .models.generic import (
@@ -239,6 +240,8 @@ def restore(pipe: Pipeline) -> Pipeline:
             undo()
         if component.cache is not None:
             component.cache.clear()
+        if component.runtime is not None and getattr(component.runtime, "fp8", None) is not None:
+            component.runtime.fp8.release()
     for undo in reversed(state.undo):
         undo()
     setattr(pipe, _STATE_ATTR, None)
@@ -356,8 +359,11 @@ def _plan_swap(
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
     cache = _unless_compiled(cache, config.compile_asked, limitations)
-    runtime = NativeRuntime(selector, options, cache, config.compile_in_background)
+    fp8 = _fp8_weights(name, module) if config.quantize == "fp8" else None
+    runtime = NativeRuntime(selector, options, cache, config.compile_in_background, fp8=fp8)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
+    if fp8 is not None:
+        detail += "; LOSSY: quantize='fp8', the blocks' projections run as float8 e4m3 GEMMs"
     if options is not None:
         detail += "; repeated blocks compiled"
         if config.compile_in_background:
@@ -392,6 +398,27 @@ def _plan_swap(
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 
 
+def _fp8_weights(name: str, module: nn.Module) -> Fp8Weights:
+    """The store of e4m3 weight copies for ``quantize="fp8"``, once the module's device is known to run FP8
+    GEMMs (CUDA: compute capability 8.9 or higher, bf16 activations; the CPU computes them slowly, exactly as
+    specified, which the tests use)."""
+    param = next(module.parameters(), None)
+    if param is not None and param.is_cuda:
+        capability = torch.cuda.get_device_capability(param.device)
+        if capability < (8, 9):
+            raise ValueError(
+                f"quantize='fp8': pipe.{name} is on a GPU of compute capability {capability[0]}.{capability[1]}, "
+                "and FP8 GEMMs need 8.9 or higher (Ada, Hopper, Blackwell); run without quantize."
+            )
+        dtype = _compute_dtype(module)
+        if dtype != torch.bfloat16:
+            raise ValueError(
+                f"quantize='fp8': pipe.{name} computes in {dtype}, and the FP8 GEMM with row scales writes "
+                "bfloat16 only; load the model in torch.bfloat16 or run without quantize."
+            )
+    return Fp8Weights()
+
+
 def _unless_compiled(
     cache: ExactProjectionCache | None, compiled: bool, limitations: list[str]
 ) -> ExactProjectionCache | None:
@@ -417,6 +444,13 @@ def _plan_generic(
     steps replayed from CUDA graphs (``models.generic``; on CUDA unless ``compile`` / ``cuda_graphs`` say).
     With ``parallel``, its sequence split as the model's ``_cp_plan`` declares (``models.generic``)."""
     cls_name = type(module).__name__
+    if config.quantize is not None:
+        raise ValueError(
+            f"quantize={config.quantize!r} runs native blocks' projections in FP8, and pipe.{name} ({cls_name}) "
+            f"has {'native blocks turned off (native=False)' if spec is not None and spec.native else 'no native blocks'}"
+            "; FP8 on the generic tier is not built yet. Run it without quantize, or quantize the transformer "
+            "yourself (torchao, bitsandbytes, GGUF: accelerate runs it as the quantized module computes)."
+        )
     routes = spec.attention_routes if spec is not None else ()
     for patch_name in {name for name, _ in routes} | ({"attention_roles"} if routes else set()):
         patches.check_applicable(patch_name)

@@ -13,6 +13,8 @@ from .parallel.config import ParallelConfig
 # The pipeline attributes that hold denoisers in Diffusers' pipelines (Wan 2.2 has two experts); the
 # default skips an absent one, a name given explicitly must be there (see ``api._denoiser_names``).
 DEFAULT_COMPONENTS = ("transformer", "transformer_2")
+# The lossy modes ``quantize`` takes (None: none).
+QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class AccelConfig:
     replay it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for any accelerated
     transformer whose steps run on CUDA, on one GPU or under a parallel layout. ``vae_parallel``: under a parallel layout,
     split the VAE decode over the ranks by latent rows (None, the default: when the VAE's layers allow it).
-    ``components``: the pipeline attributes treated as denoisers (Diffusers transformers or UNets)."""
+    ``components``: the pipeline attributes treated as denoisers (Diffusers transformers or UNets).
+    ``quantize``: ``"fp8"`` runs the native blocks' projections as float8 e4m3 GEMMs (lossy, opt-in; see
+    ``omni_accel.layers.fp8``); None (the default) keeps every computation lossless."""
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
@@ -47,6 +51,7 @@ class AccelConfig:
     cuda_graphs: bool | None = None
     vae_parallel: bool | None = None
     components: tuple[str, ...] = DEFAULT_COMPONENTS
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionConfig):
@@ -78,6 +83,11 @@ class AccelConfig:
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"components must be a tuple of attribute names, got {self.components!r}.")
         object.__setattr__(self, "components", tuple(self.components))
+        if self.quantize not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantize must be one of {sorted(q for q in QUANTIZATIONS if q)} or None (lossless), got "
+                f"{self.quantize!r}."
+            )
 
     @property
     def compile_asked(self) -> bool:

@@ -83,6 +83,14 @@ class ComponentReport:
                 out.extend(f"  compiled: {line}" for line in self.runtime.compiler.summary())
             if isinstance(self.runtime, NativeRuntime) and self.runtime.modulation is not None:
                 out.append(f"  modulation: {self.runtime.modulation.describe()}")
+            fp8 = getattr(self.runtime, "fp8", None)
+            if fp8 is not None:
+                out.append(
+                    f"  fp8 (lossy): {fp8.copies} projection weights in e4m3 ({fp8.bytes_used} bytes beside "
+                    f"the bf16 ones), {fp8.quantized} quantizations; the AdaLN modulation projections stay bf16"
+                )
+                for reason, count in sorted(fp8.declined.items()):
+                    out.append(f"  fp8: {count} projection calls kept bf16 ({reason})")
             for reason, count in sorted(self.runtime.fallbacks.items()):
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")
         out.extend(f"  adapted: {item}" for item in self.adapted)

@@ -9,7 +9,7 @@ only when reuse is provably exact:
   payloads and signed zeros count, and no hash can collide);
 * the projection name matches and the module's parameters and buffers are the very tensors, storage and
   version counters seen when the output was stored, and its LoRA layers have the same active, merged,
-  disabled adapters and scales (an in-place edit, through ``.data`` too (see ``WatchedParameter``), a
+  disabled adapters and scales (an in-place edit, through ``.data`` too (see ``utils.watched``), a
   ``load_state_dict``, a dtype or device move, any adapter change each invalidate);
 * the numerical settings at the ``project`` call are the same (autocast, matmul precision, TF32 and
   reduced-precision reduction flags);
@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..forward_hooks import has_hooks
+from ..utils.watched import Watcher
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_PREPARED = 64
@@ -68,31 +69,6 @@ def _numerics(device_type: str) -> tuple:
     )
 
 
-class WatchedParameter(nn.Parameter):
-    """A parameter whose ``.data`` counts as a write: reading or setting it bumps the version counter.
-
-    ``p.data`` is a tensor with a version counter of its own, so an in-place edit through it (the EMA
-    pattern ``p.data.mul_(d).add_(...)``) leaves ``p._version`` unchanged and no cheap check could see it.
-    The cache turns the parameters it depends on into this subclass (``watch``), so any ``.data`` use
-    invalidates what was stored, and turns them back on ``clear``."""
-
-    @property
-    def data(self) -> torch.Tensor:
-        torch.autograd.graph.increment_version(self)
-        return nn.Parameter.data.__get__(self)
-
-    @data.setter
-    def data(self, value: torch.Tensor) -> None:
-        nn.Parameter.data.__set__(self, value)
-        torch.autograd.graph.increment_version(self)
-
-
-def _watch(param: torch.Tensor, watched: weakref.WeakSet) -> None:
-    if type(param) is nn.Parameter:
-        param.__class__ = WatchedParameter
-        watched.add(param)
-
-
 def _adapter_state(module: nn.Module) -> tuple:
     """What decides a LoRA layer's effective weight besides its tensors (peft's layer attributes)."""
     return (
@@ -104,7 +80,7 @@ def _adapter_state(module: nn.Module) -> tuple:
     )
 
 
-def _module_state(module: nn.Module, watched: weakref.WeakSet | None = None) -> tuple | None:
+def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | None:
     """Identity, storage and version of every parameter and buffer and the state of every adapter layer;
     None if a tensor has no version counter. With ``watched``, parameters start counting ``.data`` use."""
     state = []
@@ -112,7 +88,7 @@ def _module_state(module: nn.Module, watched: weakref.WeakSet | None = None) -> 
         if t.is_inference():
             return None
         if watched is not None:
-            _watch(t, watched)
+            watched.watch(t)
         state.append((id(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape))
     for m in module.modules():
         if hasattr(m, "lora_A") and hasattr(m, "scaling"):
@@ -164,7 +140,7 @@ class ExactProjectionCache:
         self._prepared: dict[int, _Prepared] = {}
         self._next_id = 0
         self._bytes = 0
-        self._watched: weakref.WeakSet = weakref.WeakSet()
+        self._watched = Watcher()
 
     def __deepcopy__(self, memo: dict) -> ExactProjectionCache:
         # Stored outputs belong to the original model's weights: a copy starts empty.
@@ -183,9 +159,7 @@ class ExactProjectionCache:
 
     def clear(self) -> None:
         """Drops every stored conditioning and output (counters are kept) and stops watching parameters."""
-        for param in list(self._watched):
-            param.__class__ = nn.Parameter
-        self._watched.clear()
+        self._watched.release()
         self._conds.clear()
         self._entries.clear()
         self._prepared.clear()

@@ -5,6 +5,7 @@ from .attention import AttentionSite, attention
 from .feed_forward import feed_forward, feed_forwards_together
 from .fused import (
     concat_gelu,
+    concat_gelu_fp8,
     gated_residual,
     gelu_tanh,
     norm_modulate,
@@ -26,6 +27,7 @@ __all__ = [
     "apply_rope",
     "attention",
     "concat_gelu",
+    "concat_gelu_fp8",
     "feed_forward",
     "feed_forwards_together",
     "gated_residual",

@@ -7,8 +7,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..parallel.token_rows import Rows
-from .fused import gelu_tanh
-from .projection import LinearWeights, apply_one, finish_projections, start_projection
+from .fp8 import Fp8Rows
+from .fused import gelu_tanh, gelu_tanh_fp8
+from .projection import LinearWeights, apply_one, finish_projections, start_projection, takes_fp8_rows
 
 
 def feed_forward(
@@ -23,7 +24,7 @@ def feed_forward(
     inputs, so the activation runs on the local slice and one all-reduce (with the tokens split, ``rows``:
     a gather before and a reduce-scatter after) frames the MLP. ``gathered``: ``x`` holds every rank's
     tokens already (``norm_modulate_gathered``)."""
-    return apply_one(_activated_up(x, up, rows, gathered, activation), down, rows)
+    return apply_one(_activated_up(x, up, down, rows, gathered, activation), down, rows)
 
 
 def feed_forwards_together(
@@ -35,24 +36,28 @@ def feed_forwards_together(
     ending them all."""
     last = len(items) - 1
     started = [
-        start_projection(_activated_up(x, up, rows, gathered, activation), down, rows, beside=i < last)
+        start_projection(_activated_up(x, up, down, rows, gathered, activation), down, rows, beside=i < last)
         for i, (x, up, down, rows, gathered) in enumerate(items)
     ]
     return finish_projections(started)
 
 
 def _activated_up(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     up: LinearWeights,
+    down: LinearWeights,
     rows: Rows | None,
     gathered: bool,
     activation: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
+) -> torch.Tensor | Fp8Rows:
     """``activation(up(x))``. The tanh-GELU of a plain projection on CUDA runs in the GEMM's epilogue
     (cuBLASLt, from the float32 accumulator): the MLP's widest activation is written once instead of
     written, read and written again. Wan 14B's MLP up at 32760 tokens: 6.86 ms against 7.44 for the GEMM
     and our GELU kernel (``benchmarks/gemm_gelu.py``, one H200). Left to the GELU kernel: adapters (added
-    before the activation), a gather inside the projection, float32, and traced graphs."""
+    before the activation), a gather inside the projection, float32, and traced graphs. Under FP8 the
+    activation is written quantized for ``down`` where nothing else reads it (``gelu_tanh_fp8``)."""
+    if activation is gelu_tanh and takes_fp8_rows(down) and rows is None:
+        return gelu_tanh_fp8(apply_one(x, up))
     if activation is gelu_tanh and _gelu_epilogue_serves(x, up, rows is None or gathered):
         y = torch._addmm_activation(up.bias, x.flatten(0, -2), up.weight.t(), use_gelu=True)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -64,6 +69,8 @@ def _gelu_epilogue_serves(x: torch.Tensor, up: LinearWeights, plain: bool) -> bo
     (a tensor subclass, such as a quantized weight, keeps ``F.linear``'s dispatch)."""
     return (
         plain
+        and isinstance(x, torch.Tensor)
+        and up.fp8 is None
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and up.bias is not None

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..parallel.placement import Placement
 from ..parallel.token_rows import Rows, gather_targets, gathered_together
 from ..utils.kernels import HAS_TRITON, kernels_can_run
+from .fp8 import Fp8Rows, quantize_rows
 from .modulation import modulate
 from .norms import layer_norm
 from .rope import apply_rope
@@ -42,23 +43,44 @@ def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     return modulate(layer_norm(x.to(shift.dtype), eps), shift, scale).to(x.dtype)
 
 
+def norm_modulate_fp8(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> Fp8Rows:
+    """``quantize_rows(norm_modulate(x, shift, scale, eps))``, on CUDA in one kernel that never writes the
+    bf16 rows (the input of an FP8 GEMM that nothing else reads)."""
+    if _norm_modulate_kernel_serves(x, shift, scale):
+        data, row_scale = torch.ops.omni_accel.norm_modulate_fp8(x, shift, scale, eps)
+        return Fp8Rows(data, row_scale, tuple(x.shape[:-1]), x.dtype)
+    return quantize_rows(norm_modulate(x, shift, scale, eps))
+
+
 def norm_modulate_gathered(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, rows: Rows | None
-) -> tuple[torch.Tensor, Rows | None]:
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    rows: Rows | None,
+    quantized: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, Rows | None]:
     """``norm_modulate`` for the input of a column-split projection under tensor parallelism with the
     tokens split (``rows``): where the gather is by peer writes, every rank's tokens joined, written into
     the gather's buffers by the kernel itself (no copy), and None; else this rank's tokens and ``rows``,
     which the projection then gathers (``apply_linear(h, weights, rows)`` either way)."""
-    return norm_modulate_gathered_together([(x, shift, scale, rows)], eps)[0]
+    return norm_modulate_gathered_together([(x, shift, scale, rows)], eps, [quantized])[0]
 
 
 def norm_modulate_gathered_together(
-    items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rows | None]], eps: float
-) -> list[tuple[torch.Tensor, Rows | None]]:
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rows | None]],
+    eps: float,
+    quantized: Sequence[bool] = (),
+) -> list[tuple[torch.Tensor | Fp8Rows, Rows | None]]:
     """``norm_modulate_gathered`` of each ``(x, shift, scale, rows)`` (independent streams of a block, of
-    one TP group): their gathers by peer writes end behind one barrier."""
+    one TP group): their gathers by peer writes end behind one barrier. ``quantized[i]``: item ``i``'s
+    result feeds only an FP8 GEMM (``projection.takes_fp8_rows``); unless its tokens are gathered, it comes
+    quantized (``norm_modulate_fp8``)."""
     results, targets = [], []
-    for x, shift, scale, rows in items:
+    for i, (x, shift, scale, rows) in enumerate(items):
+        if rows is None and i < len(quantized) and quantized[i]:
+            results.append((norm_modulate_fp8(x, shift, scale, eps), None))
+            continue
         target = None if rows is None else gather_targets(x, rows)
         if target is None:
             results.append((norm_modulate(x, shift, scale, eps), rows))
@@ -110,6 +132,19 @@ def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.ops.omni_accel.concat_gelu(a, b)
     activated = F.gelu(b, approximate="tanh")
     return activated if a.shape[-1] == 0 else torch.cat([a, activated], dim=-1)
+
+
+def concat_gelu_fp8(a: torch.Tensor, b: torch.Tensor) -> Fp8Rows:
+    """``quantize_rows(concat_gelu(a, b))``, on CUDA in one kernel that never writes the bf16 rows."""
+    if _gelu_kernel_serves(a, b):
+        data, row_scale = torch.ops.omni_accel.concat_gelu_fp8(a, b)
+        return Fp8Rows(data, row_scale, tuple(b.shape[:-1]), b.dtype)
+    return quantize_rows(concat_gelu(a, b))
+
+
+def gelu_tanh_fp8(x: torch.Tensor) -> Fp8Rows:
+    """``quantize_rows(gelu_tanh(x))`` (an MLP's activation feeding an FP8 down projection)."""
+    return concat_gelu_fp8(x[..., :0], x)
 
 
 def _gelu_kernel_serves(*tensors: torch.Tensor) -> bool:

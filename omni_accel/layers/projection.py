@@ -36,6 +36,7 @@ from ..parallel.token_rows import (
     start_sum,
     sum_together,
 )
+from .fp8 import Fp8Rows, Fp8Weight, Fp8Weights, fp8_linear, fp8_reason
 
 _PACK_LOCK = threading.Lock()
 
@@ -62,6 +63,8 @@ class LinearWeights:
     sizes: tuple[int, ...]
     adapters: tuple[tuple[LowRank, ...], ...]  # per packed output
     reduce: dist.ProcessGroup | None = None  # tensor-parallel input split: outputs are summed over this group
+    sources: tuple[torch.Tensor, ...] = ()  # the parameters ``weight`` is made of (one per packed linear)
+    fp8: Fp8Weight | None = None  # its e4m3 copy, when the GEMM runs in FP8 (``layers.fp8``)
 
 
 class Unsupported(Exception):
@@ -106,7 +109,7 @@ _PLAIN_TORCH_FUNCTIONS = (_unbound(torch.Tensor.__torch_function__), nn.Paramete
 @functools.cache
 def _plain_class(cls: type) -> bool:
     """A tensor class that computes as a tensor does: ``Tensor``, ``Parameter`` and subclasses that only add
-    bookkeeping (the cache's ``WatchedParameter``), not a ``__torch_function__``/``__torch_dispatch__``."""
+    bookkeeping (``utils.watched.WatchedParameter``), not a ``__torch_function__``/``__torch_dispatch__``."""
     return _unbound(cls.__torch_function__) in _PLAIN_TORCH_FUNCTIONS and _unbound(
         cls.__torch_dispatch__
     ) is _unbound(torch.Tensor.__torch_dispatch__)
@@ -188,7 +191,7 @@ def read_linear(module: nn.Module, where: str) -> LinearWeights:
     shard = getattr(base, "omni_tp", None)
     reduce = shard.group if shard is not None and shard.reduces else None
     bias = None if reduce is not None and shard.rank != 0 else base.bias  # summed over the ranks: once
-    return LinearWeights(base.weight, bias, (_local_size(base),), (terms,), reduce)
+    return LinearWeights(base.weight, bias, (_local_size(base),), (terms,), reduce, (base.weight,))
 
 
 def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
@@ -204,8 +207,28 @@ def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
                 packed = _packed_view(bases)
     weight, bias = packed
     return LinearWeights(
-        weight, bias, tuple(_local_size(b) for b in bases), tuple(terms for _, terms in resolved)
+        weight,
+        bias,
+        tuple(_local_size(b) for b in bases),
+        tuple(terms for _, terms in resolved),
+        sources=tuple(b.weight for b in bases),
     )
+
+
+def with_fp8(weights: LinearWeights, store: Fp8Weights) -> LinearWeights:
+    """``weights`` with the e4m3 copy of their weight from ``store`` (made if needed), or as they are where
+    the FP8 GEMM cannot take them (``store.declined`` counts why)."""
+    reason = fp8_reason(weights.weight)
+    if reason is not None:
+        store.declined[reason] += 1
+        return weights
+    return replace(weights, fp8=store.of(weights.weight, weights.sources))
+
+
+def takes_fp8_rows(weights: LinearWeights) -> bool:
+    """The projection's GEMM runs in FP8 and nothing else reads its input (no adapter): the kernel making
+    the input may write it quantized (``layers.fp8.Fp8Rows``) instead of in bf16."""
+    return weights.fp8 is not None and not any(weights.adapters)
 
 
 def prepack(modules: Sequence[nn.Module]) -> None:
@@ -300,6 +323,7 @@ def split_packed(weights: LinearWeights, count: int) -> tuple[LinearWeights, Lin
             bias=bias,
             sizes=weights.sizes[parts],
             adapters=weights.adapters[parts],
+            fp8=_fp8_rows(weights.fp8, rows),
         )
 
     return part(slice(None, at), slice(None, count)), part(slice(at, None), slice(count, None))
@@ -315,27 +339,47 @@ def output_rows(weights: LinearWeights, start: int, size: int) -> LinearWeights:
         replace(t, up=t.up[rows], up_bias=None if t.up_bias is None else t.up_bias[rows]) for t in terms
     )
     bias = None if weights.bias is None else weights.bias[rows]
-    return replace(weights, weight=weights.weight[rows], bias=bias, sizes=(size,), adapters=(terms,))
+    return replace(
+        weights,
+        weight=weights.weight[rows],
+        bias=bias,
+        sizes=(size,),
+        adapters=(terms,),
+        fp8=_fp8_rows(weights.fp8, rows),
+    )
+
+
+def _fp8_rows(fp8: Fp8Weight | None, rows: slice) -> Fp8Weight | None:
+    """The e4m3 copy of output channels ``rows`` (views)."""
+    return None if fp8 is None else Fp8Weight(fp8.data[rows], fp8.scale[:, rows])
 
 
 def apply_linear(
-    x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None
+    x: torch.Tensor | Fp8Rows, weights: LinearWeights, rows: Rows | None = None
 ) -> tuple[torch.Tensor, ...]:
     """``x`` through the (packed) projection: one output per packed linear, adapters added as peft does.
     ``rows``: under tensor parallelism with the tokens split (``parallel/token_rows.py``), which tokens this
     rank holds of ``x`` (a column-split projection gathers every rank's first) or of the output (a row-split
-    one sums its partial sums of them over the ranks)."""
+    one sums its partial sums of them over the ranks). ``x`` may be quantized already (``takes_fp8_rows``)
+    where ``rows`` is None."""
     if weights.reduce is not None:
         return (_summed_over_ranks(x, weights, rows),)
     if rows is None:
-        y = F.linear(x, weights.weight, weights.bias)
-    elif any(weights.adapters):  # the adapters read the gathered tokens too
+        y = _gemm(x, weights)
+    elif any(weights.adapters) or weights.fp8 is not None:  # these read the gathered tokens too
         x = gather_rows(x, rows)
-        y = F.linear(x, weights.weight, weights.bias)
+        y = _gemm(x, weights)
     else:
         y = linear_of_gathered(x, weights.weight, weights.bias, rows)
     parts = y.split(weights.sizes, dim=-1) if len(weights.sizes) > 1 else (y,)
     return tuple(_add_adapters(x, part, terms) for part, terms in zip(parts, weights.adapters, strict=True))
+
+
+def _gemm(x: torch.Tensor | Fp8Rows, weights: LinearWeights) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, in FP8 where the projection has its e4m3 copy."""
+    if weights.fp8 is None:
+        return F.linear(x, weights.weight, weights.bias)
+    return fp8_linear(x, weights.fp8, weights.bias)
 
 
 def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights, rows: Rows | None) -> torch.Tensor:
@@ -353,7 +397,7 @@ def _partial_products(x: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
     its GEMM adds it in the epilogue, so the sum has it once without a broadcast add over the whole output
     after the collective."""
     (terms,) = weights.adapters
-    return _add_adapters(x, F.linear(x, weights.weight, weights.bias), terms, with_bias=False)
+    return _add_adapters(x, _gemm(x, weights), terms, with_bias=False)
 
 
 def _with_adapter_biases(y: torch.Tensor, weights: LinearWeights) -> torch.Tensor:
@@ -439,7 +483,9 @@ def apply_one(x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None)
 def project_into(x: torch.Tensor, weights: LinearWeights, out: torch.Tensor) -> torch.Tensor:
     """``apply_one(x, weights)`` of a 2-D ``x`` (one projection without a collective), computed into ``out``
     (F.linear's own product, in place)."""
-    if weights.bias is None:
+    if weights.fp8 is not None:
+        out.copy_(fp8_linear(x, weights.fp8, weights.bias))
+    elif weights.bias is None:
         torch.mm(x, weights.weight.t(), out=out)
     else:
         torch.addmm(weights.bias, x, weights.weight.t(), out=out)

@@ -36,6 +36,7 @@ from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
 from ..forward_hooks import hooked_submodule
 from ..layers.attention import AttentionSite
+from ..layers.fp8 import Fp8Weights
 from ..layers.projection import (
     LinearWeights,
     Unsupported,
@@ -43,6 +44,7 @@ from ..layers.projection import (
     prepack,
     read_linear,
     read_packed,
+    with_fp8,
 )
 from ..layers.split_modulation import ModulationSite, SplitModulation
 from ..parallel.parallelize import Parallelized, ParallelPlan
@@ -81,8 +83,9 @@ class NativeModel:
 @dataclass
 class NativeRuntime(CompiledSteps):
     """What the native blocks of one accelerated transformer share: the attention selector, how their
-    math is compiled (``compile_options`` None: not at all), the parallel layout, and the count of calls that
-    ran Diffusers' forward instead (by reason)."""
+    math is compiled (``compile_options`` None: not at all), the parallel layout, the e4m3 copies of the
+    projection weights under ``quantize="fp8"`` (``fp8``, else None), and the count of calls that ran
+    Diffusers' forward instead (by reason)."""
 
     selector: AttentionSelector
     compile_options: Mapping[str, Any] | None = None
@@ -91,6 +94,7 @@ class NativeRuntime(CompiledSteps):
     fallbacks: Counter = field(default_factory=Counter)
     layout: Parallelized | None = None
     modulation: SplitModulation | None = None  # under a layout: every block's modulation at once
+    fp8: Fp8Weights | None = None
     compiler: BlockCompiler | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -111,14 +115,28 @@ class NativeRuntime(CompiledSteps):
             return fn
         return self.compiler.math(fn, caller, background=self.layout is None)
 
+    def begin_step(self) -> int:
+        if self.fp8 is not None:  # a replay reads the e4m3 copies: re-made in place if their weights moved
+            self.fp8.refresh()
+        return super().begin_step()
+
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
-        # A copy keeps the provider choice and gets its own (empty) cache; compiled code is not copied.
+        # A copy keeps the provider choice and gets its own (empty) caches; compiled code is not copied.
         return NativeRuntime(
-            self.selector, self.compile_options, copy.deepcopy(self.cache, memo), self.compile_in_background
+            self.selector,
+            self.compile_options,
+            copy.deepcopy(self.cache, memo),
+            self.compile_in_background,
+            fp8=copy.deepcopy(self.fp8, memo),
         )
 
     def __reduce__(self):
-        return NativeRuntime, (self.selector, self.compile_options, self.cache, self.compile_in_background)
+        args = (self.selector, self.compile_options, self.cache, self.compile_in_background)
+        return _runtime, (*args, self.fp8)
+
+
+def _runtime(selector, compile_options, cache, compile_in_background, fp8) -> NativeRuntime:
+    return NativeRuntime(selector, compile_options, cache, compile_in_background, fp8=fp8)
 
 
 class NativeBlock:
@@ -179,6 +197,11 @@ class NativeBlock:
                         for name, path in self.linear_projections().items()
                     }
                 )
+                fp8 = self.omni_runtime.fp8
+                if fp8 is not None:  # the AdaLN projections (one row per sample) stay in bf16
+                    for name, projection in weights.items():
+                        if name not in self.modulations:
+                            weights[name] = with_fp8(projection, fp8)
                 return weights
             except Unsupported as exc:
                 reason = str(exc)

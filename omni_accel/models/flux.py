@@ -22,6 +22,7 @@ from diffusers.models.transformers.transformer_flux import (
 from ..layers import (
     apply_together,
     concat_gelu,
+    concat_gelu_fp8,
     feed_forwards_together,
     gated_residual,
     gelu_tanh,
@@ -37,7 +38,8 @@ from ..layers.attention import (
     places_inputs,
     qkv_attention,
 )
-from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed
+from ..layers.fp8 import quantize_rows, split_rows
+from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed, takes_fp8_rows
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.token_rows import Rows
 from .base import NativeBlock, NativeModel
@@ -107,7 +109,9 @@ def double_block(
     eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
     # The two streams in step: under tensor parallelism each pair of exchanges ends behind one barrier.
     (hi, i_gather), (ht, t_gather) = norm_modulate_gathered_together(
-        [(img, i_shift, i_scale, i_rows), (txt, t_shift, t_scale, t_rows)], eps
+        [(img, i_shift, i_scale, i_rows), (txt, t_shift, t_scale, t_rows)],
+        eps,
+        [takes_fp8_rows(w["img_qkv"]), takes_fp8_rows(w["txt_qkv"])],
     )
     iq, ik, iv = apply_linear(hi, w["img_qkv"], i_gather)
     tq, tk, tv = apply_linear(ht, w["txt_qkv"], t_gather)
@@ -122,14 +126,17 @@ def double_block(
         c.layout,
         placed=c.placed,
     )
-    txt_attn, img_attn = out.flatten(2, 3).to(iq.dtype).split_with_sizes([tq.shape[1], iq.shape[1]], dim=1)
-
-    img_out, txt_out = apply_together(
-        [(img_attn.contiguous(), w["img_out"], i_rows), (txt_attn.contiguous(), w["txt_out"], t_rows)]
-    )
+    lengths = [tq.shape[1], iq.shape[1]]
+    if takes_fp8_rows(w["img_out"]) and takes_fp8_rows(w["txt_out"]) and i_rows is None and t_rows is None:
+        txt_attn, img_attn = split_rows(quantize_rows(out.flatten(2, 3).to(iq.dtype)), lengths)
+    else:
+        txt_attn, img_attn = (t.contiguous() for t in out.flatten(2, 3).to(iq.dtype).split(lengths, dim=1))
+    img_out, txt_out = apply_together([(img_attn, w["img_out"], i_rows), (txt_attn, w["txt_out"], t_rows)])
     img, txt = gated_residual(img, i_gate, img_out), gated_residual(txt, t_gate, txt_out)
     (hi, i_gather), (ht, t_gather) = norm_modulate_gathered_together(
-        [(img, i_shift2, i_scale2, i_rows), (txt, t_shift2, t_scale2, t_rows)], eps
+        [(img, i_shift2, i_scale2, i_rows), (txt, t_shift2, t_scale2, t_rows)],
+        eps,
+        [takes_fp8_rows(w["img_up"]), takes_fp8_rows(w["txt_up"])],
     )
     img_ff, txt_ff = feed_forwards_together(
         [
@@ -154,7 +161,8 @@ def single_block(
     output projection's input) instead of concatenated to it."""
     shift, scale, gate = mod.chunk(3, dim=1)
     rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
-    h, gather = norm_modulate_gathered(x, shift, scale, c.eps, rows)
+    quantized = takes_fp8_rows(w["qkv_mlp"]) and not c.overlaps_work
+    h, gather = norm_modulate_gathered(x, shift, scale, c.eps, rows, quantized)
     qk_norms = [(norms["q"], norms["k"])]
     if (
         c.overlaps_work
@@ -175,7 +183,8 @@ def single_block(
         q, k, v, mlp = apply_linear(h, w["qkv_mlp"], gather)
         args = (c.head_dim, c.qk_eps, rope, c.site, c.selector, c.layout)
         out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
-        joined = concat_gelu(out.flatten(2, 3).to(q.dtype), mlp)
+        fp8 = takes_fp8_rows(w["out"]) and rows is None
+        joined = (concat_gelu_fp8 if fp8 else concat_gelu)(out.flatten(2, 3).to(q.dtype), mlp)
     x = gated_residual(x, gate, apply_one(joined, w["out"], rows))
     return _clip_fp16(x)
 

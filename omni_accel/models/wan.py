@@ -19,7 +19,7 @@ from diffusers.models.transformers.transformer_wan_vace import WanVACETransforme
 
 from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate_gathered
 from ..layers.attention import AttentionSite, attention, places_inputs, qkv_attention
-from ..layers.projection import LinearWeights, apply_linear, apply_one
+from ..layers.projection import LinearWeights, apply_linear, apply_one, takes_fp8_rows
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..parallel.comm import all_reduce_sum
 from ..parallel.tensor import shard_of
@@ -84,7 +84,7 @@ def wan_block(
     shift, scale, gate, c_shift, c_scale, c_gate = _modulations(table, temb)
 
     # Self-attention.
-    h, gather = norm_modulate_gathered(x, shift, scale, c.eps, c.rows)
+    h, gather = norm_modulate_gathered(x, shift, scale, c.eps, c.rows, takes_fp8_rows(w["qkv"]))
     q, k, v = apply_linear(h, w["qkv"], gather)
     if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
         qk_norms = [(norms["q"], norms["k"])]
@@ -115,7 +115,7 @@ def wan_block(
     x = x + apply_one(out, w["out2"], c.rows)
 
     # Feed-forward.
-    h, gather = norm_modulate_gathered(x, c_shift, c_scale, c.eps, c.rows)
+    h, gather = norm_modulate_gathered(x, c_shift, c_scale, c.eps, c.rows, takes_fp8_rows(w["up"]))
     ff = feed_forward(h, w["up"], w["down"], rows=c.rows, gathered=gather is None)
     return gated_residual(x, c_gate, ff)
 

@@ -1,0 +1,237 @@
+"""Opt-in FP8 projections (``accelerate(pipe, quantize="fp8")``): lossy, about twice the GEMM throughput.
+
+* Weights: float8 e4m3 with one scale per output channel, made from the bf16 parameter, which stays the
+  source of truth. ``Fp8Weights`` keeps the copies and makes one again, in place, whenever a version
+  counter of a parameter it came from moves (an in-place edit, ``.data`` included, a LoRA fuse), so that a
+  CUDA graph replaying the copy reads the new values; a parameter replaced by another tensor (a
+  ``load_state_dict(assign=True)``, a re-pack, ``.to()``) gets a new copy.
+* Activations: e4m3 with one scale per row (token), quantized from the bf16 values the unquantized path
+  would have multiplied; on CUDA by the kernel that produces them where it can (``norm_modulate``, the
+  GELU of an MLP, ``quantize_rows`` otherwise: one read of the activations).
+* GEMM: ``torch._scaled_mm`` (cuBLASLt on CUDA, with fast accumulation), the bias added in its epilogue,
+  the output in the activations' dtype. LoRA adapters that are not fused run in bf16 beside it, on the
+  bf16 activations.
+
+A scale is ``amax * (1 / 448)`` of its row (``amax`` at least ``_AMAX_FLOOR``, so a zero row stays zero;
+a product, as PyTorch computes a division by a scalar on CUDA) and a value ``x / scale`` saturated to e4m3's
+range, rounded to nearest even.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..utils.kernels import HAS_TRITON, kernels_can_run
+from ..utils.watched import Watcher
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+_AMAX_FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A projection's weight in e4m3: ``data`` ``[N, K]`` (row-major), ``scale`` ``[1, N]`` float32."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations quantized by rows: ``data`` ``[M, K]`` e4m3, ``scale`` ``[M, 1]`` float32, of a tensor
+    of shape ``(*lead, K)`` and dtype ``dtype``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    lead: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
+    """``weight`` ``[N, K]`` in e4m3 with a scale per output channel (row)."""
+    data, scale = _quantize_rows_reference(weight.detach())
+    return Fp8Weight(data, scale.reshape(1, -1))
+
+
+def quantize_rows(x: torch.Tensor) -> Fp8Rows:
+    """``x`` ``[..., K]`` quantized by rows (one kernel on CUDA)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if kernels_can_run(rows) and rows.stride(-1) == 1:  # compiled, inductor fuses the reference instead
+        data, scale = torch.ops.omni_accel.quantize_rows(rows)
+    else:
+        data, scale = _quantize_rows_reference(rows)
+    return Fp8Rows(data, scale, tuple(x.shape[:-1]), x.dtype)
+
+
+def split_rows(rows: Fp8Rows, lengths: Sequence[int]) -> list[Fp8Rows]:
+    """``rows`` of a ``[B, S, K]`` tensor split along ``S`` into parts of ``lengths`` (views for one sample;
+    e4m3 copies, half a bf16 copy's bytes, for several)."""
+    batch, seq = rows.lead
+    data = rows.data.view(batch, seq, -1)
+    scale = rows.scale.view(batch, seq, 1)
+    parts, start = [], 0
+    for length in lengths:
+        part_data = data[:, start : start + length].reshape(batch * length, -1)
+        part_scale = scale[:, start : start + length].reshape(batch * length, 1)
+        parts.append(Fp8Rows(part_data, part_scale, (batch, length), rows.dtype))
+        start += length
+    return parts
+
+
+def _quantize_rows_reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values = rows.float()
+    scale = values.abs().amax(dim=-1, keepdim=True).clamp_min(_AMAX_FLOOR) * (1 / E4M3_MAX)
+    data = (values / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return data, scale
+
+
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the e4m3 GEMM (``x`` quantized here unless it already is)."""
+    rows = x if isinstance(x, Fp8Rows) else quantize_rows(x)
+    out = torch._scaled_mm(
+        rows.data,
+        weight.data.t(),
+        scale_a=rows.scale,
+        scale_b=weight.scale,
+        bias=bias,
+        out_dtype=rows.dtype,
+        use_fast_accum=rows.data.is_cuda,
+    )
+    return out.reshape(*rows.lead, out.shape[-1])
+
+
+def fp8_reason(weight: torch.Tensor) -> str | None:
+    """Why ``weight`` (a projection's ``[N, K]``) keeps its bf16 GEMM under ``quantize="fp8"``, or None."""
+    if weight.ndim != 2:
+        return f"a weight of {weight.ndim} dims"
+    if weight.is_cuda and (weight.shape[0] % 16 or weight.shape[1] % 16):
+        return f"a weight of {tuple(weight.shape)} (cuBLASLt's FP8 GEMM takes multiples of 16)"
+    return None
+
+
+@dataclass
+class _Entry:
+    fp8: Fp8Weight
+    sources: tuple[weakref.ref, ...]
+    versions: tuple[int, ...]
+
+
+class Fp8Weights:
+    """The e4m3 copies of one accelerated transformer's projection weights (see the module docstring).
+
+    A copy is keyed by the (maybe packed) weight it was made from, and remembers the parameters behind it
+    (``sources``) with their version counters; those parameters are watched (``utils.watched``) so that a
+    write through ``.data`` counts. ``refresh`` re-makes stale copies in place before a CUDA graph replay."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, _Entry] = {}
+        self._watcher = Watcher()
+        self._lock = threading.Lock()
+        self.quantized = 0  # copies made, in place or new
+        self.declined: Counter = Counter()  # projections whose GEMM stays bf16, by reason (calls)
+
+    def __deepcopy__(self, memo: dict) -> Fp8Weights:
+        return Fp8Weights()  # the copies belong to the original's weights
+
+    def __reduce__(self):
+        return Fp8Weights, ()
+
+    @property
+    def copies(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(entry.fp8.nbytes for entry in self._entries.values())
+
+    def of(self, weight: torch.Tensor, sources: Sequence[torch.Tensor]) -> Fp8Weight:
+        """The e4m3 copy of ``weight`` (made of the parameters ``sources``), made or re-made if stale."""
+        key = _key(weight)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not _same_sources(entry, sources):
+                for source in sources:
+                    self._watcher.watch(source)
+                entry = self._entries[key] = _Entry(
+                    quantize_weight(weight),
+                    tuple(weakref.ref(s) for s in sources),
+                    tuple(s._version for s in sources),
+                )
+                self.quantized += 1
+            elif entry.versions != tuple(s._version for s in sources):
+                self._requantize(entry, weight)
+            return entry.fp8
+
+    def refresh(self) -> None:
+        """Re-makes in place every copy whose parameters were written since, and forgets copies whose
+        parameters are gone or were replaced (their weights live elsewhere now)."""
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                sources = [ref() for ref in entry.sources]
+                if any(s is None for s in sources):
+                    del self._entries[key]
+                    continue
+                versions = tuple(s._version for s in sources)
+                if versions == entry.versions:
+                    continue
+                weight = _packed_weight(sources)
+                if weight is None or _key(weight) != key:
+                    del self._entries[key]
+                    continue
+                self._requantize(entry, weight)
+
+    def release(self) -> None:
+        """Drops every copy and stops watching the parameters (``restore``)."""
+        with self._lock:
+            self._entries.clear()
+            self._watcher.release()
+
+    def _requantize(self, entry: _Entry, weight: torch.Tensor) -> None:
+        fresh = quantize_weight(weight)
+        entry.fp8.data.copy_(fresh.data)
+        entry.fp8.scale.copy_(fresh.scale)
+        entry.versions = tuple(ref()._version for ref in entry.sources)
+        self.quantized += 1
+
+
+def _key(weight: torch.Tensor) -> tuple:
+    return (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device)
+
+
+def _same_sources(entry: _Entry, sources: Sequence[torch.Tensor]) -> bool:
+    return len(entry.sources) == len(sources) and all(
+        ref() is source for ref, source in zip(entry.sources, sources, strict=True)
+    )
+
+
+def _packed_weight(sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The weight ``sources`` make as one GEMM's (their rows one after another in one storage), or None."""
+    first = sources[0]
+    if len(sources) == 1:
+        return first.detach()
+    offset = first.storage_offset()
+    for source in sources:
+        if (
+            source.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or source.storage_offset() != offset
+            or not source.is_contiguous()
+        ):
+            return None
+        offset += source.numel()
+    rows = sum(s.shape[0] for s in sources)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
+if HAS_TRITON:
+    from . import fp8_kernels  # noqa: F401  (registers the custom ops)

@@ -1,0 +1,174 @@
+"""Triton kernels behind ``layers.fp8`` and the FP8 forms of ``layers.fused`` (imported only when Triton is
+installed), registered as custom ops.
+
+Each writes a GEMM's input straight in e4m3 with its row scales, from the very bf16 values the unquantized
+kernel would have stored (rounded to the activations' dtype first), so that the result is bitwise the
+reference's: ``layers.fp8._quantize_rows_reference`` of the unquantized output. The division of a value by
+its scale is IEEE (``div_rn``) as PyTorch's; the cast to e4m3 rounds to nearest even and saturates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import _AMAX_FLOOR, E4M3, E4M3_MAX
+from .fused_kernels import _GELU_BETA, _GELU_KAPPA
+
+_MAX = tl.constexpr(E4M3_MAX)
+_INVERSE_MAX = tl.constexpr(1 / E4M3_MAX)
+_FLOOR = tl.constexpr(_AMAX_FLOOR)
+_TILE = 2048  # columns per step of the kernels that read a row twice (FLUX's 15360-wide GELU rows)
+
+
+@triton.jit
+def _scale_of(amax):
+    return tl.maximum(amax, _FLOOR) * _INVERSE_MAX
+
+
+@triton.jit
+def _quantized(values, scale):
+    return tl.clamp(tl.math.div_rn(values, scale), -_MAX, _MAX)
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, dim, stride_x, BLOCK: tl.constexpr):
+    """One row: its amax over every tile, then each tile divided by the scale (the second read mostly from
+    L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, dim, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < dim, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = _scale_of(tl.max(amax, 0))
+    tl.store(S + row, scale)
+    for start in range(0, dim, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < dim, other=0.0).to(tl.float32)
+        tl.store(Q + row * dim + cols, _quantized(x, scale).to(Q.dtype.element_ty), mask=cols < dim)
+
+
+@triton.jit
+def _norm_modulate_fp8_kernel(
+    X, SHIFT, SCALE, Q, S, seq, dim, stride_xb, stride_xs, stride_shift, stride_scale, eps,
+    BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """``layers.fused_kernels._norm_modulate_kernel``'s row, rounded to ``DTYPE``, stored quantized."""
+    row = tl.program_id(0)
+    b = row // seq
+    s = row % seq
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    x = tl.load(X + b * stride_xb + s * stride_xs + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 0) / dim
+    centred = tl.where(mask, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, 0) / dim + eps)
+    scale = tl.load(SCALE + b * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(SHIFT + b * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (centred * rstd * (1.0 + scale) + shift).to(DTYPE).to(tl.float32)
+    y = tl.where(mask, y, 0.0)
+    row_scale = _scale_of(tl.max(tl.abs(y), 0))
+    tl.store(S + row, row_scale)
+    tl.store(Q + row.to(tl.int64) * dim + cols, _quantized(y, row_scale).to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE: tl.constexpr):
+    """Columns ``cols`` of row ``row`` of ``cat([a, gelu_tanh(b)], -1)``, rounded to ``DTYPE`` (as
+    ``layers.fused_kernels._concat_gelu_kernel`` computes them), in float32."""
+    in_a = cols < dim_a
+    in_b = (cols >= dim_a) & (cols < dim_a + dim_b)
+    a = tl.load(A + row * stride_a + cols, mask=in_a, other=0.0).to(tl.float32)
+    x = tl.load(B + row * stride_b + (cols - dim_a), mask=in_b, other=0.0).to(tl.float32)
+    u = _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
+    gelu = x / (1.0 + tl.exp(-2.0 * u))
+    return tl.where(in_a, a, gelu.to(DTYPE).to(tl.float32))
+
+
+@triton.jit
+def _concat_gelu_fp8_kernel(
+    A, B, Q, S, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.constexpr, DTYPE: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    dim = dim_a + dim_b
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, dim, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = _scale_of(tl.max(amax, 0))
+    tl.store(S + row, scale)
+    for start in range(0, dim, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
+        tl.store(Q + row * dim + cols, _quantized(y, scale).to(Q.dtype.element_ty), mask=cols < dim)
+
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _outputs(rows: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty(rows, dim, dtype=E4M3, device=device),
+        torch.empty(rows, 1, dtype=torch.float32, device=device),
+    )
+
+
+@torch.library.custom_op("omni_accel::quantize_rows", mutates_args=())
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` (unit column stride) as e4m3 rows and their ``[M, 1]`` scales."""
+    rows, dim = x.shape
+    q, s = _outputs(rows, dim, x.device)
+    if rows and dim:
+        _quantize_rows_kernel[(rows,)](
+            x, q, s, dim, x.stride(0), BLOCK=min(_TILE, triton.next_power_of_2(dim))
+        )
+    return q, s
+
+
+@quantize_rows.register_fake
+def _(x):
+    return _outputs(*x.shape, x.device)
+
+
+@torch.library.custom_op("omni_accel::norm_modulate_fp8", mutates_args=())
+def norm_modulate_fp8(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_modulate(x, shift, scale, eps)`` (``x`` ``[B, S, D]``, per-sample modulation) as e4m3 rows
+    ``[B * S, D]`` and their scales."""
+    batch, seq, dim = x.shape
+    q, s = _outputs(batch * seq, dim, x.device)
+    if batch * seq:
+        _norm_modulate_fp8_kernel[(batch * seq,)](
+            x, shift, scale, q, s, seq, dim, x.stride(0), x.stride(1), shift.stride(0), scale.stride(0), eps,
+            BLOCK=triton.next_power_of_2(dim), DTYPE=_TRITON_DTYPES[x.dtype],
+        )  # fmt: skip
+    return q, s
+
+
+@norm_modulate_fp8.register_fake
+def _(x, shift, scale, eps):
+    return _outputs(x.shape[0] * x.shape[1], x.shape[2], x.device)
+
+
+@torch.library.custom_op("omni_accel::concat_gelu_fp8", mutates_args=())
+def concat_gelu_fp8(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``concat_gelu(a, b)`` (``[B, S, *]`` tensors with evenly spaced rows) as e4m3 rows and scales."""
+    batch, seq, dim_a = a.shape
+    dim_b = b.shape[2]
+    dim = dim_a + dim_b
+    q, s = _outputs(batch * seq, dim, b.device)
+    if batch * seq and dim:
+        _concat_gelu_fp8_kernel[(batch * seq,)](
+            a, b, q, s, dim_a, dim_b, a.stride(1), b.stride(1),
+            BLOCK=min(_TILE, triton.next_power_of_2(dim)), DTYPE=_TRITON_DTYPES[b.dtype],
+        )  # fmt: skip
+    return q, s
+
+
+@concat_gelu_fp8.register_fake
+def _(a, b):
+    return _outputs(a.shape[0] * a.shape[1], a.shape[2] + b.shape[2], b.device)

@@ -1,0 +1,71 @@
+"""Parameters whose ``.data`` use counts as a write, for the stores that keep results derived from weights
+(the exact projection cache, the FP8 weight copies) and check them by version counter.
+
+``p.data`` is a tensor with a version counter of its own, so an in-place edit through it (the EMA pattern
+``p.data.mul_(d).add_(...)``, peft's merge) leaves ``p._version`` unchanged and no cheap check could see it.
+A watcher turns the parameters it depends on into ``WatchedParameter`` and back when it lets them go; a
+parameter two watchers share turns back only when the last one lets it go.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+
+class WatchedParameter(nn.Parameter):
+    """A parameter whose ``.data`` counts as a write: reading or setting it bumps the version counter."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        torch.autograd.graph.increment_version(self)
+        return nn.Parameter.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        nn.Parameter.data.__set__(self, value)
+        torch.autograd.graph.increment_version(self)
+
+
+_LOCK = threading.Lock()
+_COUNT = "_omni_watchers"  # on a watched parameter: how many watchers hold it
+
+
+class Watcher:
+    """The parameters one store watches (by identity: a tensor's ``==`` is elementwise)."""
+
+    def __init__(self) -> None:
+        self._params: dict[int, weakref.ref] = {}
+
+    def watch(self, param: torch.Tensor) -> None:
+        """Makes ``param`` count ``.data`` use (a plain ``nn.Parameter``; other tensors are left alone)."""
+        with _LOCK:
+            ref = self._params.get(id(param))
+            if ref is not None and ref() is param:
+                return
+            if type(param) is nn.Parameter:
+                param.__class__ = WatchedParameter
+            elif type(param) is not WatchedParameter:
+                return
+            self._params[id(param)] = weakref.ref(param)
+            setattr(param, _COUNT, getattr(param, _COUNT, 0) + 1)
+
+    def release(self) -> None:
+        """Lets every watched parameter go; one no other watcher holds becomes a plain parameter again."""
+        with _LOCK:
+            for ref in self._params.values():
+                param = ref()
+                if param is None:
+                    continue
+                count = getattr(param, _COUNT, 1) - 1
+                if count > 0:
+                    setattr(param, _COUNT, count)
+                    continue
+                if hasattr(param, _COUNT):
+                    delattr(param, _COUNT)
+                if type(param) is WatchedParameter:
+                    param.__class__ = nn.Parameter
+            self._params = {}
