@@ -52,6 +52,11 @@ def gelu_apart(call):
         return call()
 
 
+def _scoped(call, provider: str):
+    with omni_accel.attention_scope(default=provider):
+        return call()
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,6 +70,13 @@ def main(argv: list[str] | None = None) -> dict:
         "--gelu-apart",
         action="store_true",
         help="add omni_accel eager with the MLP's GELU as a kernel after the GEMM, not in its epilogue",
+    )
+    parser.add_argument(
+        "--fp8",
+        nargs="*",
+        metavar="PROVIDER",
+        help="add omni_accel quantize='fp8' (lossless attention), and the same under each named attention "
+        "provider (e.g. sage: lossy attention too)",
     )
     parser.add_argument("--tiny", action="store_true", help="a two-block model on CPU: a smoke test")
     parser.add_argument("--out")
@@ -118,6 +130,14 @@ def main(argv: list[str] | None = None) -> dict:
         variants["omni_accel_gelu_apart"] = lambda: gelu_apart(eager)
     if args.cuda_graphs:
         variants["omni_accel_cuda_graphs"] = variant(omni, graphs_on=True)
+    if args.fp8 is not None:
+        fp8 = accelerated(quantize="fp8")
+        variants["omni_accel_fp8"] = variant(fp8, graphs_on=args.cuda_graphs)
+        for provider in args.fp8:
+            scoped = variant(fp8, graphs_on=args.cuda_graphs)
+            variants[f"omni_accel_fp8_{provider}"] = lambda scoped=scoped, provider=provider: _scoped(
+                scoped, provider
+            )
     if args.compile:
         compiled = accelerated(compile=True, compile_in_background=False)
         variants["omni_accel_compiled"] = variant(compiled, graphs_on=False)

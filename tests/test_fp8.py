@@ -226,3 +226,16 @@ def _tensor_parallel_body(rank: int, world: int) -> None:
 
 def test_tensor_parallel_shards_quantize_apart():
     run_multirank(_tensor_parallel_body, 2)
+
+
+def test_quality_script_scores_fp8_against_lossless():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import quality
+
+    results = quality.main(["--tiny", "--diffusers"])
+    assert results["diffusers_vs_lossless"]["ssim_min"] > 0.999  # lossless: the same images
+    fp8_scores = results["fp8_vs_lossless"]
+    assert 20 < fp8_scores["psnr_db_min"] < 200 and fp8_scores["ssim_min"] < 1  # lossy, not broken
