@@ -33,6 +33,7 @@ from .cache import ExactProjectionCache, wrap_sites
 from .config import DEFAULT_COMPONENTS, AccelConfig
 from .forward_hooks import scoped_hooks
 from .layers.fp8 import Fp8Weights
+from .layers.fp8_linears import install_fp8_linears
 from .layers.split_modulation import SplitModulation
 from .models.base import NativeBlock, NativeRuntime, modulation_sites, swap_blocks
 from .models.generic import (
@@ -444,13 +445,6 @@ def _plan_generic(
     steps replayed from CUDA graphs (``models.generic``; on CUDA unless ``compile`` / ``cuda_graphs`` say).
     With ``parallel``, its sequence split as the model's ``_cp_plan`` declares (``models.generic``)."""
     cls_name = type(module).__name__
-    if config.quantize is not None:
-        raise ValueError(
-            f"quantize={config.quantize!r} runs native blocks' projections in FP8, and pipe.{name} ({cls_name}) "
-            f"has {'native blocks turned off (native=False)' if spec is not None and spec.native else 'no native blocks'}"
-            "; FP8 on the generic tier is not built yet. Run it without quantize, or quantize the transformer "
-            "yourself (torchao, bitsandbytes, GGUF: accelerate runs it as the quantized module computes)."
-        )
     routes = spec.attention_routes if spec is not None else ()
     for patch_name in {name for name, _ in routes} | ({"attention_roles"} if routes else set()):
         patches.check_applicable(patch_name)
@@ -462,6 +456,12 @@ def _plan_generic(
             for patch, _ in _tp_lora_patches():
                 patches.check_applicable(patch)
     blocks = repeated_blocks(module)
+    if config.quantize is not None and not blocks:
+        raise ValueError(
+            f"quantize={config.quantize!r} quantizes a transformer's repeated blocks, and pipe.{name} ({cls_name}) "
+            "declares none (no `_repeated_blocks`, no ModuleList of blocks of one class); run it without quantize."
+        )
+    fp8 = _fp8_weights(name, module) if config.quantize == "fp8" else None
     if config.compile_asked and not blocks:
         raise ValueError(
             f"compile=True compiles a transformer's repeated blocks, and pipe.{name} ({cls_name}) declares none "
@@ -544,8 +544,14 @@ def _plan_generic(
         devices=("cuda",) if config.compile is None else None,
         raise_failures=config.compile is not None,
     )
+    runtime.fp8 = fp8
+    if fp8 is not None:
+        parts.append(
+            "LOSSY: quantize='fp8', the repeated blocks' linears run as float8 e4m3 GEMMs (calls of fewer than "
+            "16 rows, such as per-sample modulation, in bf16)"
+        )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
-    tier = "generic" if compile_on or graphs_on else "routed"
+    tier = "generic" if compile_on or graphs_on or fp8 is not None else "routed"
     if parallel is not None:
         parts.append(
             f"{parallel.config} on {dist.get_world_size()} ranks"
@@ -564,7 +570,7 @@ def _plan_generic(
         "; ".join(parts),
         selector if routes else None,
         cache=cache,
-        runtime=runtime if compile_on else None,
+        runtime=runtime if compile_on or fp8 is not None else None,
         graphs=graphs,
         not_accelerated=not_accelerated,
     )
@@ -572,7 +578,7 @@ def _plan_generic(
         report.ulysses_group = parallel.group("ulysses")
     if parallel is not None and parallel.config.ring > 1:
         report.ring_group = parallel.group("ring")
-    generic = runtime if compile_on else None
+    generic = runtime if compile_on or fp8 is not None else None
     return _Component(name, module, spec, report, cache, parallel=parallel, graphs=graphs, generic=generic)
 
 
@@ -722,7 +728,11 @@ def _commit(component: _Component) -> None:
         if component.cache is not None:
             component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
         if component.generic is not None:
-            component.undo += install_regions(component.original, component.generic)
+            if component.generic.compiler is not None:
+                component.undo += install_regions(component.original, component.generic)
+            if component.generic.fp8 is not None:
+                blocks = repeated_blocks(component.original)
+                component.undo += install_fp8_linears(component.original, blocks, component.generic.fp8)[1]
         if component.graphs is not None:
             component.graphs.install()
             component.undo.append(component.graphs.uninstall)

@@ -183,8 +183,6 @@ def test_quantize_is_checked():
     model, _ = _flux()
     with pytest.raises(ValueError, match="or None \\(lossless\\), got 'int4'"):
         omni_accel.accelerate(_Holder(model), quantize="int4")
-    with pytest.raises(ValueError, match="FP8 on the generic tier is not built yet"):
-        omni_accel.accelerate(_Holder(model), quantize="fp8", native=False)
     assert all(type(p) is nn.Parameter for p in model.parameters())
 
 
@@ -239,3 +237,43 @@ def test_quality_script_scores_fp8_against_lossless():
     assert results["diffusers_vs_lossless"]["ssim_min"] > 0.999  # lossless: the same images
     fp8_scores = results["fp8_vs_lossless"]
     assert 20 < fp8_scores["psnr_db_min"] < 200 and fp8_scores["ssim_min"] < 1  # lossy, not broken
+
+
+def test_generic_tier_fp8_is_diffusers_with_quantized_projections():
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)  # 16 text rows: every projection of the blocks in FP8
+    oracle = _oracle(model, inputs)
+    pipe = omni_accel.accelerate(_Holder(copy.deepcopy(model)), quantize="fp8", native=False)
+    ours = pipe.transformer
+    assert rel_err(_sample(ours, inputs), oracle) < _TIGHT
+    report = omni_accel.describe(pipe)
+    # a copy per linear of the blocks (unpacked q/k/v; the modulation's too, whose calls stay bf16)
+    assert "LOSSY: quantize='fp8'" in str(report) and report.components[0].runtime.fp8.copies == 46
+    twin = copy.deepcopy(pipe)
+    edited = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in (edited, ours):
+            m.transformer_blocks[1].ff.net[2].weight.data.mul_(-1)
+    assert rel_err(_sample(ours, inputs), _oracle(edited, inputs)) < _TIGHT
+    assert rel_err(_sample(twin.transformer, inputs), oracle) < _TIGHT  # the copy kept its own weights
+    omni_accel.restore(pipe)
+    assert torch.equal(_sample(ours, inputs), _sample(edited, inputs))
+    assert all("forward" not in m.__dict__ for m in ours.modules())
+    assert all(type(p) is nn.Parameter for p in ours.parameters())
+
+
+def test_generic_tier_fp8_keeps_lora_in_bf16_beside():
+    from peft import LoraConfig
+
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    pipe = omni_accel.accelerate(_Holder(copy.deepcopy(model)), quantize="fp8", native=False)
+    config = LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "proj_out"])
+    for m in (model, pipe.transformer):  # added after accelerate: peft wraps our FP8 linears
+        torch.manual_seed(5)
+        m.add_adapter(config)
+        with torch.no_grad():
+            for name, param in m.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.05)
+    assert rel_err(_sample(pipe.transformer, inputs), _oracle(model, inputs)) < _TIGHT

@@ -75,6 +75,7 @@ class GenericRuntime(CompiledSteps):
 
     cache = None
     layout = None
+    fp8 = None  # the e4m3 weight copies under quantize="fp8" (``layers.fp8_linears``)
 
     def __init__(
         self,
@@ -108,8 +109,10 @@ class GenericRuntime(CompiledSteps):
         )
 
     def __deepcopy__(self, memo: dict) -> GenericRuntime:
-        # A copy keeps the provider choice; compiled code and counts are its own.
-        return GenericRuntime(*self._arguments())
+        # A copy keeps the provider choice; compiled code, counts and FP8 copies are its own.
+        twin = GenericRuntime(*self._arguments())
+        twin.fp8 = copy.deepcopy(self.fp8, memo)
+        return twin
 
     def __reduce__(self):
         return GenericRuntime, self._arguments()

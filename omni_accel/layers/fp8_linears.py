@@ -1,0 +1,101 @@
+"""``quantize="fp8"`` on a transformer without native blocks (the generic tier): the plain linears of its
+repeated blocks compute through ``layers.fp8`` (the same e4m3 quantization as native blocks), by an
+instance ``forward`` on each, so that the blocks' own code, compiled regionally or not, calls our FP8 GEMM
+where it calls the linear.
+
+Why not torchao's float8 (which Diffusers documents): its weights become tensor subclasses in place of the
+parameters, which changes ``state_dict``, LoRA merging and ``restore`` for the user, and it cannot even be
+constructed without an FP8 GPU; here the bf16 parameters stay what they are, the copies live in one
+``Fp8Weights`` store, and the result is the same quantization the native blocks compute (tested on the CPU
+against Diffusers with quantized projections).
+
+Which calls stay bf16: those of fewer than ``_MIN_ROWS`` rows (per-sample conditioning projections, such as
+AdaLN modulation, whose every output scales every token; as native blocks keep their modulation in bf16),
+and linears the FP8 GEMM cannot take (``fp8_reason``), quantized or offloaded weights. (Which calls those
+are is known only at the call, inside compiled code: every plain linear of the blocks gets its copy, the
+modulation's too, which ``describe`` counts in the bytes.) A transformer pre-hook
+brings every copy up to date (in place where the weight was written in place) before each forward: before a
+CUDA graph replay too, and outside any compiled region.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..forward_hooks import InstanceForward, OurHook
+from .fp8 import Fp8Weight, Fp8Weights, fp8_linear, fp8_reason
+from .projection import _quantized_or_absent
+
+_MIN_ROWS = 16
+
+
+class Fp8Linear(InstanceForward):
+    """The instance ``forward`` of one ``nn.Linear``: its GEMM in FP8 (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear, store: Fp8Weights) -> None:
+        super().__init__(linear)
+        self.store = store
+        self.weight8: Fp8Weight | None = None
+
+    def __deepcopy__(self, memo: dict) -> Fp8Linear:
+        # Registered before the module is copied: the module's copy holds this forward's copy.
+        twin = memo[id(self)] = Fp8Linear.__new__(Fp8Linear)
+        twin.module, twin.store = copy.deepcopy(self.module, memo), copy.deepcopy(self.store, memo)
+        twin.inner, twin.enabled, twin.weight8 = copy.deepcopy(self.inner, memo), self.enabled, None
+        return twin
+
+    def refresh(self) -> None:
+        """The copy of the linear's weight as it is now (host-side; never inside a compiled region)."""
+        weight = self.module.weight
+        usable = not _quantized_or_absent(weight) and fp8_reason(weight) is None
+        self.weight8 = self.store.of(weight, [weight]) if usable else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or self.weight8 is None or x.numel() < _MIN_ROWS * x.shape[-1]:
+            return self._forward()(x)
+        return fp8_linear(x, self.weight8, self.module.bias)
+
+
+class _RefreshCopies(OurHook):
+    """The transformer's forward pre-hook: every ``Fp8Linear``'s copy brought up to date."""
+
+    def __init__(self, forwards: list[Fp8Linear]) -> None:
+        self.forwards = forwards
+
+    def __deepcopy__(self, memo: dict) -> _RefreshCopies:
+        return _RefreshCopies([copy.deepcopy(f, memo) for f in self.forwards])
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            return
+        self.forwards[0].store.refresh()
+        for forward in self.forwards:
+            forward.refresh()
+
+
+def install_fp8_linears(
+    transformer: nn.Module, blocks: list[tuple[str, nn.Module]], store: Fp8Weights
+) -> tuple[int, list[Callable[[], None]]]:
+    """Gives every plain linear of ``blocks`` an ``Fp8Linear`` forward; returns how many and the undos."""
+    forwards = []
+    for _, block in blocks:
+        for module in block.modules():
+            if type(module) is nn.Linear and "forward" not in module.__dict__:
+                forward = Fp8Linear(module, store)
+                forward.install()
+                forwards.append(forward)
+    if not forwards:
+        return 0, []
+    handle = transformer.register_forward_pre_hook(_RefreshCopies(forwards))
+
+    def undo() -> None:
+        handle.remove()
+        for forward in forwards:
+            forward.uninstall()
+        store.release()
+
+    return len(forwards), [undo]
