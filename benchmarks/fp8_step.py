@@ -23,17 +23,48 @@ from timing import cudnn_backend_for, interleaved, timed, write_json
 import omni_accel
 
 
-def torchao_fp8(model: torch.nn.Module) -> torch.nn.Module:
+def torchao_fp8(model: torch.nn.Module, compiled: bool = True) -> torch.nn.Module:
     """Diffusers' documented FP8 recipe: torchao's dynamic float8 (row scales) on every linear, then the
     best switches. ``fuse_qkv_projections`` first: it concatenates bf16 weights, which torchao then
-    quantizes."""
+    quantizes. ``compiled=False``: the same quantization run eagerly (its errors per block can be read
+    with hooks, which a fullgraph-compiled block would not take)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     model.fuse_qkv_projections()
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     cudnn_backend_for(model)
-    model.compile_repeated_blocks(fullgraph=True)
+    if compiled:
+        model.compile_repeated_blocks(fullgraph=True)
     return model
+
+
+def block_outputs(model: torch.nn.Module, call) -> list[torch.Tensor]:
+    """The image stream's output of every block (double then single) of one ``call()``, in float32."""
+    outputs, handles = [], []
+
+    def keep(module, args, output):
+        outputs.append((output[1] if isinstance(output, tuple) else output).float())
+
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        handles += [block.register_forward_hook(keep) for block in blocks]
+    try:
+        call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+def per_layer_errors(models: dict[str, tuple[torch.nn.Module, object]]) -> dict[str, list[float]]:
+    """Each variant's relative error after every block against the first variant's (its own chain of
+    blocks from the same inputs: the error accumulated up to that block). Hooks make the steps run
+    eagerly (no CUDA graph), which the timing above does not see."""
+    outputs = {name: block_outputs(model, call) for name, (model, call) in models.items()}
+    reference = next(iter(outputs.values()))
+    return {
+        name: [rel_err(got, ref) for got, ref in zip(outs, reference, strict=True)]
+        for name, outs in list(outputs.items())[1:]
+    }
 
 
 @torch.no_grad()
@@ -50,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = "cuda", torch.bfloat16
     x = inputs(1, args.image_tokens, args.text_tokens, device, dtype)
 
-    variants, models = {}, {}
+    variants, models, best = {}, {}, None
     reference_model = build_transformer(device, dtype)
     variants["a_diffusers_default"] = lambda: reference_model(**x)[0]
     if not args.no_baselines:
@@ -88,6 +119,20 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"{name:24s} {stat['median_ms']:8.1f} ms/step  {shown}  spread {stat['spread_ms']:.1f} ms  first call "
             f"{results[name]['first_call_ms'] / 1000:.1f} s  rel err vs (a) {results[name]['rel_err_vs_a']:.3e}"
+        )
+    layered = {"a_diffusers_default": (reference_model, variants["a_diffusers_default"])}
+    layered["omni_accel_lossless"] = (lossless.transformer, variants["omni_accel_lossless"])
+    layered["omni_accel_fp8"] = (fp8.transformer, variants["omni_accel_fp8"])
+    if args.torchao:
+        best = None  # room for the eager torchao model (the timed closures are done)
+        torch.cuda.empty_cache()
+        eager_c = torchao_fp8(build_transformer(device, dtype), compiled=False)
+        layered["c_torchao_fp8_eager"] = (eager_c, lambda: eager_c(**x)[0])
+    results["rel_err_after_each_block_vs_a"] = errors = per_layer_errors(layered)
+    for name, values in errors.items():
+        shown = " ".join(f"{v:.3f}" for v in values[:: max(1, len(values) // 12)])
+        print(
+            f"{name:24s} error after blocks 1..{len(values)} (every {max(1, len(values) // 12)}th): {shown}"
         )
     results["fp8_weight_bytes"] = omni_accel.describe(fp8).components[0].runtime.fp8.bytes_used
     results["report"] = str(omni_accel.describe(fp8))
