@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import _AMAX_FLOOR, E4M3, E4M3_MAX
-from .fused_kernels import _GELU_BETA, _GELU_KAPPA
+from .fused_kernels import _GELU_BETA, _GELU_KAPPA, norm_modulate_row
 
 _MAX = tl.constexpr(E4M3_MAX)
 _INVERSE_MAX = tl.constexpr(1 / E4M3_MAX)
@@ -55,20 +55,16 @@ def _norm_modulate_fp8_kernel(
     X, SHIFT, SCALE, Q, S, seq, dim, stride_xb, stride_xs, stride_shift, stride_scale, eps,
     BLOCK: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """``layers.fused_kernels._norm_modulate_kernel``'s row, rounded to ``DTYPE``, stored quantized."""
+    """``norm_modulate_row`` rounded to ``DTYPE`` (as ``_norm_modulate_kernel`` stores it), stored quantized."""
     row = tl.program_id(0)
     b = row // seq
     s = row % seq
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
-    x = tl.load(X + b * stride_xb + s * stride_xs + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, 0) / dim
-    centred = tl.where(mask, x - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(centred * centred, 0) / dim + eps)
-    scale = tl.load(SCALE + b * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(SHIFT + b * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (centred * rstd * (1.0 + scale) + shift).to(DTYPE).to(tl.float32)
-    y = tl.where(mask, y, 0.0)
+    y = norm_modulate_row(
+        X, SHIFT, SCALE, b, s, cols, mask, dim, stride_xb, stride_xs, stride_shift, stride_scale, eps
+    )
+    y = tl.where(mask, y.to(DTYPE).to(tl.float32), 0.0)
     row_scale = _scale_of(tl.max(tl.abs(y), 0))
     tl.store(S + row, row_scale)
     tl.store(Q + row.to(tl.int64) * dim + cols, _quantized(y, row_scale).to(Q.dtype.element_ty), mask=mask)

@@ -22,6 +22,21 @@ _GELU_KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
+def norm_modulate_row(
+    X, SHIFT, SCALE, b, s, cols, mask, dim, stride_xb, stride_xs, stride_shift, stride_scale, eps
+):  # fmt: skip
+    """Row ``s`` of sample ``b``: ``LayerNorm(x) * (1 + scale) + shift`` in float32 (``cols``: the row's
+    columns, ``mask`` those below ``dim``)."""
+    x = tl.load(X + b * stride_xb + s * stride_xs + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 0) / dim
+    centred = tl.where(mask, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, 0) / dim + eps)
+    scale = tl.load(SCALE + b * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(SHIFT + b * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
+    return centred * rstd * (1.0 + scale) + shift
+
+
+@triton.jit
 def _norm_modulate_kernel(
     X,
     SHIFT,
@@ -47,14 +62,9 @@ def _norm_modulate_kernel(
     s = row % seq
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
-    dtype = OUT.dtype.element_ty
-    x = tl.load(X + b * stride_xb + s * stride_xs + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, 0) / dim
-    centred = tl.where(mask, x - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(centred * centred, 0) / dim + eps)
-    scale = tl.load(SCALE + b * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(SHIFT + b * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (centred * rstd * (1.0 + scale) + shift).to(dtype)
+    y = norm_modulate_row(
+        X, SHIFT, SCALE, b, s, cols, mask, dim, stride_xb, stride_xs, stride_shift, stride_scale, eps
+    ).to(OUT.dtype.element_ty)
     at = b.to(tl.int64) * stride_ob + s * dim + cols
     if TABLE is None:
         tl.store(OUT + at, y, mask=mask)
