@@ -87,7 +87,7 @@ _YES, _NO = ("1", "true", "yes"), ("0", "false", "no")
 def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """``accelerate`` options from ``OMNI_ACCEL_ATTENTION``, ``OMNI_ACCEL_COMPILE`` and
     ``OMNI_ACCEL_CUDA_GRAPHS`` (1/0; unset: auto), ``OMNI_ACCEL_PARALLEL`` ("tp=2,ulysses=1,..."),
-    ``OMNI_ACCEL_PROJECTION_CACHE_BYTES``."""
+    ``OMNI_ACCEL_PROJECTION_CACHE_BYTES``, ``OMNI_ACCEL_QUANTIZE`` ("fp8": lossy, opt-in)."""
     env = os.environ if environ is None else environ
     options: dict[str, Any] = {}
     if env.get("OMNI_ACCEL_ATTENTION"):
@@ -101,6 +101,8 @@ def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
         options["parallel"] = parse_parallel(env["OMNI_ACCEL_PARALLEL"])
     if env.get("OMNI_ACCEL_PROJECTION_CACHE_BYTES"):
         options["projection_cache_bytes"] = int(env["OMNI_ACCEL_PROJECTION_CACHE_BYTES"])
+    if env.get("OMNI_ACCEL_QUANTIZE"):
+        options["quantize"] = env["OMNI_ACCEL_QUANTIZE"]
     return options
 
 

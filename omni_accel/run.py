@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 -m omni_accel.run --ulysses 2 my_script.py [script args]
 
 Options come from the flags below, or from the environment (OMNI_ACCEL_ATTENTION, OMNI_ACCEL_COMPILE,
-OMNI_ACCEL_CUDA_GRAPHS, OMNI_ACCEL_PARALLEL, OMNI_ACCEL_PROJECTION_CACHE_BYTES); flags win. Under torchrun
+OMNI_ACCEL_CUDA_GRAPHS, OMNI_ACCEL_PARALLEL, OMNI_ACCEL_PROJECTION_CACHE_BYTES, OMNI_ACCEL_QUANTIZE); flags win. Under torchrun
 every rank runs the whole script: a script that saves files should save on one rank (``omni_accel.is_main_process()``), or
 every rank writes the same file.
 """
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay each step as a CUDA graph (default: on for one CUDA device)",
     )
     parser.add_argument("--projection-cache-bytes", type=int)
+    parser.add_argument("--quantize", choices=["fp8"], help="lossy FP8 projections (docs/quantization.md)")
     for degree in ("tp", "ulysses", "ring", "cfg"):
         parser.add_argument(f"--{degree}", type=int, help="parallel degree (launch with torchrun)")
     parser.add_argument(
@@ -54,6 +55,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         options["cuda_graphs"] = args.cuda_graphs
     if args.projection_cache_bytes is not None:
         options["projection_cache_bytes"] = args.projection_cache_bytes
+    if args.quantize:
+        options["quantize"] = args.quantize
     degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg") if getattr(args, d)}
     if degrees and args.auto_parallel:
         raise SystemExit("omni-accel run: give --auto-parallel or parallel degrees, not both")

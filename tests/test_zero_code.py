@@ -76,6 +76,7 @@ def test_options_from_the_environment():
         "OMNI_ACCEL_COMPILE": "1",
         "OMNI_ACCEL_PARALLEL": "tp=2, cfg=2",
         "OMNI_ACCEL_PROJECTION_CACHE_BYTES": "0",
+        "OMNI_ACCEL_QUANTIZE": "fp8",
     }
     options = options_from_env(env)
     assert options == {
@@ -83,9 +84,14 @@ def test_options_from_the_environment():
         "compile": True,
         "parallel": omni_accel.ParallelConfig(tp=2, cfg=2),
         "projection_cache_bytes": 0,
+        "quantize": "fp8",
     }
     with pytest.raises(ValueError, match="items like tp=2"):
         parse_parallel("tp2")
+    from omni_accel.run import build_parser, options_from_args
+
+    args = build_parser().parse_args(["--quantize", "fp8", "x.py"])
+    assert options_from_args(args)["quantize"] == "fp8"
 
 
 def test_ipython_extension_enables_and_disables():
