@@ -6,8 +6,9 @@ would have stored: ``layers.fp8._quantize_rows_reference`` of the unquantized ou
 the activations' dtype before quantizing, but Triton's compiler may fold that round trip (as
 ``fused_kernels`` notes): the norm-modulate kernel then quantizes the float32 value, and a rare element
 (under 1 % on an H200 with bf16 modulation) lands one e4m3 step from the reference's, closer to the exact
-value. The row pass and the GELU kernels were bitwise the reference on an H200. The division of a value by
-its scale is IEEE (``div_rn``) as PyTorch's; the cast to e4m3 rounds to nearest even and saturates.
+value. The row pass and the GELU kernels were bitwise the reference on an H200. A value is divided by its
+scale as the reference does it, times the scale's IEEE reciprocal; the cast to e4m3 rounds to nearest even
+and saturates.
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ def _scale_of(amax):
 
 
 @triton.jit
-def _quantized(values, scale):
-    return tl.clamp(tl.math.div_rn(values, scale), -_MAX, _MAX)
+def _quantized(values, inverse):
+    return tl.clamp(values * inverse, -_MAX, _MAX)
+
+
+@triton.jit
+def _inverse(scale):
+    return tl.math.div_rn(1.0, scale)  # IEEE, as torch's reciprocal
 
 
 @triton.jit
@@ -47,10 +53,11 @@ def _quantize_rows_kernel(X, Q, S, dim, stride_x, BLOCK: tl.constexpr):
         amax = tl.maximum(amax, tl.abs(x))
     scale = _scale_of(tl.max(amax, 0))
     tl.store(S + row, scale)
+    inverse = _inverse(scale)
     for start in range(0, dim, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + row * stride_x + cols, mask=cols < dim, other=0.0).to(tl.float32)
-        tl.store(Q + row * dim + cols, _quantized(x, scale).to(Q.dtype.element_ty), mask=cols < dim)
+        tl.store(Q + row * dim + cols, _quantized(x, inverse).to(Q.dtype.element_ty), mask=cols < dim)
 
 
 @triton.jit
@@ -70,7 +77,8 @@ def _norm_modulate_fp8_kernel(
     y = tl.where(mask, y.to(DTYPE).to(tl.float32), 0.0)
     row_scale = _scale_of(tl.max(tl.abs(y), 0))
     tl.store(S + row, row_scale)
-    tl.store(Q + row.to(tl.int64) * dim + cols, _quantized(y, row_scale).to(Q.dtype.element_ty), mask=mask)
+    q = _quantized(y, _inverse(row_scale))
+    tl.store(Q + row.to(tl.int64) * dim + cols, q.to(Q.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -88,21 +96,35 @@ def _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE: 
 
 @triton.jit
 def _concat_gelu_fp8_kernel(
-    A, B, Q, S, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.constexpr, DTYPE: tl.constexpr
-):
+    A, B, Q, S, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.constexpr, DTYPE: tl.constexpr, WHOLE: tl.constexpr
+):  # fmt: skip
+    """One row. ``WHOLE``: the row in one tile, read and activated once (FLUX's 15360 columns: 16 warps
+    of 32 values a thread); else tile by tile, twice (amax, then the values)."""
     row = tl.program_id(0).to(tl.int64)
     dim = dim_a + dim_b
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, dim, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if WHOLE:
+        cols = tl.arange(0, BLOCK)
         y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
-        amax = tl.maximum(amax, tl.abs(y))
-    scale = _scale_of(tl.max(amax, 0))
-    tl.store(S + row, scale)
-    for start in range(0, dim, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
-        tl.store(Q + row * dim + cols, _quantized(y, scale).to(Q.dtype.element_ty), mask=cols < dim)
+        scale = _scale_of(tl.max(tl.abs(y), 0))
+        tl.store(S + row, scale)
+        q = _quantized(y, _inverse(scale))
+        tl.store(Q + row * dim + cols, q.to(Q.dtype.element_ty), mask=cols < dim)
+    else:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, dim, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = _scale_of(tl.max(amax, 0))
+        tl.store(S + row, scale)
+        inverse = _inverse(scale)
+        for start in range(0, dim, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
+            tl.store(Q + row * dim + cols, _quantized(y, inverse).to(Q.dtype.element_ty), mask=cols < dim)
+
+
+_WHOLE_ROW = 16384  # columns a program holds at once (16 warps, 32 float32 values a thread)
 
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -161,9 +183,11 @@ def concat_gelu_fp8(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     dim = dim_a + dim_b
     q, s = _outputs(batch * seq, dim, b.device)
     if batch * seq and dim:
+        whole = dim <= _WHOLE_ROW
+        block = triton.next_power_of_2(dim) if whole else _TILE
         _concat_gelu_fp8_kernel[(batch * seq,)](
             a, b, q, s, dim_a, dim_b, a.stride(1), b.stride(1),
-            BLOCK=min(_TILE, triton.next_power_of_2(dim)), DTYPE=_TRITON_DTYPES[b.dtype],
+            BLOCK=block, DTYPE=_TRITON_DTYPES[b.dtype], WHOLE=whole, num_warps=max(4, min(16, block // 512)),
         )  # fmt: skip
     return q, s
 
