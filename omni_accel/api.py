@@ -241,7 +241,7 @@ def restore(pipe: Pipeline) -> Pipeline:
             undo()
         if component.cache is not None:
             component.cache.clear()
-        if component.runtime is not None and getattr(component.runtime, "fp8", None) is not None:
+        if component.runtime is not None and component.runtime.fp8 is not None:
             component.runtime.fp8.release()
     for undo in reversed(state.undo):
         undo()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..utils.kernels import HAS_TRITON, kernels_can_run
+from ..utils.storage import contiguous_run
 from ..utils.watched import Watcher
 
 E4M3 = torch.float8_e4m3fn
@@ -186,7 +187,7 @@ class Fp8Weights:
                 versions = tuple(s._version for s in sources)
                 if versions == entry.versions:
                     continue
-                weight = _packed_weight(sources)
+                weight = contiguous_run(sources)
                 if weight is None or _key(weight) != key:
                     del self._entries[key]
                     continue
@@ -214,24 +215,6 @@ def _same_sources(entry: _Entry, sources: Sequence[torch.Tensor]) -> bool:
     return len(entry.sources) == len(sources) and all(
         ref() is source for ref, source in zip(entry.sources, sources, strict=True)
     )
-
-
-def _packed_weight(sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The weight ``sources`` make as one GEMM's (their rows one after another in one storage), or None."""
-    first = sources[0]
-    if len(sources) == 1:
-        return first.detach()
-    offset = first.storage_offset()
-    for source in sources:
-        if (
-            source.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-            or source.storage_offset() != offset
-            or not source.is_contiguous()
-        ):
-            return None
-        offset += source.numel()
-    rows = sum(s.shape[0] for s in sources)
-    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
 
 
 if HAS_TRITON:

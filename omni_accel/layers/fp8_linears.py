@@ -21,6 +21,7 @@ CUDA graph replay too, and outside any compiled region.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -40,19 +41,30 @@ class Fp8Linear(InstanceForward):
         super().__init__(linear)
         self.store = store
         self.weight8: Fp8Weight | None = None
+        self._made_of: tuple[weakref.ref, int] | None = None  # the weight ``weight8`` was made of, and where
 
     def __deepcopy__(self, memo: dict) -> Fp8Linear:
         # Registered before the module is copied: the module's copy holds this forward's copy.
         twin = memo[id(self)] = Fp8Linear.__new__(Fp8Linear)
         twin.module, twin.store = copy.deepcopy(self.module, memo), copy.deepcopy(self.store, memo)
-        twin.inner, twin.enabled, twin.weight8 = copy.deepcopy(self.inner, memo), self.enabled, None
+        twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
+        twin.weight8 = twin._made_of = None
         return twin
 
     def refresh(self) -> None:
-        """The copy of the linear's weight as it is now (host-side; never inside a compiled region)."""
+        """The copy of the linear's weight as it is now (host-side; never inside a compiled region), after
+        the store's ``refresh``: a weight still the same tensor at the same address keeps its copy, which
+        that re-made in place if the weight was written."""
         weight = self.module.weight
+        if (
+            self._made_of is not None
+            and self._made_of[0]() is weight
+            and self._made_of[1] == weight.data_ptr()
+        ):
+            return
         usable = not _quantized_or_absent(weight) and fp8_reason(weight) is None
         self.weight8 = self.store.of(weight, [weight]) if usable else None
+        self._made_of = (weakref.ref(weight), weight.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled or self.weight8 is None or x.numel() < _MIN_ROWS * x.shape[-1]:

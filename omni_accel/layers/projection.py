@@ -36,6 +36,7 @@ from ..parallel.token_rows import (
     start_sum,
     sum_together,
 )
+from ..utils.storage import contiguous_run
 from .fp8 import Fp8Rows, Fp8Weight, Fp8Weights, fp8_linear, fp8_reason
 
 _PACK_LOCK = threading.Lock()
@@ -238,36 +239,17 @@ def prepack(modules: Sequence[nn.Module]) -> None:
         read_packed(modules, "prepack")
 
 
-def _contiguous_run(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The tensors as one 2-D (or 1-D) tensor when each starts where the previous ends in one storage."""
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    offset = first.storage_offset()
-    for t in tensors:
-        if (
-            t.untyped_storage().data_ptr() != storage
-            or t.storage_offset() != offset
-            or not t.is_contiguous()
-            or t.dtype != first.dtype
-            or t.shape[1:] != first.shape[1:]
-        ):
-            return None
-        offset += t.numel()
-    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
-    return first.detach().as_strided(shape, first.stride())  # rows of a contiguous run: same strides
-
-
 def _packed_view(bases: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     if len(bases) == 1:
         return bases[0].weight, bases[0].bias
-    weight = _contiguous_run([b.weight for b in bases])
+    weight = contiguous_run([b.weight for b in bases])
     if weight is None:
         return None
     if bases[0].bias is None:
         return (weight, None) if all(b.bias is None for b in bases) else None
     if any(b.bias is None for b in bases):
         return None
-    bias = _contiguous_run([b.bias for b in bases])
+    bias = contiguous_run([b.bias for b in bases])
     return None if bias is None else (weight, bias)
 
 
