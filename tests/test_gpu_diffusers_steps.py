@@ -199,3 +199,31 @@ def test_torchao_quantized_flux_runs_as_quantized(scheme):
     assert rel_err(got.float(), expected.float()) <= 3e-2
     fallbacks = omni_accel.describe(fast).components[0].runtime.fallbacks
     assert fallbacks and all("quantized or wrapped tensor" in reason for reason in fallbacks)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@torch.no_grad()
+def test_bitsandbytes_quantized_flux_runs_as_quantized(bits, tmp_path):
+    """A transformer loaded with Diffusers' ``BitsAndBytesConfig`` (LLM.int8 or NF4) runs as the quantized
+    module computes (its blocks in Diffusers' forward, the reason counted), never a crash."""
+    pytest.importorskip("bitsandbytes")
+    from diffusers import BitsAndBytesConfig, FluxTransformer2DModel
+
+    omni_accel.tiny_flux_pipeline(attention_head_dim=64).transformer.save_pretrained(tmp_path)
+    configs = {
+        8: lambda: BitsAndBytesConfig(load_in_8bit=True),
+        4: lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16),
+    }
+    plain, fast = (
+        omni_accel.tiny_flux_pipeline(dtype=torch.bfloat16, device="cuda", attention_head_dim=64)
+        for _ in range(2)
+    )
+    for pipe in (plain, fast):
+        pipe.transformer = FluxTransformer2DModel.from_pretrained(
+            tmp_path, quantization_config=configs[bits](), torch_dtype=torch.bfloat16
+        )
+    omni_accel.accelerate(fast)
+    expected, got = _call("flux", plain), _call("flux", fast)
+    assert rel_err(got.float(), expected.float()) <= 3e-2
+    fallbacks = omni_accel.describe(fast).components[0].runtime.fallbacks
+    assert fallbacks and all("int8" in reason or "uint8" in reason for reason in fallbacks), fallbacks
