@@ -226,5 +226,7 @@ def test_bitsandbytes_quantized_flux_runs_as_quantized(bits, tmp_path):
     expected, got = _call("flux", plain), _call("flux", fast)
     assert rel_err(got.float(), expected.float()) <= 3e-2
     fallbacks = omni_accel.describe(fast).components[0].runtime.fallbacks
-    kinds = ("stored in int8", "stored in uint8", "quantized or wrapped tensor")  # Int8Params, Params4bit
-    assert fallbacks and all(any(kind in reason for kind in kinds) for reason in fallbacks), fallbacks
+    layer = {8: "Linear8bitLt", 4: "Linear4bit"}[bits]
+    assert fallbacks and all(f"is a {layer}, not a plain nn.Linear" in reason for reason in fallbacks), (
+        fallbacks
+    )
