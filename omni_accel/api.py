@@ -716,6 +716,11 @@ def _commit(component: _Component) -> None:
         if component.graphs is not None:
             component.graphs.install()
             component.undo.append(component.graphs.uninstall)
+            if component.parallel is None:  # under a layout every rank would have to capture alike
+                blocks = [block for name in model.blocks for block in getattr(component.original, name)]
+                block_graphs = cuda_graphs.install_block_graphs(blocks, component.runtime)
+                component.undo += [graphs.uninstall for graphs in block_graphs]
+                component.report.block_graphs = block_graphs
         if component.parallel is not None:
             _parallelize(component)
     else:

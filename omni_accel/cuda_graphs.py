@@ -153,13 +153,13 @@ class StepGraphs(InstanceForward):
         reason = _eager_reason(module, leaves)
         if reason is not None:
             return self._eager(reason, forward, args, kwargs)
-        state = self.hooks.begin_step() if self.hooks is not None else None
+        state = self._begin_step()
         device = next(leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor))
         early = None
         try:
             call = _call_key(leaves, spec, state)
             early = self._early_replay(call, leaves, device)
-            module_state = _module_state(module)
+            module_state = self._state()
         except Unkeyable as exc:  # fail closed: what the key cannot name, a replay could get wrong
             self.early_misses += early is not None
             return self._eager(f"{exc} that cannot be compared between calls", forward, args, kwargs)
@@ -171,7 +171,8 @@ class StepGraphs(InstanceForward):
             self.early_misses += 1  # the module changed since: its result is dropped, and not tried again
             self.latest.pop(call, None)
         if key is None:
-            return self._eager(_HOOKED, forward, args, kwargs)
+            with _hooked_step(state):  # the blocks' own graphs may serve it (``BlockGraphs``)
+                return self._eager(_HOOKED, forward, args, kwargs)
         with self._lock, torch.cuda.device(device):  # capture and replay on the arguments' GPU
             graph = self.graphs.get(key)
             if graph is None:
@@ -182,7 +183,7 @@ class StepGraphs(InstanceForward):
                     if len(self.warmed) >= 64:
                         self.warmed.clear()
                     with contextlib.suppress(Unkeyable):  # the key as the call left it (weights packed...)
-                        left = _module_state(module)
+                        left = self._state()
                         self.warmed.add(None if left is None else (call, left))
                     return out
                 if self.hooks is not None and not self.hooks.may_capture():
@@ -199,6 +200,12 @@ class StepGraphs(InstanceForward):
                 self.graphs.move_to_end(key)
             self.latest[call] = graph
             return self._replay(graph, leaves)
+
+    def _begin_step(self) -> Hashable:
+        return self.hooks.begin_step() if self.hooks is not None else None
+
+    def _state(self, seen: _Seen | None = None) -> tuple | None:
+        return _module_state(self.module, seen)
 
     def _early_replay(
         self, call: tuple, leaves: list[Any], device: torch.device
@@ -247,7 +254,7 @@ class StepGraphs(InstanceForward):
         self.captures += 1
         seen, reads = _Seen(), ()
         with contextlib.suppress(Unkeyable):
-            if _module_state(self.module, seen) is not None:
+            if self._state(seen) is not None:
                 reads = tuple((weakref.ref(t), t.data_ptr()) for t in seen.tensors)
         pinned = tuple(constants.pinned) if constants is not None else ()
         captured = self.graphs[key] = _Graph(graph, inputs, output, key, reads, not seen.layouts, pinned)
@@ -302,6 +309,103 @@ def _unpickle(module: nn.Module, inner: Any, max_graphs: int, enabled: bool, hoo
     graphs = StepGraphs(module, max_graphs, hooks)
     graphs.inner, graphs.enabled = inner, enabled
     return graphs
+
+
+_STEP = threading.local()  # the step in flight that its whole-step graph declined for hooks (its state)
+
+
+@contextlib.contextmanager
+def _hooked_step(state: Hashable):
+    outer = getattr(_STEP, "hooked", None)
+    _STEP.hooked = (state,)
+    try:
+        yield
+    finally:
+        _STEP.hooked = outer
+
+
+class _SharedPool:
+    """One memory pool for the graphs of every block of a transformer: they replay one after another, each
+    output copied out, so a graph's intermediates may reuse the memory of the block's before it."""
+
+    pool: Any = None
+
+    def __deepcopy__(self, memo: dict) -> _SharedPool:
+        return _SharedPool()
+
+
+class BlockGraphs(StepGraphs):
+    """CUDA graphs of one repeated block, for the steps whose whole-step graph a hook declines: a step cache
+    (FirstBlockCache, MagCache) hooks the blocks and decides on the host between them, so the step cannot be
+    one graph; each block it computes can. Installed as the block's instance ``forward``, so a hook on the
+    block wraps it and stays outside what is captured; a hook below the block (TaylorSeer's on attention)
+    makes the block run eagerly, counted. Off the hooked steps it is the block's plain forward: the
+    whole-step graph captures and replays the blocks as they are."""
+
+    def __init__(self, block: nn.Module, pool: _SharedPool, hooks: StepHooks | None = None) -> None:
+        self._shared = pool
+        super().__init__(block, max_graphs=2, hooks=hooks)
+
+    @property
+    def pool(self) -> Any:
+        return self._shared.pool
+
+    @pool.setter
+    def pool(self, value: Any) -> None:
+        self._shared.pool = value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling() or getattr(_STEP, "hooked", None) is None:
+            return self._forward()(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> BlockGraphs:
+        twin = BlockGraphs(
+            copy.deepcopy(self.module, memo),
+            copy.deepcopy(self._shared, memo),
+            copy.deepcopy(self.hooks, memo),
+        )
+        twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
+        return twin
+
+    def __reduce__(self):
+        return _unpickle_block, (self.module, self.inner, self._shared, self.enabled, self.hooks)
+
+    def _begin_step(self) -> Hashable:
+        return _STEP.hooked[0]  # the step's, read once by the transformer's graphs
+
+    def _state(self, seen: _Seen | None = None) -> tuple | None:
+        # A hook registered on the block after us wraps us; one that was there before is what we call.
+        outside = self.inner is None or isinstance(self.inner, InstanceForward)
+        return _module_state(self.module, seen, root_hooks_outside=outside)
+
+
+def _unpickle_block(
+    module: nn.Module, inner: Any, pool: _SharedPool, enabled: bool, hooks: Any
+) -> BlockGraphs:
+    graphs = BlockGraphs(module, pool, hooks)
+    graphs.inner, graphs.enabled = inner, enabled
+    return graphs
+
+
+def install_block_graphs(blocks: list[nn.Module], hooks: StepHooks | None) -> list[BlockGraphs]:
+    """A ``BlockGraphs`` on every block of ``blocks`` (one transformer's, sharing one pool), installed."""
+    pool = _SharedPool()
+    installed = [BlockGraphs(block, pool, hooks) for block in blocks]
+    for graphs in installed:
+        graphs.install()
+    return installed
+
+
+def block_graph_stats(blocks: list[BlockGraphs]) -> dict[str, Any]:
+    """``StepGraphs.stats`` summed over the blocks."""
+    total: dict[str, Any] = {"captures": 0, "replays": 0, "graphs": 0, "eager": Counter()}
+    for graphs in blocks:
+        stats = graphs.stats()
+        for name in ("captures", "replays", "graphs"):
+            total[name] += stats[name]
+        total["eager"].update(stats["eager"])
+    return total
 
 
 def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
@@ -367,14 +471,17 @@ _MODULE_INTERNALS = (frozenset(vars(nn.Module())) - {"training"}) | {"_diffusers
 _OURS = ("omni_", "_omni")
 
 
-def _module_state(module: nn.Module, seen: _Seen | None = None) -> tuple | None:
+def _module_state(
+    module: nn.Module, seen: _Seen | None = None, root_hooks_outside: bool = False
+) -> tuple | None:
     """One walk over the modules per call: their identity, tensors and every other attribute's value (a
     processor's scale, an adapter's state, a flag: anything a call may change), or None at the first hook
     that may decide per call. An attribute whose value cannot be compared raises ``Unkeyable``. ``seen``
-    collects what the walk met."""
+    collects what the walk met. ``root_hooks_outside``: the hooks on ``module`` itself wrap the graphs (they
+    run around each call, not inside what is captured)."""
     state = []
     for child in module.modules():
-        if is_hooked(child):
+        if is_hooked(child) and not (root_hooks_outside and child is module):
             layout = _layout_hooks_state(child)
             if layout is None:
                 return None

@@ -7,7 +7,7 @@ from typing import Any
 
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import BlockGraphs, StepGraphs, block_graph_stats
 from .models.base import NativeRuntime
 from .models.generic import GenericRuntime
 from .parallel.cfg import GuidanceBranches
@@ -29,6 +29,7 @@ class ComponentReport:
     cfg: GuidanceBranches | None = None
     runtime: NativeRuntime | GenericRuntime | None = None
     graphs: StepGraphs | None = None
+    block_graphs: list[BlockGraphs] = field(default_factory=list)  # for steps a hook keeps from one graph
     ulysses_group: Any = None  # the process group of a Ulysses layout's exchanges
     ring_group: Any = None  # the process group of a ring layout's K/V transfers
     tp_group: Any = None  # the TP group of a model whose tokens may be split over it between projections
@@ -78,6 +79,14 @@ class ComponentReport:
             )
             for reason, count in sorted(stats["eager"].items()):
                 out.append(f"  cuda graphs: {count} calls ran eagerly ({reason})")
+        if self.block_graphs:
+            stats = block_graph_stats(self.block_graphs)
+            out.append(
+                f"  cuda graphs of the blocks, for hooked steps: {stats['captures']} captured, "
+                f"{stats['replays']} replays, {stats['graphs']} kept"
+            )
+            for reason, count in sorted(stats["eager"].items()):
+                out.append(f"  cuda graphs of the blocks: {count} block calls ran eagerly ({reason})")
         if self.runtime is not None:
             if self.runtime.compiler is not None:
                 out.extend(f"  compiled: {line}" for line in self.runtime.compiler.summary())

@@ -18,7 +18,7 @@ from diffusers import FirstBlockCacheConfig, FluxPipeline
 
 import omni_accel
 from omni_accel import ParallelConfig
-from omni_accel.cuda_graphs import StepGraphs, step_key
+from omni_accel.cuda_graphs import StepGraphs, block_graph_stats, step_key
 from omni_accel.models.tiny_pipelines import tiny_flux_pipeline, tiny_sd3_pipeline
 from omni_accel.parallel import peer_exchange
 
@@ -134,8 +134,37 @@ def test_diffusers_api_around_the_graph_hook():
     for p in (plain, pipe):
         p.transformer.disable_cache()
     omni_accel.restore(pipe)
-    assert "forward" not in pipe.transformer.__dict__
+    assert not any("forward" in module.__dict__ for module in pipe.transformer.modules())
     assert "forward" in twin.transformer.__dict__  # restoring the original leaves the copy accelerated
+    twin_blocks = omni_accel.describe(twin).components[0].block_graphs
+    assert [graphs.module for graphs in twin_blocks] == [*twin.transformer.transformer_blocks] + [
+        *twin.transformer.single_transformer_blocks
+    ]
+
+
+@torch.no_grad()
+def test_block_graphs_serve_steps_whose_hooks_wrap_their_blocks():
+    """A step cache's hooks on the blocks keep a step from being one graph; each block's own graph stays
+    keyable, since those hooks wrap it. A hook below a block (TaylorSeer's on attention) does not."""
+    from diffusers import TaylorSeerCacheConfig
+
+    pipe = omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs=True)
+    transformer = pipe.transformer
+    blocks = omni_accel.describe(pipe).components[0].block_graphs
+    assert [graphs.module for graphs in blocks] == [*transformer.transformer_blocks] + [
+        *transformer.single_transformer_blocks
+    ]
+    assert all(graphs.module.__dict__["forward"] is graphs for graphs in blocks)
+    x = flux_inputs(transformer)
+    assert _key(transformer, **x) is not None and all(graphs._state() is not None for graphs in blocks)
+    transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+    assert _key(transformer, **x) is None, "the step is declined"
+    assert all(graphs._state() is not None for graphs in blocks), "its blocks are not"
+    transformer.disable_cache()
+    transformer.enable_cache(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1))
+    assert all(graphs._state() is None for graphs in blocks)
+    transformer.disable_cache()
+    assert "cuda graphs of the blocks, for hooked steps: 0 captured" in str(omni_accel.describe(pipe))
 
 
 def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):
@@ -265,6 +294,30 @@ def test_replayed_steps_are_bitwise_the_eager_steps(compiled):
     # dynamo compile: a different (equally valid) reduction order, so equal to rounding, not bitwise.
     _replays_match_eager(pipe, exact=not compiled)
     assert omni_accel.describe(pipe).components[0].graphs.stats()["captures"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+@pytest.mark.parametrize("cache", ["first_block_never_skips", "first_block", "mag"])
+def test_step_caches_replay_the_blocks_they_compute(cache, quantize):
+    """Under a step cache each block it computes replays its own graph: the images are bitwise those of
+    the same pipeline with graphs off, cached steps and skipped blocks included."""
+    from diffusers import MagCacheConfig
+
+    configs = {
+        "first_block_never_skips": lambda: FirstBlockCacheConfig(threshold=-1.0),
+        "first_block": lambda: FirstBlockCacheConfig(threshold=0.3),
+        "mag": lambda: MagCacheConfig(threshold=0.5, num_inference_steps=4, mag_ratios=[1.0, 0.95, 0.9, 0.9]),
+    }
+    pipe = _gpu_pipeline(quantize=quantize)
+    pipe.transformer.enable_cache(configs[cache]())
+    _replays_match_eager(pipe)
+    _replays_match_eager(pipe)
+    component = omni_accel.describe(pipe).components[0]
+    blocks = block_graph_stats(component.block_graphs)
+    assert blocks["captures"] > 0 and blocks["replays"] > 0 and not blocks["eager"], blocks
+    assert component.graphs.stats()["replays"] == 0
+    assert component.runtime.fallbacks == {}
 
 
 @pytest.mark.gpu
