@@ -64,6 +64,24 @@ def random_wan_vace_transformer(seed: int = 0, **overrides):
     return randomized(WanVACETransformer3DModel(**{**_WAN_CONFIG, **vace, **overrides}).eval())
 
 
+def random_qwenimage_transformer(seed: int = 0, **overrides):
+    """A small Diffusers Qwen-Image transformer whose every weight is random (none left at a zero init)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    config = dict(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+    torch.manual_seed(seed)
+    return randomized(QwenImageTransformer2DModel(**{**config, **overrides}).eval())
+
+
 def randomized(model):
     """``model`` with every parameter drawn from N(0, 0.1): no zero-initialised layer hides a path."""
     with torch.no_grad():

@@ -258,7 +258,7 @@ def test_a_mapped_diffusers_backend_serves_every_role(family):
         plain = random_flux_transformer(seed=0)
         inputs, roles = flux_inputs(plain), {"flux.joint", "flux.single"}
     model = copy.deepcopy(plain)
-    holder, component = _accelerated(model)
+    holder, component = _accelerated(model, **({"native": False} if family == "qwenimage" else {}))
     with dispatch.attention_backend("_native_math"), torch.no_grad():
         expected = plain(**copy.copy(inputs))[0]
         got = model(**copy.copy(inputs))[0]
@@ -284,7 +284,7 @@ def test_an_unmapped_diffusers_backend_runs_diffusers_code(family, monkeypatch):
         plain = random_flux_transformer(seed=0)
         inputs, roles = flux_inputs(plain), {"flux.joint", "flux.single"}
     model = copy.deepcopy(plain)
-    holder, component = _accelerated(model)
+    holder, component = _accelerated(model, **({"native": False} if family == "qwenimage" else {}))
     with dispatch.attention_backend("flex"), torch.no_grad():
         expected = plain(**copy.copy(inputs))[0]
         runs_in_plain = len(calls)
@@ -353,7 +353,7 @@ def test_a_users_fullgraph_compile_of_another_model_works_while_a_pipeline_is_ro
     the user compiles other models of the same classes with ``fullgraph=True``: they trace Diffusers'
     functions, and match their eager outputs. ``restore`` then leaves the modules' originals."""
     applied = patches.applied()
-    holders = [_accelerated(_qwen())[0], _accelerated(_sd3())[0]]
+    holders = [_accelerated(_qwen(), native=False)[0], _accelerated(_sd3())[0]]
     assert transformer_qwenimage.dispatch_attention_fn is not DIFFUSERS_DISPATCH
     assert attention_processor.F is not F
     torch._dynamo.reset()

@@ -44,7 +44,10 @@ def test_routed_attention_op_passes_opcheck():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
     args = (q, k, v, default_selector().index, -1, "test", "self", 8**-0.5)
-    torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, args)
+    torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, (*args, None))
+    mask = torch.rand(2, 1, 1, 5, generator=g) > 0.3
+    mask[:, ..., 0] = True
+    torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, (*args, mask))
 
 
 def test_placed_attention_op_passes_opcheck():

@@ -24,6 +24,13 @@ from tiny_transformers import (
 
 import omni_accel
 
+
+def _generic(pipe, **options):
+    """``accelerate`` in the generic tier: Qwen-Image (and FLUX.1, Wan) have native blocks, and these tests
+    take them as models without."""
+    return omni_accel.accelerate(pipe, **{"native": False, **options})
+
+
 # Every family whose _cp_plan the installed Diffusers declares and tests/tiny_transformers builds is
 # checked (FLUX.1 and Wan with native=False: their generic path); these at least.
 AT_LEAST = (
@@ -50,7 +57,7 @@ def _inputs(name: str, inputs: dict) -> dict:
 
 
 def _split(holder_model, inputs: dict, layout: dict, **options):
-    holder = omni_accel.accelerate(
+    holder = _generic(
         Holder(holder_model), parallel=omni_accel.ParallelConfig(**layout), native=False, **options
     )
     try:
@@ -146,7 +153,7 @@ def _compiled_under(name: str, layouts: tuple[dict, ...]) -> None:
     for layout in layouts:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        holder = omni_accel.accelerate(
+        holder = _generic(
             Holder(model),
             parallel=omni_accel.ParallelConfig(**layout),
             compile={"backend": "eager"},
@@ -177,9 +184,7 @@ def _pipeline_lora_under_tensor_parallel() -> None:
     from conftest import random_lora
 
     plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
-    pipe = omni_accel.accelerate(
-        omni_accel.tiny_qwenimage_pipeline(seed=0), parallel=omni_accel.ParallelConfig(tp=2)
-    )
+    pipe = _generic(omni_accel.tiny_qwenimage_pipeline(seed=0), parallel=omni_accel.ParallelConfig(tp=2))
     lora = random_lora(plain.transformer, ["to_q", "to_k", "to_v", "to_out.0", "to_add_out"], seed=5)
     steps = (
         lambda p: p.load_lora_weights(copy.deepcopy(lora), adapter_name="style"),
@@ -197,7 +202,7 @@ def _pipeline_lora_under_tensor_parallel() -> None:
     for p in (plain, before):  # fresh twins: fuse and unfuse above left rounding in the weights
         p.load_lora_weights(copy.deepcopy(lora), adapter_name="style")
     expected = _pipeline_images(plain)
-    before = omni_accel.accelerate(before, parallel=omni_accel.ParallelConfig(tp=2))
+    before = _generic(before, parallel=omni_accel.ParallelConfig(tp=2))
     got = _pipeline_images(before)
     assert _close([got], [expected]) <= 1e-5 and _same_on_every_rank([got])
     omni_accel.restore(before)
@@ -224,7 +229,7 @@ def _refusals() -> None:
     for module, options, message in cases:
         pipe = Holder(module)
         with pytest.raises(ValueError, match=re.escape(message)):
-            omni_accel.accelerate(pipe, **options)
+            _generic(pipe, **options)
         assert not hasattr(pipe, "_omni_accel_state") or not omni_accel.describe(pipe).components
 
 
@@ -256,9 +261,7 @@ def _guidance_over_two_ranks() -> None:
     )
     for build_pipeline, call, counted, options in cases:
         plain = _pipeline_images(build_pipeline(seed=0), **call)
-        pipe = omni_accel.accelerate(
-            build_pipeline(seed=0), parallel=omni_accel.ParallelConfig(cfg=2), **options
-        )
+        pipe = _generic(build_pipeline(seed=0), parallel=omni_accel.ParallelConfig(cfg=2), **options)
         got = _pipeline_images(pipe, **call)
         err = _close([got], [plain])
         assert err <= 1e-5, f"{build_pipeline.__name__}: rel err {err:.2e}"
@@ -287,7 +290,7 @@ def _tensor_parallel() -> None:
         inputs = _inputs(name, inputs)
         plain = outputs(model, inputs)
         weights = {k: v.clone() for k, v in model.state_dict().items()}
-        holder = omni_accel.accelerate(Holder(model), parallel=omni_accel.ParallelConfig(tp=2), native=False)
+        holder = _generic(Holder(model), parallel=omni_accel.ParallelConfig(tp=2), native=False)
         linear = model.transformer_blocks[0].attn.to_q
         assert linear.weight.shape[0] == weights["transformer_blocks.0.attn.to_q.weight"].shape[0] // 2, name
         got = outputs(model, inputs)
@@ -338,7 +341,7 @@ def _lora_under_tensor_parallel() -> None:
         model, inputs = build(name)
         inputs = _inputs(name, inputs)
         plain = copy.deepcopy(model)
-        holder = omni_accel.accelerate(Holder(model), parallel=omni_accel.ParallelConfig(tp=2), native=False)
+        holder = _generic(Holder(model), parallel=omni_accel.ParallelConfig(tp=2), native=False)
         for twin in (plain, model):
             _add_lora(twin, name, "x", seed=7)
 

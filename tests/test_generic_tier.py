@@ -16,6 +16,13 @@ from tiny_transformers import Holder
 import omni_accel
 from omni_accel.attention.routing import diffusers_attention
 
+
+def _generic(pipe, **options):
+    """``accelerate`` in the generic tier: Qwen-Image (and FLUX.1, Wan) have native blocks, and these tests
+    take them as models without."""
+    return omni_accel.accelerate(pipe, **{"native": False, **options})
+
+
 # (pipeline, block class, graphs: one per distinct block; SD3's last block is context_pre_only)
 CASES = {
     "qwenimage": (omni_accel.tiny_qwenimage_pipeline, "QwenImageTransformerBlock", 1),
@@ -31,7 +38,7 @@ def _latents(pipe, **call):
 
 def _compiled_qwenimage():
     """A tiny Qwen-Image pipeline with its blocks compiled at the first call (Dynamo's eager backend)."""
-    return omni_accel.accelerate(
+    return _generic(
         omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=False
     )
 
@@ -56,7 +63,7 @@ def test_compiled_blocks_attend_through_our_op_in_one_graph_per_class(family):
     torch._dynamo.reset()
     expected = _latents(build(seed=0))
     backend = _Graphs()
-    pipe = omni_accel.accelerate(build(seed=0), compile={"backend": backend}, compile_in_background=False)
+    pipe = _generic(build(seed=0), compile={"backend": backend}, compile_in_background=False)
     got = _latents(pipe)
     assert rel_err(got, expected) <= 1e-6
     # Blocks alike share one graph (fullgraph: no break), and its attention is our op, not Diffusers' kernel.
@@ -84,7 +91,7 @@ def test_the_op_follows_the_scope_at_run_time():
 def test_background_compile_serves_eagerly_then_switches_in():
     torch._dynamo.reset()
     expected = _latents(omni_accel.tiny_qwenimage_pipeline(seed=0))
-    pipe = omni_accel.accelerate(
+    pipe = _generic(
         omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"}, compile_in_background=True
     )
     runtime = omni_accel.describe(pipe).components[0].runtime
@@ -117,7 +124,7 @@ def test_a_plain_model_of_the_same_class_compiled_elsewhere_keeps_diffusers_atte
 
 def test_a_users_compile_of_the_accelerated_model_routes_through_the_op():
     torch._dynamo.reset()
-    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0), compile=False)
+    pipe = _generic(omni_accel.tiny_qwenimage_pipeline(seed=0), compile=False)
     expected = _latents(pipe)
     backend = _Graphs()
     pipe.transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
@@ -126,19 +133,19 @@ def test_a_users_compile_of_the_accelerated_model_routes_through_the_op():
 
 
 def test_the_generic_tier_compiles_at_the_first_call_unless_asked():
-    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"})
+    pipe = _generic(omni_accel.tiny_qwenimage_pipeline(seed=0), compile={"backend": "eager"})
     assert "compiled at the first call per input shape" in omni_accel.describe(pipe).components[0].detail
     assert not omni_accel.describe(pipe).components[0].runtime.compiler.background
 
 
 def test_compile_false_and_no_cuda_leave_the_blocks_eager():
-    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))  # compile=None: CUDA only
+    pipe = _generic(omni_accel.tiny_qwenimage_pipeline(seed=0))  # compile=None: CUDA only
     component = omni_accel.describe(pipe).components[0]
     assert component.mode == "routed" and component.runtime is None
     assert "no CUDA device here; compile=True compiles on CPU" in str(omni_accel.describe(pipe))
     assert all("forward" not in b.__dict__ for b in pipe.transformer.transformer_blocks)
     omni_accel.restore(pipe)
-    pipe = omni_accel.accelerate(pipe, compile=False)
+    pipe = _generic(pipe, compile=False)
     assert "repeated blocks: not compiled (compile=False)" in str(omni_accel.describe(pipe))
 
 
@@ -149,7 +156,7 @@ def test_restore_leaves_no_patch_attribute_or_forward():
     before = patches.applied()  # other tests' pipelines may still hold the same patch
     forward_before = Attention.forward
     pipe = omni_accel.tiny_qwenimage_pipeline(seed=0)
-    omni_accel.accelerate(pipe, compile={"backend": "eager"}, compile_in_background=False)
+    _generic(pipe, compile={"backend": "eager"}, compile_in_background=False)
     _latents(pipe)
     assert patches.applied()[target] == before.get(target, 0) + 1
     omni_accel.restore(pipe)
@@ -231,8 +238,8 @@ class _NoBlocksTransformer(ModelMixin, ConfigMixin):
 
 def test_compile_true_needs_repeated_blocks():
     with pytest.raises(ValueError, match="declares none"):
-        omni_accel.accelerate(Holder(_NoBlocksTransformer()), compile=True)
-    report = omni_accel.describe(omni_accel.accelerate(Holder(_NoBlocksTransformer())))
+        _generic(Holder(_NoBlocksTransformer()), compile=True)
+    report = omni_accel.describe(_generic(Holder(_NoBlocksTransformer())))
     assert report.components[0].mode == "untouched"
 
 
@@ -268,7 +275,7 @@ def test_from_pipe_shares_the_compiled_transformer_and_pickles():
     pipe = _compiled_qwenimage()
     expected = _latents(pipe)
     sibling = QwenImageImg2ImgPipeline.from_pipe(pipe)
-    omni_accel.accelerate(sibling, compile={"backend": "eager"}, compile_in_background=False)
+    _generic(sibling, compile={"backend": "eager"}, compile_in_background=False)
     assert omni_accel.describe(sibling).components[0].mode == "native (shared)"
     assert all(type(b.forward).__name__ == "RegionForward" for b in pipe.transformer.transformer_blocks)
     image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
@@ -288,7 +295,7 @@ def test_our_scope_hook_is_not_a_hook_to_the_graphs_and_a_users_is():
     from omni_accel.cuda_graphs import _module_state
     from omni_accel.forward_hooks import is_hooked
 
-    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))
+    pipe = _generic(omni_accel.tiny_qwenimage_pipeline(seed=0))
     transformer = pipe.transformer
     assert transformer._forward_pre_hooks and not is_hooked(transformer)
     assert _module_state(transformer) is not None

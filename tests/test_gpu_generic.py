@@ -13,6 +13,13 @@ from tiny_transformers import Holder, build, outputs
 
 import omni_accel
 
+
+def _generic(pipe, **options):
+    """``accelerate`` in the generic tier: Qwen-Image (and FLUX.1, Wan) have native blocks, and these tests
+    take them as models without."""
+    return omni_accel.accelerate(pipe, **{"native": False, **options})
+
+
 pytestmark = pytest.mark.gpu
 
 _BUILDERS = {"qwenimage": omni_accel.tiny_qwenimage_pipeline, "sd3": omni_accel.tiny_sd3_pipeline}
@@ -31,7 +38,7 @@ def _images(pipe, steps: int = 2):
 def test_generic_tier_compiles_then_replays(name, background):
     torch._dynamo.reset()
     plain = _BUILDERS[name](device="cuda")
-    pipe = omni_accel.accelerate(_BUILDERS[name](device="cuda"), compile_in_background=background)
+    pipe = _generic(_BUILDERS[name](device="cuda"), compile_in_background=background)
     expected = _images(plain)
     component = omni_accel.describe(pipe).components[0]
     assert component.mode == "generic" and component.runtime is not None and component.graphs is not None
@@ -54,7 +61,7 @@ def test_half_precision_generic_tier_matches_plain_as_closely_as_float32_plain_d
     torch._dynamo.reset()
     reference = _images(omni_accel.tiny_qwenimage_pipeline(device="cuda"))
     plain = omni_accel.tiny_qwenimage_pipeline(device="cuda", dtype=torch.bfloat16)
-    pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(device="cuda", dtype=torch.bfloat16))
+    pipe = _generic(omni_accel.tiny_qwenimage_pipeline(device="cuda", dtype=torch.bfloat16))
     _images(pipe)
     omni_accel.describe(pipe).components[0].runtime.compiler.wait(300)
     for _ in range(2):
@@ -64,9 +71,7 @@ def test_half_precision_generic_tier_matches_plain_as_closely_as_float32_plain_d
 
 def test_a_users_inductor_compile_of_another_model_in_the_same_process():
     torch._dynamo.reset()
-    pipe = omni_accel.accelerate(
-        omni_accel.tiny_qwenimage_pipeline(device="cuda"), compile_in_background=False
-    )
+    pipe = _generic(omni_accel.tiny_qwenimage_pipeline(device="cuda"), compile_in_background=False)
     _images(pipe)
     other = omni_accel.tiny_qwenimage_pipeline(seed=1, device="cuda")
     expected = _images(other)
@@ -87,7 +92,7 @@ def test_steps_that_make_host_values_on_the_gpu_are_captured_and_replayed(name, 
     if "encoder_hidden_states_mask" in inputs:
         inputs["encoder_hidden_states_mask"][:, -2:] = 0  # padded text: the length is made from it
     plain = copy.deepcopy(model).cuda()
-    pipe = omni_accel.accelerate(Holder(model.cuda()), compile=None if compiled else False)
+    pipe = _generic(Holder(model.cuda()), compile=None if compiled else False)
     expected = outputs(plain, inputs)
     first = outputs(pipe.transformer, inputs)  # eager, or compiled at this first call
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -111,7 +116,7 @@ def test_hunyuan_video15_drops_its_padded_keys_inside_inductor_compiled_blocks()
     torch._dynamo.reset()
     plain, accelerated, inputs = _tiny_hunyuan_video15()
     inputs = pytree.tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, inputs)
-    pipe = omni_accel.accelerate(_Holder(accelerated.cuda()), compile_in_background=False)
+    pipe = _generic(_Holder(accelerated.cuda()), compile_in_background=False)
     with torch.no_grad():
         expected = plain.cuda()(**inputs)[0]
         got = pipe.transformer(**inputs)[0]

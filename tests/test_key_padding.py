@@ -132,7 +132,7 @@ def test_routed_qwenimage_with_padded_prompts_matches_diffusers(monkeypatch):
     )
     pipe = omni_accel.tiny_qwenimage_pipeline(seed=0)
     expected = pipe(**call, generator=torch.Generator().manual_seed(0)).images
-    omni_accel.accelerate(pipe)
+    omni_accel.accelerate(pipe, native=False)  # the routed path: Diffusers builds a new mask per block
     monkeypatch.setattr(key_padding, "_read", lambda rows: pytest.fail("a mask seen once was read"))
     got = pipe(**call, generator=torch.Generator().manual_seed(0)).images
     assert rel_err(got, expected) <= 1e-5

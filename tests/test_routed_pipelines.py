@@ -7,7 +7,7 @@ from conftest import rel_err
 
 import omni_accel
 
-# Wan has native blocks; routed with native=False (what a model without them gets).
+# Wan and Qwen-Image have native blocks; routed with native=False (what a model without them gets).
 CASES = {
     "wan": (omni_accel.tiny_wan_pipeline, dict(height=32, width=32, num_frames=5), {"wan.self", "wan.cross"}),
     "sd3": (omni_accel.tiny_sd3_pipeline, dict(height=32, width=32), {"sd3.joint"}),
@@ -37,7 +37,7 @@ def test_routed_pipeline_matches_and_restores(family):
     expected = _out(_latents(pipe, call))
     applied_before = patches.applied()  # other tests' pipelines may still hold the same patch
 
-    native = {"native": False} if family == "wan" else {}
+    native = {"native": False} if family in ("wan", "qwenimage") else {}
     omni_accel.accelerate(pipe, attention={"default": "auto", "per_role": {"cross": "sdpa_math"}}, **native)
     assert type(pipe.transformer) is module  # not swapped
     got = _out(_latents(pipe, call))
@@ -51,7 +51,7 @@ def test_routed_pipeline_matches_and_restores(family):
     if family == "wan":
         providers = {role: provider for role, _, provider, _ in component.selector.decisions()}
         assert providers == {"wan.self": "sdpa", "wan.cross": "sdpa_math"}
-    assert ("native acceleration disabled" if family == "wan" else "no native blocks") in str(report)
+    assert ("native acceleration disabled" if family in ("wan", "qwenimage") else "no native blocks") in str(report)
     assert patches.applied() != applied_before
 
     omni_accel.restore(pipe)

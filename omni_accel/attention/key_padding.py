@@ -41,13 +41,17 @@ class KeptKeys:
         return all(kept is None for kept in self.per_sample)
 
 
-def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int, rows: bool = False) -> KeptKeys | None:
+def kept_keys(
+    mask: torch.Tensor | None, batch: int, kv_len: int, rows: bool = False, first_sight: bool = False
+) -> KeptKeys | None:
     """What a key-padding ``mask`` keeps for a ``batch`` of queries over ``kv_len`` keys, or None (use the
     dense mask) when the mask is not one (another dtype or shape), is seen for the first time (see the
     module docstring), keeps no key of a sample (what a kernel does then is its own convention), or when
     the host must not synchronise. ``mask``: ``[B or 1, 1, 1, kv_len]`` as SDPA takes it, or with ``rows``
     the ``[B or 1, kv_len]`` rows Diffusers' native backend broadcasts so (a 2-D mask is SDPA's per-query
-    one otherwise): the tensor the model passes, so that it is recognised when it comes back."""
+    one otherwise): the tensor the model passes, so that it is recognised when it comes back.
+    ``first_sight``: read a mask the first time it is seen too (a caller that passes one tensor to every
+    block of a forward, and across steps: one synchronisation per mask, and every call served alike)."""
     if not _is_key_padding(mask, kv_len, rows) or mask.shape[0] not in (1, batch):
         return None
     if torch.compiler.is_dynamo_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -55,7 +59,9 @@ def kept_keys(mask: torch.Tensor | None, batch: int, kv_len: int, rows: bool = F
     last = getattr(_LAST, "entry", None)
     if last is None or last[0]() is not mask or last[1] != mask._version:
         _LAST.entry = (weakref.ref(mask), mask._version, None)  # read if it comes back
-        return None
+        if not first_sight:
+            return None
+        last = _LAST.entry
     kept = last[2]
     if kept is None:
         kept = _read(mask.reshape(mask.shape[0], kv_len))

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import torch
 
+from ..attention.key_padding import attend_kept, kept_keys
 from ..attention.selection import AttentionSelector, selector_by_index
 from ..parallel.parallelize import current_sequence
 from ..parallel.placement import Placement
@@ -73,6 +74,14 @@ def _attend_in_layout(
                 "run this model with ulysses=1 and ring=1."
             )
         return sp.attention_beside(query, key, value, attend, beside, placement, then, out)
+    # A key-padding mask (native blocks pass one tensor per forward): the padded keys dropped, an unmasked
+    # kernel; the dense mask while compiling or capturing, where the host cannot read it.
+    kept = kept_keys(attn_mask, query.shape[0], key.shape[1], first_sight=True)
+    if kept is not None:
+        attended = attend_kept(query, key, value, kept, lambda q, k, v: _attend(
+            selector_by_index(selector), role, category, scale, q, k, v
+        ))  # fmt: skip
+        return finish(attended, None if beside is None else beside(), then, out)
     return finish(attend(query, key, value), None if beside is None else beside(), then, out)
 
 
@@ -86,18 +95,19 @@ def _routed_attention(
     role: str,
     category: str,
     scale: float,
+    attn_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """Provider resolution, the parallel layout's communication and the kernel call as one opaque op:
     inside a compiled graph the choice still follows the pipeline's config and any active
     ``attention_scope`` at run time, and the graph around it (norms, RoPE, projections) fuses without a
     break."""
-    out, _ = _attend_in_layout(selector, layout, role, category, scale, query, key, value)
+    out, _ = _attend_in_layout(selector, layout, role, category, scale, query, key, value, attn_mask)
     # Contiguous, as the fake promises: the graph may view the output (the eager path copies it there anyway).
     return out.contiguous()
 
 
 @_routed_attention.register_fake
-def _(query, key, value, selector, layout, role, category, scale):
+def _(query, key, value, selector, layout, role, category, scale, attn_mask):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
@@ -126,8 +136,10 @@ def attention(
     (by ``Parallelized.index``) its communication wraps the kernel. ``placement``: the q, k and v given are
     where ``input_placement`` asked them to be written."""
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
-    if torch.compiler.is_dynamo_compiling() and attn_mask is None:
-        return _routed_attention(query, key, value, selector, layout, site.role, site.category, scale)
+    if torch.compiler.is_dynamo_compiling():
+        return _routed_attention(
+            query, key, value, selector, layout, site.role, site.category, scale, attn_mask
+        )
     args = (selector, layout, site.role, site.category, scale, query, key, value, attn_mask)
     return _attend_in_layout(*args, placement=placement)[0]
 
@@ -196,11 +208,13 @@ def qkv_attention(
     layout: int = -1,
     across_heads: bool = False,
     placed: bool = False,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``attention(*qkv_norm_rope(segments, weights, ...))``. ``placed`` (``places_inputs(layout)``): q, k
-    and v are written where the layout's exchange wants them; compiled, the two are then one opaque op,
-    since a compiled graph cannot hand the q/k kernel a peer's buffer."""
+    """``attention(*qkv_norm_rope(segments, weights, ...), attn_mask=attn_mask)``. ``placed``
+    (``places_inputs(layout)``): q, k and v are written where the layout's exchange wants them; compiled,
+    the two are then one opaque op, since a compiled graph cannot hand the q/k kernel a peer's buffer."""
     scale = site.scale if site.scale is not None else 1 / math.sqrt(head_dim)
+    placed = placed and attn_mask is None  # the exchanges that take placed inputs take no mask
     if placed and rope is not None and torch.compiler.is_dynamo_compiling():
         qs, ks, vs = (list(t) for t in zip(*segments, strict=True))
         q_weights, k_weights = (list(w) for w in zip(*weights, strict=True))
@@ -212,7 +226,7 @@ def qkv_attention(
         heads = first.shape[-1] // head_dim
         placement = input_placement(layout, first.shape[0], heads, head_dim, first.dtype)
     q, k, v = qkv_norm_rope(segments, weights, head_dim, eps, rope, across_heads, placement)
-    return attention(q, k, v, site, selector, layout, placement=placement)
+    return attention(q, k, v, site, selector, layout, attn_mask, placement)
 
 
 @torch.library.custom_op("omni_accel::placed_attention", mutates_args=())

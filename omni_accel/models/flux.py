@@ -9,7 +9,6 @@ call fall back to Diffusers' forward.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,14 +19,11 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from ..layers import (
-    apply_together,
     concat_gelu,
     concat_gelu_fp8,
-    feed_forwards_together,
     gated_residual,
     gelu_tanh,
     norm_modulate_gathered,
-    norm_modulate_gathered_together,
     qkv_norm_rope,
 )
 from ..layers.attention import (
@@ -38,15 +34,13 @@ from ..layers.attention import (
     places_inputs,
     qkv_attention,
 )
-from ..layers.fp8 import quantize_rows, split_rows
+from ..layers.double_stream import BlockConstants, Rope
+from ..layers.double_stream import double_block as _double_stream
 from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed, takes_fp8_rows
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
-from ..parallel.token_rows import Rows
 from .base import NativeBlock, NativeModel
 
 _FP16_MAX = 65504.0
-
-Rope = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -77,22 +71,6 @@ _PROCESSOR_ARGUMENTS = set(inspect.signature(FluxAttnProcessor.__call__).paramet
 }
 
 
-@dataclass(frozen=True)
-class BlockConstants:
-    """The numbers a block's math needs besides tensors (the same for every block of a class)."""
-
-    head_dim: int
-    eps: float  # of the LayerNorms before modulation
-    qk_eps: float | None  # of the per-head QK RMSNorms
-    site: AttentionSite
-    selector: int  # AttentionSelector.index
-    layout: int  # Parallelized.index, -1 on one rank
-    image_rows: Rows | None  # the image and text tokens this rank holds in its TP group (None: all)
-    text_rows: Rows | None
-    placed: bool  # q, k and v are written where the layout's exchange wants them (peer writes)
-    overlaps_work: bool  # attention hides work beside it behind its exchanges (eager blocks, placed)
-
-
 def double_block(
     img: torch.Tensor,
     txt: torch.Tensor,
@@ -103,48 +81,9 @@ def double_block(
     norms: dict[str, torch.Tensor | None],
     c: BlockConstants,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Diffusers' FluxTransformerBlock.forward over packed projections, its elementwise steps fused."""
-    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=1)
-    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=1)
-    eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
-    # The two streams in step: under tensor parallelism each pair of exchanges ends behind one barrier.
-    (hi, i_gather), (ht, t_gather) = norm_modulate_gathered_together(
-        [(img, i_shift, i_scale, i_rows), (txt, t_shift, t_scale, t_rows)],
-        eps,
-        [takes_fp8_rows(w["img_qkv"]), takes_fp8_rows(w["txt_qkv"])],
-    )
-    iq, ik, iv = apply_linear(hi, w["img_qkv"], i_gather)
-    tq, tk, tv = apply_linear(ht, w["txt_qkv"], t_gather)
-    out = qkv_attention(
-        [(tq, tk, tv), (iq, ik, iv)],
-        [(norms["added_q"], norms["added_k"]), (norms["q"], norms["k"])],
-        head_dim,
-        c.qk_eps,
-        rope,
-        c.site,
-        c.selector,
-        c.layout,
-        placed=c.placed,
-    )
-    lengths = [tq.shape[1], iq.shape[1]]
-    if takes_fp8_rows(w["img_out"]) and takes_fp8_rows(w["txt_out"]) and i_rows is None and t_rows is None:
-        txt_attn, img_attn = split_rows(quantize_rows(out.flatten(2, 3).to(iq.dtype)), lengths)
-    else:
-        txt_attn, img_attn = (t.contiguous() for t in out.flatten(2, 3).to(iq.dtype).split(lengths, dim=1))
-    img_out, txt_out = apply_together([(img_attn, w["img_out"], i_rows), (txt_attn, w["txt_out"], t_rows)])
-    img, txt = gated_residual(img, i_gate, img_out), gated_residual(txt, t_gate, txt_out)
-    (hi, i_gather), (ht, t_gather) = norm_modulate_gathered_together(
-        [(img, i_shift2, i_scale2, i_rows), (txt, t_shift2, t_scale2, t_rows)],
-        eps,
-        [takes_fp8_rows(w["img_up"]), takes_fp8_rows(w["txt_up"])],
-    )
-    img_ff, txt_ff = feed_forwards_together(
-        [
-            (hi, w["img_up"], w["img_down"], i_rows, i_gather is None),
-            (ht, w["txt_up"], w["txt_down"], t_rows, t_gather is None),
-        ]
-    )
-    img, txt = gated_residual(img, i_gate2, img_ff), gated_residual(txt, t_gate2, txt_ff)
+    """Diffusers' FluxTransformerBlock.forward: the shared double-stream block, the text stream clipped in
+    float16 (only it: FLUX's block leaves the image stream as it is)."""
+    txt, img = _double_stream(img, txt, img_mod, txt_mod, rope, w, norms, c)
     return _clip_fp16(txt), img
 
 

@@ -81,7 +81,9 @@ _SPECS: dict[str, ModelSpec] = {
     ),
     "QwenImageTransformer2DModel": ModelSpec(
         family="qwenimage",
-        cfg_pairing=lambda arguments: _true_cfg(arguments, "negative_prompt_embeds"),
+        native="omni_accel.models.qwenimage:QWEN_IMAGE",
+        # with native=False (the generic tier) the same rule as the native model's
+        cfg_pairing=lambda arguments: _import("omni_accel.models.qwenimage:true_cfg_pairs")(arguments),
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_qwenimage"),),
         attention_roles={r".*\.attn": ("qwenimage.joint", "self")},
     ),
@@ -135,13 +137,6 @@ def cp_plan(transformer: nn.Module) -> dict[str, Any] | None:
         for path, entry in _CP_PLAN_ADDITIONS.get(cls.__name__, {}).items():
             plan[path] = {**plan.get(path, {}), **entry}
     return plan
-
-
-def _true_cfg(arguments: dict[str, Any], negative_embeds: str) -> bool:
-    """The Qwen-Image pipelines call the transformer twice per step (cond, then uncond) exactly when true CFG
-    is on: a scale above 1 and a negative prompt (or its embeddings)."""
-    negative = arguments.get("negative_prompt") is not None or arguments.get(negative_embeds) is not None
-    return arguments.get("true_cfg_scale", 1.0) > 1 and negative
 
 
 def registered_spec(transformer: nn.Module) -> ModelSpec | None:

@@ -1,0 +1,277 @@
+"""Native Qwen-Image blocks (text-to-image, image-to-image, inpaint, ControlNet and the Edit pipelines):
+Diffusers' QwenImageTransformer2DModel keeps its embedders, RoPE tables and output layers; its blocks run
+the shared double-stream math (``layers.double_stream``) over packed QKV GEMMs, with the text padding as a
+key mask through our attention.
+
+Only what is Qwen-Image's own lives here: the table of projections, the complex RoPE tables turned into
+the cos/sin pairs our q/k kernel takes, the joint key mask, and what makes a call fall back to Diffusers'.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from typing import Any
+
+import torch
+from diffusers.models.transformers.transformer_qwenimage import (
+    QwenDoubleStreamAttnProcessor2_0,
+    QwenImageTransformerBlock,
+)
+
+from ..layers.attention import AttentionSite, places_inputs
+from ..layers.double_stream import BlockConstants, Rope, double_block
+from ..parallel import Colwise, ParallelPlan, Rowwise
+from .base import NativeBlock, NativeModel
+
+_FP16_MAX = 65504.0
+
+# What QwenDoubleStreamAttnProcessor2_0 takes from joint_attention_kwargs (Diffusers' Attention drops the
+# other keys with a warning).
+_PROCESSOR_ARGUMENTS = set(inspect.signature(QwenDoubleStreamAttnProcessor2_0.__call__).parameters) - {
+    "self",
+    "attn",
+    "hidden_states",
+    "encoder_hidden_states",
+    "encoder_hidden_states_mask",
+    "image_rotary_emb",
+}
+
+
+def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.clip(-_FP16_MAX, _FP16_MAX) if x.dtype == torch.float16 else x
+
+
+def qwen_block(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    img_mod: torch.Tensor,
+    txt_mod: torch.Tensor,
+    rope: Rope,
+    w: dict,
+    norms: dict,
+    c: BlockConstants,
+    attn_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diffusers' QwenImageTransformerBlock.forward: the shared double-stream block, both streams clipped
+    in float16."""
+    txt, img = double_block(img, txt, img_mod, txt_mod, rope, w, norms, c, attn_mask)
+    return _clip_fp16(txt), _clip_fp16(img)
+
+
+class _Prepared:
+    """What every block of one forward shares and Qwen-Image hands each block in another form: the RoPE
+    tables as joint ``(cos, sin)`` and the joint key mask, made at the forward's first block and reused
+    (the same mask tensor at every block also lets attention drop the padded keys, see
+    ``attention.key_padding``). Keyed by the tensors it was made from, alive and unwritten."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, key: tuple[torch.Tensor | None, ...], extra: Any, make):
+        """``make()``, or what it made for the same ``key`` tensors and ``extra`` value last time."""
+        entry = getattr(self._local, "entry", None)
+        if (
+            entry is not None
+            and len(entry[0]) == len(key)
+            and entry[2] == extra
+            and all(
+                (ref is None and tensor is None)
+                or (ref is not None and tensor is not None and ref() is tensor and version == tensor._version)
+                for (ref, version), tensor in zip(entry[0], key, strict=True)
+            )
+        ):
+            return entry[1]
+        value = make()
+        refs = tuple((None, 0) if t is None else (weakref.ref(t), t._version) for t in key)
+        self._local.entry = (refs, value, extra)
+        return value
+
+    def __deepcopy__(self, memo: dict) -> _Prepared:
+        return _Prepared()
+
+    def __reduce__(self):
+        return _Prepared, ()
+
+
+def _joint_rope(img_freqs: torch.Tensor, txt_freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image's complex tables ``[S, D/2]`` (one per stream) as the ``(cos, sin)`` ``[S_txt + S_img, D]``
+    our kernels rotate adjacent pairs with: Diffusers multiplies each pair ``(x[2i], x[2i+1])`` as a complex
+    number by the table's entry, which is this rotation."""
+    joint = torch.cat([txt_freqs, img_freqs])
+    return (
+        joint.real.float().repeat_interleave(2, dim=-1).contiguous(),
+        joint.imag.float().repeat_interleave(2, dim=-1).contiguous(),
+    )
+
+
+def _joint_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
+    """The processor's mask: the text padding, every image token kept, as ``[B, 1, 1, S_txt + S_img]``."""
+    image = text_mask.new_ones(text_mask.shape[0], image_tokens, dtype=torch.bool)
+    return torch.cat([text_mask.bool(), image], dim=1)[:, None, None, :]
+
+
+class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
+    """Qwen-Image's double-stream block: image and text streams with their own weights, joined in
+    attention over ``[text, image]`` with the text padding masked."""
+
+    packed = {
+        "img_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "txt_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    }
+    linears = {
+        "img_mod": "img_mod.1",
+        "txt_mod": "txt_mod.1",
+        "img_out": "attn.to_out.0",
+        "txt_out": "attn.to_add_out",
+        "img_up": "img_mlp.net.0.proj",
+        "img_down": "img_mlp.net.2",
+        "txt_up": "txt_mlp.net.0.proj",
+        "txt_down": "txt_mlp.net.2",
+    }
+    # Diffusers' _tp_plan splits the same projections the same way; ours also splits the AdaLN modulation
+    # projections (gathered whole) and declares the packed QKV GEMMs.
+    tp_plan = {
+        **dict.fromkeys(packed["img_qkv"] + packed["txt_qkv"], Colwise()),
+        "attn.to_out.0": Rowwise(),
+        "attn.to_add_out": Rowwise(),
+        "img_mod.1": Colwise(),
+        "txt_mod.1": Colwise(),
+        "img_mlp.net.0.proj": Colwise(),
+        "img_mlp.net.2": Rowwise(),
+        "txt_mlp.net.0.proj": Colwise(),
+        "txt_mlp.net.2": Rowwise(),
+    }
+    modulations = ("img_mod", "txt_mod")
+    site = AttentionSite("qwenimage.joint", "self")
+    sites = (site,)
+    math = staticmethod(qwen_block)
+    _ropes, _masks = _Prepared(), _Prepared()  # per thread, the last forward's
+
+    def head_dim(self) -> int:
+        return self.attention_head_dim
+
+    def unsupported_reason(
+        self, joint_attention_kwargs: dict[str, Any] | None, modulate_index: Any, rope: Any
+    ) -> str | None:
+        processor = self.attn.processor
+        if type(processor) is not QwenDoubleStreamAttnProcessor2_0:
+            return f"attention processor {type(processor).__name__} (custom) runs in Diffusers"
+        if processor._attention_backend is not None or processor._parallel_config is not None:
+            return "a Diffusers attention backend or context-parallel config is set on the processor"
+        if self.attn.fused_projections:
+            return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
+        if self.zero_cond_t or modulate_index is not None:
+            return "per-token modulation (zero_cond_t, Qwen-Image-Edit-2511) runs in Diffusers"
+        used = sorted(set(joint_attention_kwargs or ()) & _PROCESSOR_ARGUMENTS)
+        if used:
+            return f"joint_attention_kwargs {used} are handled by Diffusers' processor"
+        if rope is None or not (
+            isinstance(rope, tuple | list)
+            and len(rope) == 2
+            and all(isinstance(t, torch.Tensor) and t.is_complex() and t.ndim == 2 for t in rope)
+        ):
+            return "RoPE tables other than Qwen-Image's two complex [tokens, head_dim / 2] ones"
+        return None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+        modulate_index: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb)
+        prepared = None
+        if not self.run_as_diffusers():
+            prepared = self._prepare(hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb,
+                                     joint_attention_kwargs, modulate_index, inputs)  # fmt: skip
+        if prepared is None:
+            return super().forward(
+                hidden_states,
+                encoder_hidden_states,
+                encoder_hidden_states_mask,
+                temb,
+                image_rotary_emb,
+                joint_attention_kwargs,
+                modulate_index,
+            )
+        modulation, rope, weights, norms, constants, mask = prepared
+        math = self.omni_runtime.math(type(self).math, self.omni_name)
+        return math(hidden_states, encoder_hidden_states, *modulation, rope, weights, norms, constants, mask)
+
+    @torch.compiler.disable
+    def _prepare(self, hidden_states, text_mask, temb, rope, joint_attention_kwargs, modulate_index, inputs):
+        """Everything host-side (weights, the projection cache, the joint RoPE and mask, constants), or None
+        when this call runs Diffusers' forward."""
+        weights = self.native_weights(joint_attention_kwargs, modulate_index, rope, inputs=inputs)
+        if weights is None:
+            return None
+        runtime = self.omni_runtime
+        modulation = [self.modulate(name, temb, weights) for name in self.modulations]
+        img_freqs, txt_freqs = rope
+        joint_rope = self._ropes.get((img_freqs, txt_freqs), None, lambda: _joint_rope(img_freqs, txt_freqs))
+        mask = None
+        if text_mask is not None:
+            tokens = hidden_states.shape[1]
+            mask = self._masks.get((text_mask,), tokens, lambda: _joint_mask(text_mask, tokens))
+        layout = runtime.layout_index
+        constants = BlockConstants(
+            self.attention_head_dim,
+            self.img_norm1.eps,
+            self.attn.norm_q.eps,
+            type(self).site,
+            runtime.selector.index,
+            layout,
+            runtime.rows("image"),
+            runtime.rows("text"),
+            mask is None and places_inputs(layout),
+            False,
+        )
+        norms = {name: getattr(self.attn, f"norm_{name}").weight for name in ("q", "k", "added_q", "added_k")}
+        return modulation, joint_rope, weights, norms, constants, mask
+
+
+def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
+    """The Qwen-Image pipelines call the transformer twice per step (cond, then uncond) exactly when true CFG
+    is on: a scale above 1 and a negative prompt (or its embeddings)."""
+    negative = (
+        arguments.get("negative_prompt") is not None or arguments.get("negative_prompt_embeds") is not None
+    )
+    return arguments.get("true_cfg_scale", 1.0) > 1 and negative
+
+
+def _output_like(transformer: Any, arguments: dict[str, Any]) -> torch.Tensor:
+    hidden = arguments["hidden_states"]
+    return hidden.new_empty(*hidden.shape[:2], transformer.proj_out.out_features)
+
+
+QWEN_IMAGE = NativeModel(
+    blocks={"transformer_blocks": NativeQwenImageTransformerBlock},
+    parallel=ParallelPlan(
+        name="Qwen-Image",
+        attention_heads="num_attention_heads",
+        sequence=None,  # ulysses / ring: not yet (the text mask through the exchanges)
+        batched_inputs=(
+            "hidden_states",
+            "encoder_hidden_states",
+            "encoder_hidden_states_mask",
+            "timestep",
+            "guidance",
+            "controlnet_block_samples",
+        ),
+        output_like=_output_like,
+    ),
+    cfg_pairing=true_cfg_pairs,
+    limitations=(
+        "custom attention processors, Diffusers attention backends set on a processor (or process-wide, where "
+        "no provider of ours runs the same kernel), fuse_qkv_projections(), per-token modulation "
+        "(zero_cond_t), DoRA adapters, hooks on a submodule, active dropout in training mode, gradients "
+        "flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of the block "
+        "(counted in the report, except under torch.compile; an error under tensor parallelism)",
+    ),
+)

@@ -1,0 +1,103 @@
+"""Qwen-Image on the native-model test contract: text padding as a key mask, several images per sample
+(the Edit pipelines' tokens concatenated), the pipelines that use the class, and what still runs in
+Diffusers' forward (per-token modulation)."""
+
+import pytest
+import torch
+from conftest import random_lora, random_qwenimage_transformer, rel_err
+from native_contract import NativeContract
+
+import omni_accel
+from omni_accel import ParallelConfig
+
+
+def qwen_inputs(module, batch=2, side=4, text=5, padded=2, images=1, seed=1):
+    """``images`` latents of ``side`` x ``side`` patches per sample (an Edit pipeline's target and
+    references), a text of ``text`` tokens whose last ``padded`` are padding in the second sample."""
+    cfg = module.config
+    g = torch.Generator().manual_seed(seed)
+    tokens = images * side * side
+    mask = None
+    if padded:
+        mask = torch.ones(batch, text, dtype=torch.bool)
+        mask[-1, text - padded :] = False
+    return dict(
+        hidden_states=torch.randn(batch, tokens, cfg.in_channels, generator=g),
+        encoder_hidden_states=torch.randn(batch, text, cfg.joint_attention_dim, generator=g),
+        encoder_hidden_states_mask=mask,
+        timestep=torch.rand(batch, generator=g),
+        img_shapes=[[(1, side, side)] * images] * batch,
+    )
+
+
+class TestQwenImageContract(NativeContract):
+    cases = [
+        ({}, dict(batch=2, side=4, text=5, padded=2)),
+        ({}, dict(batch=2, side=4, text=6, padded=0)),  # no mask: the pipelines drop an all-true one
+        ({"num_attention_heads": 3}, dict(batch=1, side=2, text=7, padded=3, images=3)),  # Edit Plus
+    ]
+    layouts = [
+        (ParallelConfig(cfg=2), {}, None),
+        (ParallelConfig(tp=2), {}, None),
+        (ParallelConfig(tp=2), {"num_attention_heads": 4}, dict(batch=1, side=3, text=5, padded=2, images=2)),
+    ]
+
+    make_module = staticmethod(random_qwenimage_transformer)
+    make_inputs = staticmethod(qwen_inputs)
+
+
+def _images(pipe, **call):
+    call = {"prompt": "a cat", "num_inference_steps": 2, "output_type": "latent", **call}
+    return pipe(**call, generator=torch.Generator().manual_seed(0)).images
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        {},
+        {"prompt": ["a cat", "a much longer prompt about a dog"]},  # padded text in one sample
+        {"negative_prompt": "a dog", "true_cfg_scale": 4.0},
+    ],
+    ids=["plain", "padded", "true_cfg"],
+)
+def test_tiny_qwenimage_pipeline_native_matches_diffusers(call):
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))
+    component = omni_accel.describe(fast).components[0]
+    assert component.mode == "native"
+    # the padded keys are dropped (an unmasked kernel over the kept ones): the same to fp32 rounding
+    assert rel_err(_images(fast, **call), _images(plain, **call)) <= 1e-6
+    assert component.runtime.fallbacks == {}
+
+
+def test_qwenimage_lora_and_restore():
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))
+    lora = random_lora(plain.transformer, ["to_q", "add_v_proj", "img_mlp.net.2"], seed=3)
+    for pipe in (plain, fast):
+        pipe.load_lora_weights(lora, adapter_name="a")
+    assert rel_err(_images(fast), _images(plain)) <= 1e-6
+    assert omni_accel.describe(fast).components[0].runtime.fallbacks == {}
+    omni_accel.restore(fast)
+    assert torch.equal(_images(fast), _images(plain))
+
+
+def test_per_token_modulation_runs_diffusers_forward_counted():
+    """Qwen-Image-Edit-2511's ``zero_cond_t`` modulates the reference images' tokens with a zero timestep:
+    not native yet, so each block runs Diffusers' forward, counted, and computes exactly what it does."""
+    plain = random_qwenimage_transformer(zero_cond_t=True)
+    fast = random_qwenimage_transformer(zero_cond_t=True)
+    pipe = omni_accel.accelerate(_holder(fast))
+    inputs = qwen_inputs(plain, images=2)
+    with torch.no_grad():
+        expected = plain(**inputs, return_dict=False)[0]
+        got = fast(**inputs, return_dict=False)[0]
+    assert torch.equal(got, expected)
+    (reason,) = omni_accel.describe(pipe).components[0].runtime.fallbacks
+    assert "zero_cond_t" in reason
+
+
+def _holder(transformer):
+    from native_contract import _Holder
+
+    return _Holder(transformer)
