@@ -40,6 +40,9 @@ class TestQwenImageContract(NativeContract):
         (ParallelConfig(cfg=2), {}, None),
         (ParallelConfig(tp=2), {}, None),
         (ParallelConfig(tp=2), {"num_attention_heads": 4}, dict(batch=1, side=3, text=5, padded=2, images=2)),
+        # not native yet under ulysses / ring: the generic tier splits the sequence as its _cp_plan says
+        (ParallelConfig(ulysses=2), {}, dict(batch=2, side=4, text=6, padded=2)),
+        (ParallelConfig(ring=2), {}, dict(batch=2, side=4, text=6, padded=0)),
     ]
 
     make_module = staticmethod(random_qwenimage_transformer)
