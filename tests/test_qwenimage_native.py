@@ -104,3 +104,44 @@ def _holder(transformer):
     from native_contract import _Holder
 
     return _Holder(transformer)
+
+
+def test_img2img_and_inpaint_pipelines_share_the_native_transformer():
+    """The other pipelines of the class, made with ``from_pipe`` from an accelerated one, run its native
+    blocks and compute what plain Diffusers' siblings compute."""
+    from diffusers import QwenImageImg2ImgPipeline, QwenImageInpaintPipeline
+
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))
+    g = torch.Generator().manual_seed(2)
+    image = torch.rand(1, 3, 32, 32, generator=g)
+    mask = (torch.rand(1, 1, 32, 32, generator=g) > 0.5).float()
+    calls = [
+        (QwenImageImg2ImgPipeline, dict(image=image, strength=0.9)),
+        (QwenImageInpaintPipeline, dict(image=image, mask_image=mask, strength=0.9)),
+    ]
+    for cls, extra in calls:
+        got = _images(omni_accel.accelerate(cls.from_pipe(fast)), height=32, width=32, **extra)
+        expected = _images(cls.from_pipe(plain), height=32, width=32, **extra)
+        assert rel_err(got, expected) <= 1e-6, cls.__name__
+    assert omni_accel.describe(fast).components[0].runtime.fallbacks == {}
+
+
+@pytest.mark.parametrize("kind", ["first_block", "taylorseer"])
+def test_diffusers_step_caches_on_native_qwenimage(kind):
+    """A step cache decides and computes as on Diffusers' blocks: FirstBlockCache hooks whole blocks (they
+    stay native), TaylorSeer hooks attention (the blocks run Diffusers' forward, counted)."""
+    from diffusers import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
+    configs = {
+        "first_block": lambda: FirstBlockCacheConfig(threshold=0.3),
+        "taylorseer": lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
+    }
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))
+    for pipe in (plain, fast):
+        pipe.transformer.enable_cache(configs[kind]())
+    call = dict(prompt=["a cat", "a much longer prompt about a dog"], num_inference_steps=4)
+    assert rel_err(_images(fast, **call), _images(plain, **call)) <= 1e-6
+    fallbacks = omni_accel.describe(fast).components[0].runtime.fallbacks
+    assert (fallbacks == {}) == (kind == "first_block"), fallbacks
