@@ -60,6 +60,7 @@ from timing import cudnn_backend_for, interleaved, write_json
 
 import omni_accel
 from omni_accel.attention import kernel_builds
+from omni_accel.models.registry import spec_for
 
 Inputs = Callable[[str, torch.dtype], dict[str, Any]]
 
@@ -521,6 +522,11 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         "diffusers_best": lambda: models["diffusers_best"](**x),
         "omni": lambda: models["omni"].transformer(**x),
     }
+    if spec_for(models["diffusers"]).native is not None:  # a model with native blocks: its generic tier too
+        models["omni_generic"] = omni_accel.accelerate(
+            _Holder(_build(spec, device, dtype)), native=False, **options
+        )
+        variants["omni_generic"] = lambda: models["omni_generic"].transformer(**x)
     if args.probe:  # where (b) gains on (c): its fused QKV, and our CUDA graphs' share
         fused = _build(spec, device, dtype)
         if hasattr(fused, "fuse_qkv_projections"):
@@ -537,7 +543,7 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
     _, first["omni"] = _wall(variants["omni"], device)
     result["first_call_s"] = first
     result["omni_ready_s"], result["omni_compiler"] = _omni_ready(models["omni"], variants["omni"], device)
-    for probe in ("omni_fused_qkv", "omni_no_graphs"):
+    for probe in ("omni_generic", "omni_fused_qkv", "omni_no_graphs"):
         if probe in variants:
             _omni_ready(models[probe], variants[probe], device)
     outputs = {}
@@ -560,6 +566,11 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         "diffusers/omni": ms["diffusers"] / ms["omni"],
         "diffusers_best/omni": ms["diffusers_best"] / ms["omni"],
         "diffusers/diffusers_best": ms["diffusers"] / ms["diffusers_best"],
+        **(
+            {"diffusers_best/omni_generic": ms["diffusers_best"] / ms["omni_generic"]}
+            if "omni_generic" in ms
+            else {}
+        ),
     }
     result["omni_report"] = str(omni_accel.describe(models["omni"]))
     if args.profile and device == "cuda":  # where the two compiled variants differ, kernel family by family
@@ -616,6 +627,13 @@ def _summary(name: str, r: dict[str, Any]) -> str:
         f"x{up['diffusers_best/omni']:.2f} vs best, best x{up['diffusers/diffusers_best']:.2f} | first call: "
         f"best {first['diffusers_best']:.1f} s, omni {first['omni']:.1f} s (ready after "
         f"{r['omni_ready_s']:.1f} s more) | rel err: best {err['diffusers_best']:.1e}, omni {err['omni']:.1e}"
+        + (
+            f" | generic tier {ms['omni_generic']:.1f} ms (x{up['diffusers_best/omni_generic']:.2f} vs best), "
+            f"rel err {err['omni_generic']:.1e}"
+            if "omni_generic" in ms
+            else ""
+        )
+        + f" | omni: {r['omni_report'].splitlines()[1][:80]}"
     )
 
 
