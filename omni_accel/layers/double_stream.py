@@ -50,10 +50,11 @@ def double_block(
     LayerNormed and modulated, its own QKV, one joint attention over ``[text, image]`` (``attn_mask``: the
     keys it may see, ``[B, 1, 1, S]`` bool, or None), each stream's output projection and gated residual,
     then each stream's modulated GELU MLP and gated residual. FLUX.1's and Qwen-Image's blocks compute
-    this; ``*_mod`` are the six AdaLN chunks (shift, scale, gate; then for the MLP) of each stream.
+    this; ``*_mod`` hold the six AdaLN chunks (shift, scale, gate; then for the MLP) of each stream, per
+    sample ``[B, 6 * D]`` or per token ``[B, S, 6 * D]``.
     Returns ``(txt, img)`` as their Diffusers blocks do."""
-    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=1)
-    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=1)
+    i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
+    t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)
     eps, head_dim, i_rows, t_rows = c.eps, c.head_dim, c.image_rows, c.text_rows
     # The two streams in step: under tensor parallelism each pair of exchanges ends behind one barrier.
     (hi, i_gather), (ht, t_gather) = norm_modulate_gathered_together(

@@ -106,6 +106,14 @@ def _joint_rope(img_freqs: torch.Tensor, txt_freqs: torch.Tensor) -> tuple[torch
     )
 
 
+def _per_token(modulation: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Qwen-Image-Edit-2511's per-token modulation: ``modulation`` ``[2B, 6D]`` holds each sample's two
+    rows (the noisy target's, then the references'); ``index`` ``[B, S]`` says which one each image token
+    takes (0 or 1), as ``[B, S, 6D]``."""
+    first, second = modulation.chunk(2, dim=0)
+    return torch.where(index.unsqueeze(-1) == 0, first.unsqueeze(1), second.unsqueeze(1))
+
+
 def _joint_mask(text_mask: torch.Tensor, image_tokens: int) -> torch.Tensor:
     """The processor's mask: the text padding, every image token kept, as ``[B, 1, 1, S_txt + S_img]``."""
     image = text_mask.new_ones(text_mask.shape[0], image_tokens, dtype=torch.bool)
@@ -162,8 +170,8 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
             return "a Diffusers attention backend or context-parallel config is set on the processor"
         if self.attn.fused_projections:
             return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
-        if self.zero_cond_t or modulate_index is not None:
-            return "per-token modulation (zero_cond_t, Qwen-Image-Edit-2511) runs in Diffusers"
+        if (self.zero_cond_t or modulate_index is not None) and self.omni_runtime.rows("image") is not None:
+            return "per-token modulation (zero_cond_t) with the tokens split over the tensor-parallel ranks"
         used = sorted(set(joint_attention_kwargs or ()) & _PROCESSOR_ARGUMENTS)
         if used:
             return f"joint_attention_kwargs {used} are handled by Diffusers' processor"
@@ -212,7 +220,14 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         if weights is None:
             return None
         runtime = self.omni_runtime
-        modulation = [self.modulate(name, temb, weights) for name in self.modulations]
+        if self.zero_cond_t:  # temb: the timestep's embedding, then a zero timestep's (the references')
+            img_mod = self.modulate("img_mod", temb, weights)
+            txt_mod = self.modulate("txt_mod", temb.chunk(2, dim=0)[0], weights)
+            if modulate_index is not None:
+                img_mod = _per_token(img_mod, modulate_index)
+            modulation = [img_mod, txt_mod]
+        else:
+            modulation = [self.modulate(name, temb, weights) for name in self.modulations]
         img_freqs, txt_freqs = rope
         joint_rope = self._ropes.get((img_freqs, txt_freqs), None, lambda: _joint_rope(img_freqs, txt_freqs))
         mask = None
@@ -263,14 +278,14 @@ QWEN_IMAGE = NativeModel(
             "timestep",
             "guidance",
             "controlnet_block_samples",
+            "img_shapes",  # per sample: Edit-2511's per-token modulation is built from them
         ),
         output_like=_output_like,
     ),
     cfg_pairing=true_cfg_pairs,
     limitations=(
         "custom attention processors, Diffusers attention backends set on a processor (or process-wide, where "
-        "no provider of ours runs the same kernel), fuse_qkv_projections(), per-token modulation "
-        "(zero_cond_t), DoRA adapters, hooks on a submodule, active dropout in training mode, gradients "
+        "no provider of ours runs the same kernel), fuse_qkv_projections(), DoRA adapters, hooks on a submodule, active dropout in training mode, gradients "
         "flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of the block "
         "(counted in the report, except under torch.compile; an error under tensor parallelism)",
     ),

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from diffusers.hooks.hooks import StateManager
 from torch import nn
 
@@ -94,6 +95,9 @@ class GuidanceBranches:
         def half(value):
             if isinstance(value, torch.Tensor):
                 return value.chunk(2)[self.rank]
+            if _per_sample(value):  # one entry per sample: this rank's half of the entries
+                size = len(value) // 2
+                return type(value)(value[self.rank * size : (self.rank + 1) * size])
             if isinstance(value, list | tuple):
                 return type(value)(half(v) for v in value)
             return value
@@ -158,6 +162,8 @@ class GuidanceBranches:
                 stacked[name] = a
             elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim and _stackable(a, b):
                 stacked[name] = torch.cat([a, b])
+            elif _per_sample(a) and _per_sample(b) and type(a) is type(b):
+                stacked[name] = type(a)([*a, *b])
             else:
                 return None
         return stacked
@@ -211,6 +217,16 @@ class GuidanceBranches:
             f"cfg parallel: {self.split_calls} batch-split calls, {self.paired_calls} paired cond/uncond "
             f"calls, {self.replicated_calls} calls computed on both ranks (a batch of one, or a pair whose output shape was not known yet)"
         )
+
+
+def _per_sample(value: Any) -> bool:
+    """A batched argument that is a list of per-sample entries holding no tensor (Qwen-Image's
+    ``img_shapes``), split and stacked by its entries (a list holding tensors has its batch on each)."""
+    return (
+        isinstance(value, list | tuple)
+        and len(value) > 0
+        and not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
+    )
 
 
 def _stackable(a: torch.Tensor, b: torch.Tensor) -> bool:
