@@ -146,3 +146,13 @@ def test_diffusers_step_caches_on_native_qwenimage(kind):
     assert rel_err(_images(fast, **call), _images(plain, **call)) <= 1e-6
     fallbacks = omni_accel.describe(fast).components[0].runtime.fallbacks
     assert (fallbacks == {}) == (kind == "first_block"), fallbacks
+
+
+def test_inference_mode_with_a_padded_prompt():
+    """Under ``torch.inference_mode()`` tensors keep no version counter: the per-forward tables and the key
+    mask are keyed by identity alone, and the images are plain Diffusers'."""
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))
+    call = dict(prompt=["a cat", "a much longer prompt about a dog"])
+    with torch.inference_mode():
+        assert rel_err(_images(fast, **call), _images(plain, **call)) <= 1e-6

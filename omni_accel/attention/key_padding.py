@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..utils.versions import version_of
+
 _LAST = threading.local()  # the last mask seen in this thread: (weak reference, version, what it keeps)
 
 
@@ -57,8 +59,8 @@ def kept_keys(
     if torch.compiler.is_dynamo_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     last = getattr(_LAST, "entry", None)
-    if last is None or last[0]() is not mask or last[1] != mask._version:
-        _LAST.entry = (weakref.ref(mask), mask._version, None)  # read if it comes back
+    if last is None or last[0]() is not mask or last[1] != version_of(mask):
+        _LAST.entry = (weakref.ref(mask), version_of(mask), None)  # read if it comes back
         if not first_sight:
             return None
         last = _LAST.entry

@@ -21,6 +21,7 @@ from torch import nn
 from ..parallel.comm import all_gather_dim
 from ..parallel.sequence import split_sizes
 from ..parallel.tensor import shard_of
+from ..utils.versions import version_of
 from .projection import LinearWeights, output_rows, project_into, read_linear
 
 
@@ -55,7 +56,7 @@ class SplitModulation:
     def project(self, key: str, conditioning: torch.Tensor) -> torch.Tensor:
         """The projection of site ``key``; the first request for a conditioning tensor (or after it changed
         in place) computes every site's. Every rank must make the same requests (a collective)."""
-        version = None if conditioning.is_inference() else conditioning._version  # inference: no counter
+        version = version_of(conditioning)
         if self._conditioning is not conditioning or self._version != version:
             self._outputs = self.project_sites(self.sites, conditioning)
             self._conditioning, self._version = conditioning, version

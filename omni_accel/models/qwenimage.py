@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ from diffusers.models.transformers.transformer_qwenimage import (
 
 from ..layers.attention import AttentionSite, places_inputs
 from ..layers.double_stream import BlockConstants, Rope, double_block
+from ..layers.projection import LinearWeights
 from ..parallel import Colwise, ParallelPlan, Rowwise
+from ..utils.versions import version_of
 from .base import NativeBlock, NativeModel
 
 _FP16_MAX = 65504.0
@@ -49,8 +52,8 @@ def qwen_block(
     img_mod: torch.Tensor,
     txt_mod: torch.Tensor,
     rope: Rope,
-    w: dict,
-    norms: dict,
+    w: dict[str, LinearWeights],
+    norms: dict[str, torch.Tensor | None],
     c: BlockConstants,
     attn_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,35 +67,26 @@ class _Prepared:
     """What every block of one forward shares and Qwen-Image hands each block in another form: the RoPE
     tables as joint ``(cos, sin)`` and the joint key mask, made at the forward's first block and reused
     (the same mask tensor at every block also lets attention drop the padded keys, see
-    ``attention.key_padding``). Keyed by the tensors it was made from, alive and unwritten."""
+    ``attention.key_padding``). Per thread, the last one made, keyed by the tensors it was made from
+    (alive and unwritten) and an ``extra`` value."""
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def get(self, key: tuple[torch.Tensor | None, ...], extra: Any, make):
+    def get(self, key: tuple[torch.Tensor, ...], extra: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, or what it made for the same ``key`` tensors and ``extra`` value last time."""
+        versions = tuple(version_of(t) for t in key)
         entry = getattr(self._local, "entry", None)
         if (
             entry is not None
+            and entry[1:3] == (versions, extra)
             and len(entry[0]) == len(key)
-            and entry[2] == extra
-            and all(
-                (ref is None and tensor is None)
-                or (ref is not None and tensor is not None and ref() is tensor and version == tensor._version)
-                for (ref, version), tensor in zip(entry[0], key, strict=True)
-            )
+            and all(ref() is t for ref, t in zip(entry[0], key, strict=True))
         ):
-            return entry[1]
+            return entry[3]
         value = make()
-        refs = tuple((None, 0) if t is None else (weakref.ref(t), t._version) for t in key)
-        self._local.entry = (refs, value, extra)
+        self._local.entry = (tuple(weakref.ref(t) for t in key), versions, extra, value)
         return value
-
-    def __deepcopy__(self, memo: dict) -> _Prepared:
-        return _Prepared()
-
-    def __reduce__(self):
-        return _Prepared, ()
 
 
 def _joint_rope(img_freqs: torch.Tensor, txt_freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
