@@ -332,13 +332,6 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
     native_ok = spec is not None and spec.native is not None and config.native
     distributed = parallel is not None and parallel.mesh is not None
     selector = AttentionSelector(config.attention)
-    sequence_split = distributed and parallel.config.sequence_parallel > 1
-    if native_ok and sequence_split and spec.native_model().parallel.sequence is None:
-        component = _plan_generic(name, module, spec, config, selector, parallel)  # splits what _cp_plan says
-        component.report.detail += (
-            f"; generic, not native: {type(module).__name__}'s native blocks take no ulysses/ring yet"
-        )
-        return component
     if native_ok:
         return _plan_swap(name, module, spec, config, selector, parallel if distributed else None)
     return _plan_generic(name, module, spec, config, selector, parallel if distributed else None)

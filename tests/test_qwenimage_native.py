@@ -42,9 +42,11 @@ class TestQwenImageContract(NativeContract):
         (ParallelConfig(tp=2), {}, None),
         (ParallelConfig(tp=2), {"num_attention_heads": 4}, dict(batch=1, side=3, text=5, padded=2, images=2)),
         (ParallelConfig(cfg=2), {"zero_cond_t": True}, dict(batch=2, side=2, text=5, padded=2, images=2)),
-        # not native yet under ulysses / ring: the generic tier splits the sequence as its _cp_plan says
-        (ParallelConfig(ulysses=2), {}, dict(batch=2, side=4, text=6, padded=2)),
+        # the text mask travels with its keys; 5 text tokens: split unevenly
+        (ParallelConfig(ulysses=2), {}, dict(batch=2, side=4, text=5, padded=2)),
+        (ParallelConfig(ring=2), {}, dict(batch=2, side=4, text=5, padded=2)),
         (ParallelConfig(ring=2), {}, dict(batch=2, side=4, text=6, padded=0)),
+        (ParallelConfig(ulysses=2), {"zero_cond_t": True}, dict(batch=1, side=3, text=5, padded=2, images=2)),
     ]
 
     make_module = staticmethod(random_qwenimage_transformer)

@@ -21,6 +21,7 @@ from ..attention.key_padding import attend_kept, kept_keys
 from ..attention.selection import AttentionSelector, selector_by_index
 from ..parallel.parallelize import current_sequence
 from ..parallel.placement import Placement
+from ..parallel.routed_attention import with_mask_column
 from ..parallel.sequence import finish
 from .fused import Segment, qkv_norm_rope
 
@@ -68,11 +69,13 @@ def _attend_in_layout(
 
     sp = current_sequence(layout)
     if sp is not None and sp.degree > 1:
-        if attn_mask is not None:
-            raise NotImplementedError(
-                f"Attention role {role!r}: masked attention under sequence parallelism is not supported; "
-                "run this model with ulysses=1 and ring=1."
-            )
+        if attn_mask is not None:  # a key mask: it travels with its keys (qkv_attention places nothing then)
+
+            def attend_masked(q, k, v, mask, scale, need_lse):
+                return _attend(selector_by_index(selector), role, category, scale, q, k, v, need_lse, mask)
+
+            attended = with_mask_column(sp, attend_masked, query, key, value, attn_mask, scale)
+            return finish(attended, None if beside is None else beside(), then, out)
         return sp.attention_beside(query, key, value, attend, beside, placement, then, out)
     # A key-padding mask (native blocks pass one tensor per forward): the padded keys dropped, an unmasked
     # kernel; the dense mask while compiling or capturing, where the host cannot read it.

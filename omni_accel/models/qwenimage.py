@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 from ..layers.attention import AttentionSite, places_inputs
 from ..layers.double_stream import BlockConstants, Rope, double_block
 from ..layers.projection import LinearWeights
-from ..parallel import Colwise, ParallelPlan, Rowwise
+from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..utils.versions import version_of
 from .base import NativeBlock, NativeModel
 
@@ -190,8 +190,8 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         inputs = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb)
         prepared = None
         if not self.run_as_diffusers():
-            prepared = self._prepare(hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb,
-                                     joint_attention_kwargs, modulate_index, inputs)  # fmt: skip
+            prepared = self._prepare(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                                     image_rotary_emb, joint_attention_kwargs, modulate_index, inputs)  # fmt: skip
         if prepared is None:
             return super().forward(
                 hidden_states,
@@ -207,7 +207,17 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         return math(hidden_states, encoder_hidden_states, *modulation, rope, weights, norms, constants, mask)
 
     @torch.compiler.disable
-    def _prepare(self, hidden_states, text_mask, temb, rope, joint_attention_kwargs, modulate_index, inputs):
+    def _prepare(
+        self,
+        hidden_states,
+        encoder_hidden_states,
+        text_mask,
+        temb,
+        rope,
+        joint_attention_kwargs,
+        modulate_index,
+        inputs,
+    ):
         """Everything host-side (weights, the projection cache, the joint RoPE and mask, constants), or None
         when this call runs Diffusers' forward."""
         weights = self.native_weights(joint_attention_kwargs, modulate_index, rope, inputs=inputs)
@@ -218,7 +228,7 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
             img_mod = self.modulate("img_mod", temb, weights)
             txt_mod = self.modulate("txt_mod", temb.chunk(2, dim=0)[0], weights)
             if modulate_index is not None:
-                img_mod = _per_token(img_mod, modulate_index)
+                img_mod = _per_token(img_mod, self._local(modulate_index, "image", hidden_states.shape[1]))
             modulation = [img_mod, txt_mod]
         else:
             modulation = [self.modulate(name, temb, weights) for name in self.modulations]
@@ -226,7 +236,9 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         joint_rope = self._ropes.get((img_freqs, txt_freqs), None, lambda: _joint_rope(img_freqs, txt_freqs))
         mask = None
         if text_mask is not None:
-            tokens = hidden_states.shape[1]
+            text_mask = self._local(text_mask, "text", encoder_hidden_states.shape[1])
+            rows = runtime.rows("image")  # tokens split over the TP ranks: attention sees them gathered
+            tokens = hidden_states.shape[1] if rows is None else sum(rows.sizes[0])
             mask = self._masks.get((text_mask,), tokens, lambda: _joint_mask(text_mask, tokens))
         layout = runtime.layout_index
         constants = BlockConstants(
@@ -243,6 +255,14 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         )
         norms = {name: getattr(self.attn, f"norm_{name}").weight for name in ("q", "k", "added_q", "added_k")}
         return modulation, joint_rope, weights, norms, constants, mask
+
+    def _local(self, tokens: torch.Tensor, stream: str, length: int) -> torch.Tensor:
+        """This rank's share of ``tokens`` (``[B, S]``, every token of ``stream``) under a sequence split:
+        the model passes them whole to every block."""
+        layout = self.omni_runtime.layout
+        if tokens.shape[1] == length or layout is None or layout.sequence is None:
+            return tokens
+        return layout.sequence.split(tokens, Split(stream, 1, positions=True))
 
 
 def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
@@ -264,7 +284,23 @@ QWEN_IMAGE = NativeModel(
     parallel=ParallelPlan(
         name="Qwen-Image",
         attention_heads="num_attention_heads",
-        sequence=None,  # ulysses / ring: not yet (the text mask through the exchanges)
+        # Diffusers' _cp_plan splits the same tensors at the same places: the streams at the first block
+        # (after the RoPE tables are made for the whole sequence), the tables themselves, the output.
+        # Ours names each split's stream, and splits the ControlNet residuals with the image tokens; each
+        # block takes its share of the text mask (and of Edit-2511's per-token index) itself.
+        sequence=SequencePlan(
+            inputs={"controlnet_block_samples": Split("image", 1)},
+            submodule_inputs={
+                "transformer_blocks.0": {
+                    "hidden_states": Split("image", 1),
+                    "encoder_hidden_states": Split("text", 1),
+                },
+            },
+            submodule_outputs={
+                "pos_embed": {0: Split("image", 0, positions=True), 1: Split("text", 0, positions=True)}
+            },
+            output=("proj_out", Split("image", 1)),
+        ),
         batched_inputs=(
             "hidden_states",
             "encoder_hidden_states",

@@ -87,7 +87,7 @@ def attend_split(
                 "over the ranks, only one row of keys per sample and head; run this model with ulysses=1 and "
                 "ring=1."
             )
-        return _with_mask_column(layout, attend, query, key, value, attn_mask, scale)
+        return with_mask_column(layout, attend, query, key, value, attn_mask, scale)
 
     def attend_here(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_lse: bool):
         return attend(q, k, v, attn_mask, scale, need_lse)
@@ -101,7 +101,7 @@ _MASKED = -(2.0**14)
 _PAD = 8  # the extra head columns: one carries the mask, the rest keep the head size a multiple of 8
 
 
-def _with_mask_column(layout, attend, query, key, value, mask, scale) -> torch.Tensor:
+def with_mask_column(layout, attend, query, key, value, mask, scale) -> torch.Tensor:
     """Attention under a key mask (per sample and head), with the mask travelling with its keys through
     Ulysses' exchange and the ring as one more head column: ``q = 1`` against ``k = mask / scale`` (a
     boolean mask: 0 kept, ``_MASKED`` masked; an additive one: its value, ``-inf`` as ``_MASKED``), so a
