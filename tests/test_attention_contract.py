@@ -12,8 +12,8 @@ import omni_accel.patches as patches
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import flux_inputs, random_flux_transformer, randomized, rel_err
-from diffusers import QwenImageTransformer2DModel, SD3Transformer2DModel
+from conftest import flux_inputs, random_flux_transformer, random_qwenimage_transformer, randomized, rel_err
+from diffusers import SD3Transformer2DModel
 from native_contract import _Holder
 
 import omni_accel
@@ -215,18 +215,7 @@ def test_an_unmapped_backend_is_left_to_diffusers_or_refused_where_it_cannot_be(
 
 
 def _qwen(seed=0):
-    torch.manual_seed(seed)
-    model = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    ).eval()
-    return randomized(model)
+    return random_qwenimage_transformer(seed)
 
 
 def _qwen_inputs(masked=True, seed=1):

@@ -51,7 +51,9 @@ def test_routed_pipeline_matches_and_restores(family):
     if family == "wan":
         providers = {role: provider for role, _, provider, _ in component.selector.decisions()}
         assert providers == {"wan.self": "sdpa", "wan.cross": "sdpa_math"}
-    assert ("native acceleration disabled" if family in ("wan", "qwenimage") else "no native blocks") in str(report)
+    assert ("native acceleration disabled" if family in ("wan", "qwenimage") else "no native blocks") in str(
+        report
+    )
     assert patches.applied() != applied_before
 
     omni_accel.restore(pipe)

@@ -101,6 +101,14 @@ def _norm_modulate_kernel_serves(x: torch.Tensor, shift: torch.Tensor, scale: to
     return shift.ndim == 2 and x.stride(-1) == 1 and kernels_can_run(x, shift, scale)
 
 
+_FP16_MAX = 65504.0
+
+
+def clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` clipped to float16's range when it is float16 (as Diffusers' MMDiT blocks end), else ``x``."""
+    return x.clip(-_FP16_MAX, _FP16_MAX) if x.dtype == torch.float16 else x
+
+
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x + gate * y`` for ``[B, S, D]`` activations and a ``[B, D]`` (per sample) or ``[B, S, D]`` (per
     token) gate, in the gate's precision if it is wider; the result has ``x``'s dtype."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -294,6 +295,43 @@ class NativeBlock:
 @functools.cache
 def _split_path(path: str) -> tuple[str, ...]:
     return tuple(path.split("."))
+
+
+def processor_reason(attn: nn.Module, processor_class: type, where: str = "attention") -> str | None:
+    """Why a block whose attention module ``attn`` the native math replaces must run Diffusers' forward: a
+    processor other than the model's own ``processor_class`` (an IP-adapter's, a custom one), a Diffusers
+    backend or context-parallel config set on it, or Diffusers' fused projections; None when none is."""
+    processor = attn.processor
+    if type(processor) is not processor_class:
+        return f"{where} processor {type(processor).__name__} (IP-adapter or custom) runs in Diffusers"
+    if processor._attention_backend is not None or processor._parallel_config is not None:
+        return "a Diffusers attention backend or context-parallel config is set on a processor"
+    if attn.fused_projections:
+        return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
+    return None
+
+
+def processor_kwargs_reason(
+    processor_class: type, taken: frozenset[str], joint_attention_kwargs: dict[str, Any] | None
+) -> str | None:
+    """Why a call's ``joint_attention_kwargs`` must go to Diffusers' processor: it names arguments of
+    ``processor_class`` besides the ones the native math takes (``taken``); Diffusers' Attention drops the
+    other keys, and so do we."""
+    if not joint_attention_kwargs:
+        return None
+    used = sorted(set(joint_attention_kwargs) & _processor_arguments(processor_class, taken))
+    return f"joint_attention_kwargs {used} are handled by Diffusers' processor" if used else None
+
+
+@functools.cache
+def _processor_arguments(processor_class: type, taken: frozenset[str]) -> frozenset[str]:
+    return frozenset(inspect.signature(processor_class.__call__).parameters) - {"self", "attn"} - taken
+
+
+def image_output_like(transformer: nn.Module, arguments: dict[str, Any]) -> torch.Tensor:
+    """``output_like`` of a model whose output is one row of ``proj_out`` per ``hidden_states`` token."""
+    hidden = arguments["hidden_states"]
+    return hidden.new_empty(*hidden.shape[:2], transformer.proj_out.out_features)
 
 
 def diffusers_only_reason(block: nn.Module, inputs: Any) -> str | None:

@@ -8,7 +8,6 @@ call fall back to Diffusers' forward.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -36,39 +35,12 @@ from ..layers.attention import (
 )
 from ..layers.double_stream import BlockConstants, Rope
 from ..layers.double_stream import double_block as _double_stream
+from ..layers.fused import clip_fp16
 from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed, takes_fp8_rows
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
-from .base import NativeBlock, NativeModel
+from .base import NativeBlock, NativeModel, image_output_like, processor_kwargs_reason, processor_reason
 
-_FP16_MAX = 65504.0
-
-
-def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
-    return x.clip(-_FP16_MAX, _FP16_MAX) if x.dtype == torch.float16 else x
-
-
-def _attention_reason(block: Any, joint_attention_kwargs: dict[str, Any] | None) -> str | None:
-    processor = block.attn.processor
-    if type(processor) is not FluxAttnProcessor:
-        return f"attention processor {type(processor).__name__} (IP-adapter or custom) runs in Diffusers"
-    if processor._attention_backend is not None or processor._parallel_config is not None:
-        return "a Diffusers attention backend or context-parallel config is set on the processor"
-    if block.attn.fused_projections:
-        return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
-    used = sorted(set(joint_attention_kwargs or ()) & _PROCESSOR_ARGUMENTS)
-    if used:  # others (an IP-adapter's ip_hidden_states) the default processor ignores, and so do we
-        return f"joint_attention_kwargs {used} are handled by Diffusers' processor"
-    return None
-
-
-# What FluxAttnProcessor takes from joint_attention_kwargs (Diffusers' Attention drops the other keys).
-_PROCESSOR_ARGUMENTS = set(inspect.signature(FluxAttnProcessor.__call__).parameters) - {
-    "self",
-    "attn",
-    "hidden_states",
-    "encoder_hidden_states",
-    "image_rotary_emb",
-}
+_PROCESSOR_TAKES = frozenset({"hidden_states", "encoder_hidden_states", "image_rotary_emb"})
 
 
 def double_block(
@@ -84,7 +56,7 @@ def double_block(
     """Diffusers' FluxTransformerBlock.forward: the shared double-stream block, the text stream clipped in
     float16 (only it: FLUX's block leaves the image stream as it is)."""
     txt, img = _double_stream(img, txt, img_mod, txt_mod, rope, w, norms, c)
-    return _clip_fp16(txt), img
+    return clip_fp16(txt), img
 
 
 def single_block(
@@ -125,7 +97,7 @@ def single_block(
         fp8 = takes_fp8_rows(w["out"]) and rows is None
         joined = (concat_gelu_fp8 if fp8 else concat_gelu)(out.flatten(2, 3).to(q.dtype), mlp)
     x = gated_residual(x, gate, apply_one(joined, w["out"], rows))
-    return _clip_fp16(x)
+    return clip_fp16(x)
 
 
 def _joined(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
@@ -154,7 +126,9 @@ class _FluxNative(NativeBlock):
     math: Any
 
     def unsupported_reason(self, joint_attention_kwargs: dict[str, Any] | None) -> str | None:
-        return _attention_reason(self, joint_attention_kwargs)
+        return processor_reason(self.attn, FluxAttnProcessor) or processor_kwargs_reason(
+            FluxAttnProcessor, _PROCESSOR_TAKES, joint_attention_kwargs
+        )
 
     def head_dim(self) -> int:
         return self.attn.head_dim
@@ -295,11 +269,6 @@ def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
     return arguments.get("true_cfg_scale", 1.0) > 1 and negative
 
 
-def _output_like(transformer: Any, arguments: dict[str, Any]) -> torch.Tensor:
-    hidden = arguments["hidden_states"]
-    return hidden.new_empty(*hidden.shape[:2], transformer.proj_out.out_features)
-
-
 FLUX = NativeModel(
     blocks={
         "transformer_blocks": NativeFluxTransformerBlock,
@@ -333,7 +302,7 @@ FLUX = NativeModel(
             "controlnet_block_samples",
             "controlnet_single_block_samples",
         ),
-        output_like=_output_like,
+        output_like=image_output_like,
     ),
     cfg_pairing=true_cfg_pairs,
     limitations=(

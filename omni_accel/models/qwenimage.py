@@ -9,7 +9,6 @@ the cos/sin pairs our q/k kernel takes, the joint key mask, and what makes a cal
 
 from __future__ import annotations
 
-import inspect
 import threading
 import weakref
 from collections.abc import Callable, Hashable
@@ -23,27 +22,20 @@ from diffusers.models.transformers.transformer_qwenimage import (
 
 from ..layers.attention import AttentionSite, places_inputs
 from ..layers.double_stream import BlockConstants, Rope, double_block
+from ..layers.fused import clip_fp16
 from ..layers.projection import LinearWeights
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from ..utils.versions import version_of
-from .base import NativeBlock, NativeModel
+from .base import NativeBlock, NativeModel, image_output_like, processor_kwargs_reason, processor_reason
 
-_FP16_MAX = 65504.0
-
-# What QwenDoubleStreamAttnProcessor2_0 takes from joint_attention_kwargs (Diffusers' Attention drops the
-# other keys with a warning).
-_PROCESSOR_ARGUMENTS = set(inspect.signature(QwenDoubleStreamAttnProcessor2_0.__call__).parameters) - {
-    "self",
-    "attn",
-    "hidden_states",
-    "encoder_hidden_states",
-    "encoder_hidden_states_mask",
-    "image_rotary_emb",
-}
-
-
-def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
-    return x.clip(-_FP16_MAX, _FP16_MAX) if x.dtype == torch.float16 else x
+_PROCESSOR_TAKES = frozenset(
+    {
+        "hidden_states",
+        "encoder_hidden_states",
+        "encoder_hidden_states_mask",
+        "image_rotary_emb",
+    }
+)
 
 
 def qwen_block(
@@ -60,7 +52,7 @@ def qwen_block(
     """Diffusers' QwenImageTransformerBlock.forward: the shared double-stream block, both streams clipped
     in float16."""
     txt, img = double_block(img, txt, img_mod, txt_mod, rope, w, norms, c, attn_mask)
-    return _clip_fp16(txt), _clip_fp16(img)
+    return clip_fp16(txt), clip_fp16(img)
 
 
 class _Prepared:
@@ -157,18 +149,13 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
     def unsupported_reason(
         self, joint_attention_kwargs: dict[str, Any] | None, modulate_index: Any, rope: Any
     ) -> str | None:
-        processor = self.attn.processor
-        if type(processor) is not QwenDoubleStreamAttnProcessor2_0:
-            return f"attention processor {type(processor).__name__} (custom) runs in Diffusers"
-        if processor._attention_backend is not None or processor._parallel_config is not None:
-            return "a Diffusers attention backend or context-parallel config is set on the processor"
-        if self.attn.fused_projections:
-            return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
+        reason = processor_reason(self.attn, QwenDoubleStreamAttnProcessor2_0) or processor_kwargs_reason(
+            QwenDoubleStreamAttnProcessor2_0, _PROCESSOR_TAKES, joint_attention_kwargs
+        )
+        if reason is not None:
+            return reason
         if (self.zero_cond_t or modulate_index is not None) and self.omni_runtime.rows("image") is not None:
             return "per-token modulation (zero_cond_t) with the tokens split over the tensor-parallel ranks"
-        used = sorted(set(joint_attention_kwargs or ()) & _PROCESSOR_ARGUMENTS)
-        if used:
-            return f"joint_attention_kwargs {used} are handled by Diffusers' processor"
         if rope is None or not (
             isinstance(rope, tuple | list)
             and len(rope) == 2
@@ -274,11 +261,6 @@ def true_cfg_pairs(arguments: dict[str, Any]) -> bool:
     return arguments.get("true_cfg_scale", 1.0) > 1 and negative
 
 
-def _output_like(transformer: Any, arguments: dict[str, Any]) -> torch.Tensor:
-    hidden = arguments["hidden_states"]
-    return hidden.new_empty(*hidden.shape[:2], transformer.proj_out.out_features)
-
-
 QWEN_IMAGE = NativeModel(
     blocks={"transformer_blocks": NativeQwenImageTransformerBlock},
     parallel=ParallelPlan(
@@ -310,7 +292,7 @@ QWEN_IMAGE = NativeModel(
             "controlnet_block_samples",
             "img_shapes",  # per sample: Edit-2511's per-token modulation is built from them
         ),
-        output_like=_output_like,
+        output_like=image_output_like,
     ),
     cfg_pairing=true_cfg_pairs,
     limitations=(

@@ -25,7 +25,7 @@ from ..parallel.comm import all_reduce_sum
 from ..parallel.tensor import shard_of
 from ..parallel.token_rows import Rows
 from ..parallel.vae import SAME_SIZE_CONVS, Bands, SplitLayer, register_row_split, whole_attention
-from .base import NativeBlock, NativeModel
+from .base import NativeBlock, NativeModel, processor_reason
 
 _TEXT_TOKENS = 512  # Diffusers' WanAttnProcessor: the text context is the last 512 tokens (I2V: image first)
 
@@ -145,15 +145,9 @@ def _affine_norm(x: torch.Tensor, norms: dict[str, torch.Tensor | None], eps: fl
 
 
 def _attention_reason(module: Any) -> str | None:
-    for name in ("attn1", "attn2"):
-        attn = getattr(module, name)
-        if type(attn.processor) is not WanAttnProcessor:
-            return f"{name} processor {type(attn.processor).__name__} (custom) runs in Diffusers"
-        if attn.processor._attention_backend is not None or attn.processor._parallel_config is not None:
-            return "a Diffusers attention backend or context-parallel config is set on a processor"
-        if attn.fused_projections:
-            return "Diffusers' fuse_qkv_projections() is active (its fused weights run in Diffusers)"
-    return None
+    return processor_reason(module.attn1, WanAttnProcessor, "attn1") or processor_reason(
+        module.attn2, WanAttnProcessor, "attn2"
+    )
 
 
 class _WanNative(NativeBlock):
