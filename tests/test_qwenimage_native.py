@@ -11,9 +11,10 @@ import omni_accel
 from omni_accel import ParallelConfig
 
 
-def qwen_inputs(module, batch=2, side=4, text=5, padded=2, images=1, seed=1):
+def qwen_inputs(module, batch=2, side=4, text=5, padded=2, images=1, controlnet=0, seed=1):
     """``images`` latents of ``side`` x ``side`` patches per sample (an Edit pipeline's target and
-    references), a text of ``text`` tokens whose last ``padded`` are padding in the second sample."""
+    references), a text of ``text`` tokens whose last ``padded`` are padding in the second sample, and
+    ``controlnet`` ControlNet residuals (added after the blocks, as QwenImageControlNetPipeline passes)."""
     cfg = module.config
     g = torch.Generator().manual_seed(seed)
     tokens = images * side * side
@@ -21,7 +22,13 @@ def qwen_inputs(module, batch=2, side=4, text=5, padded=2, images=1, seed=1):
     if padded:
         mask = torch.ones(batch, text, dtype=torch.bool)
         mask[-1, text - padded :] = False
+    residuals = {}
+    if controlnet:
+        width = cfg.num_attention_heads * cfg.attention_head_dim
+        samples = [torch.randn(batch, tokens, width, generator=g) for _ in range(controlnet)]
+        residuals["controlnet_block_samples"] = samples
     return dict(
+        **residuals,
         hidden_states=torch.randn(batch, tokens, cfg.in_channels, generator=g),
         encoder_hidden_states=torch.randn(batch, text, cfg.joint_attention_dim, generator=g),
         encoder_hidden_states_mask=mask,
@@ -36,6 +43,7 @@ class TestQwenImageContract(NativeContract):
         ({}, dict(batch=2, side=4, text=6, padded=0)),  # no mask: the pipelines drop an all-true one
         ({"num_attention_heads": 3}, dict(batch=1, side=2, text=7, padded=3, images=3)),  # Edit Plus
         ({"zero_cond_t": True}, dict(batch=2, side=2, text=5, padded=2, images=3)),  # Edit-2511
+        ({}, dict(batch=2, side=4, text=5, padded=2, controlnet=1)),
     ]
     layouts = [
         (ParallelConfig(cfg=2), {}, None),
@@ -47,6 +55,11 @@ class TestQwenImageContract(NativeContract):
         (ParallelConfig(ring=2), {}, dict(batch=2, side=4, text=5, padded=2)),
         (ParallelConfig(ring=2), {}, dict(batch=2, side=4, text=6, padded=0)),
         (ParallelConfig(ulysses=2), {"zero_cond_t": True}, dict(batch=1, side=3, text=5, padded=2, images=2)),
+        (
+            ParallelConfig(ring=2),
+            {},
+            dict(batch=2, side=3, text=5, padded=2, controlnet=2),
+        ),  # 9 tokens: uneven
     ]
 
     make_module = staticmethod(random_qwenimage_transformer)
