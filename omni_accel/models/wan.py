@@ -19,9 +19,9 @@ from diffusers.models.transformers.transformer_wan_vace import WanVACETransforme
 
 from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate_gathered
 from ..layers.attention import AttentionSite, attention, places_inputs, qkv_attention
+from ..layers.norms import rms_norm_across_heads
 from ..layers.projection import LinearWeights, apply_linear, apply_one, takes_fp8_rows
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
-from ..parallel.comm import all_reduce_sum
 from ..parallel.tensor import shard_of
 from ..parallel.token_rows import Rows
 from ..parallel.vae import SAME_SIZE_CONVS, Bands, SplitLayer, register_row_split, whole_attention
@@ -51,14 +51,7 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _qk_norm(x: torch.Tensor, weight: torch.Tensor | None, c: BlockConstants) -> torch.Tensor:
-    """RMSNorm across all heads, as Diffusers' norm_q/norm_k; under tensor parallelism this rank holds
-    some heads (and the matching slice of ``weight``), and the mean square is summed over the ranks."""
-    if c.tp_group is None:
-        return F.rms_norm(x, (x.shape[-1],), weight, c.qk_eps)
-    eps = torch.finfo(x.dtype).eps if c.qk_eps is None else c.qk_eps
-    squares = all_reduce_sum(x.float().pow(2).sum(-1, keepdim=True), c.tp_group)
-    normed = (x.float() * torch.rsqrt(squares / c.inner_dim + eps)).type_as(x)
-    return normed if weight is None else normed * weight
+    return rms_norm_across_heads(x, weight, c.qk_eps, c.tp_group, c.inner_dim)
 
 
 def _modulations(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
