@@ -15,7 +15,13 @@ from .report import AccelerationReport
 
 __version__ = "0.1.0"
 
-_TINY_BUILDERS = ("tiny_flux_pipeline", "tiny_qwenimage_pipeline", "tiny_sd3_pipeline", "tiny_wan_pipeline")
+_TINY_BUILDERS = (
+    "tiny_flux2_klein_pipeline",
+    "tiny_flux_pipeline",
+    "tiny_qwenimage_pipeline",
+    "tiny_sd3_pipeline",
+    "tiny_wan_pipeline",
+)
 _RANDOM_BUILDERS = ("random_flux_dev_pipeline",)
 
 
@@ -49,6 +55,7 @@ __all__ = [
     "provider_names",
     "random_flux_dev_pipeline",
     "restore",
+    "tiny_flux2_klein_pipeline",
     "tiny_flux_pipeline",
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",

@@ -82,6 +82,25 @@ def random_qwenimage_transformer(seed: int = 0, **overrides):
     return randomized(QwenImageTransformer2DModel(**{**config, **overrides}).eval())
 
 
+def random_flux2_transformer(seed: int = 0, **overrides):
+    """A small Diffusers FLUX.2 transformer whose every weight is random."""
+    from diffusers import Flux2Transformer2DModel
+
+    config = dict(
+        in_channels=8,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        timestep_guidance_channels=16,
+        mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4),
+    )
+    torch.manual_seed(seed)
+    return randomized(Flux2Transformer2DModel(**{**config, **overrides}).eval())
+
+
 def randomized(model):
     """``model`` with every parameter drawn from N(0, 0.1): no zero-initialised layer hides a path."""
     with torch.no_grad():

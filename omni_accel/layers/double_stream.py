@@ -1,10 +1,11 @@
 """The double-stream (MMDiT) block shared by the models whose blocks compute it (FLUX.1's double blocks,
-Qwen-Image's): two token streams, text and image, each with its own projections and modulation, joined
+FLUX.2's, Qwen-Image's): two token streams, text and image, each with its own projections and modulation, joined
 only in attention. A model file supplies the weights' table, the modulation and what makes a call fall
 back to Diffusers' forward."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from ..parallel.token_rows import Rows
 from .attention import AttentionSite, qkv_attention
 from .feed_forward import feed_forwards_together
 from .fp8 import quantize_rows, split_rows
-from .fused import gated_residual, norm_modulate_gathered_together
+from .fused import gated_residual, gelu_tanh, norm_modulate_gathered_together
 from .projection import LinearWeights, apply_linear, apply_together, takes_fp8_rows
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
@@ -45,12 +46,13 @@ def double_block(
     norms: dict[str, torch.Tensor | None],
     c: BlockConstants,
     attn_mask: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A double-stream (MMDiT) block over packed projections, its elementwise steps fused: each stream
     LayerNormed and modulated, its own QKV, one joint attention over ``[text, image]`` (``attn_mask``: the
     keys it may see, ``[B, 1, 1, S]`` bool, or None), each stream's output projection and gated residual,
-    then each stream's modulated GELU MLP and gated residual. FLUX.1's and Qwen-Image's blocks compute
-    this; ``*_mod`` hold the six AdaLN chunks (shift, scale, gate; then for the MLP) of each stream, per
+    then each stream's modulated MLP (``activation``: tanh-GELU, or SwiGLU as FLUX.2's) and gated residual.
+    FLUX.1's, FLUX.2's and Qwen-Image's blocks compute this; ``*_mod`` hold the six AdaLN chunks (shift, scale, gate; then for the MLP) of each stream, per
     sample ``[B, 6 * D]`` or per token ``[B, S, 6 * D]``.
     Returns ``(txt, img)`` as their Diffusers blocks do."""
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
@@ -92,7 +94,8 @@ def double_block(
         [
             (hi, w["img_up"], w["img_down"], i_rows, i_gather is None),
             (ht, w["txt_up"], w["txt_down"], t_rows, t_gather is None),
-        ]
+        ],
+        activation,
     )
     img, txt = gated_residual(img, i_gate2, img_ff), gated_residual(txt, t_gate2, txt_ff)
     return txt, img

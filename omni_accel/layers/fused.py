@@ -5,6 +5,7 @@ make several (each a full read and write of a 4608 x 3072 tensor at FLUX's size)
 * ``gated_residual``: ``x + gate * y``;
 * ``gelu_tanh`` and ``concat_gelu``: GELU (tanh) in one bandwidth-bound pass, the latter writing it next to
   another tensor (a single-stream block's attention output) so the MLP half is never concatenated;
+  ``swiglu`` and ``concat_swiglu`` the same for a SwiGLU MLP (Diffusers' ops, fused by the compiler);
 * ``qkv_norm_rope``: RMSNorm (per head, or across all heads as Wan's) then RoPE of q and k of one or more
   sequence segments (text, image), written straight into the joint ``[B, S, H, D]`` tensors attention
   reads (or where a parallel layout's exchange wants each head), v joined in the same pass (no
@@ -153,6 +154,26 @@ def concat_gelu_fp8(a: torch.Tensor, b: torch.Tensor) -> Fp8Rows:
 def gelu_tanh_fp8(x: torch.Tensor) -> Fp8Rows:
     """``quantize_rows(gelu_tanh(x))`` (an MLP's activation feeding an FP8 down projection)."""
     return concat_gelu_fp8(x[..., :0], x)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a projection packing its gate and linear halves, ``x = [gate, linear]``:
+    ``silu(gate) * linear`` (FLUX.2's MLPs; under tp each rank holds its slice of both halves, in the same
+    order)."""
+    gate, linear = x.chunk(2, dim=-1)
+    return F.silu(gate) * linear
+
+
+def concat_swiglu(a: torch.Tensor, gate: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+    """``cat([a, silu(gate) * linear], dim=-1)``, the product written into its columns of the result (the
+    MLP half, the widest, never concatenated); Diffusers' ops and roundings, which compiled code fuses."""
+    if torch.compiler.is_dynamo_compiling():  # no out= into columns there; inductor writes them in place
+        return torch.cat([a, F.silu(gate) * linear], dim=-1)
+    width = a.shape[-1]
+    out = a.new_empty(*a.shape[:-1], width + gate.shape[-1])
+    out[..., :width] = a
+    torch.mul(F.silu(gate), linear, out=out[..., width:])
+    return out
 
 
 def _gelu_kernel_serves(*tensors: torch.Tensor) -> bool:

@@ -186,13 +186,51 @@ def _local_size(base: nn.Linear) -> int:
     return base.weight.shape[0]  # out_features stays the full size under tensor parallelism
 
 
-def read_linear(module: nn.Module, where: str) -> LinearWeights:
-    """The weights of one Diffusers linear (maybe LoRA-wrapped); raises ``Unsupported`` with the reason."""
+def read_linear(module: nn.Module, where: str, parts_attr: str = "") -> LinearWeights:
+    """The weights of one Diffusers linear (maybe LoRA-wrapped); raises ``Unsupported`` with the reason.
+    ``parts_attr``: the linear's attribute listing the full sizes of the projections packed in its outputs
+    (Diffusers' ``_tp_packed_col_blocks``): they come out as parts, as from ``read_packed``, this rank's
+    slice of each under tensor parallelism."""
     base, terms = _resolve(module, where)
     shard = getattr(base, "omni_tp", None)
     reduce = shard.group if shard is not None and shard.reduces else None
     bias = None if reduce is not None and shard.rank != 0 else base.bias  # summed over the ranks: once
-    return LinearWeights(base.weight, bias, (_local_size(base),), (terms,), reduce, (base.weight,))
+    weights = LinearWeights(base.weight, bias, (_local_size(base),), (terms,), reduce, (base.weight,))
+    return _in_parts(weights, _local_parts(base, parts_attr, where)) if parts_attr else weights
+
+
+def _local_parts(base: nn.Linear, parts_attr: str, where: str) -> tuple[int, ...]:
+    """This rank's sizes of the projections packed in ``base``'s outputs."""
+    parts = tuple(getattr(base, parts_attr, None) or ())
+    if sum(parts) != base.out_features:
+        raise Unsupported(
+            f"{where}: its {parts_attr} {list(parts)} does not list its {base.out_features} outputs"
+        )
+    shard = getattr(base, "omni_tp", None)
+    if shard is None:
+        return parts
+    if shard.dim != 0 or shard.parts != parts:
+        raise Unsupported(
+            f"{where} is split over the TP ranks other than by its packed outputs {list(parts)}"
+        )
+    return tuple(part // shard.size for part in parts)
+
+
+def _in_parts(weights: LinearWeights, sizes: tuple[int, ...]) -> LinearWeights:
+    """One projection's outputs as the parts ``sizes`` (one GEMM still), each with its rows of the adapters."""
+    (terms,) = weights.adapters
+    adapters, start = [], 0
+    for size in sizes:
+        adapters.append(_adapter_rows(terms, slice(start, start + size)))
+        start += size
+    return replace(weights, sizes=sizes, adapters=tuple(adapters))
+
+
+def _adapter_rows(terms: tuple[LowRank, ...], rows: slice) -> tuple[LowRank, ...]:
+    """The adapter terms of output rows ``rows`` of their projection."""
+    return tuple(
+        replace(t, up=t.up[rows], up_bias=None if t.up_bias is None else t.up_bias[rows]) for t in terms
+    )
 
 
 def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
@@ -317,9 +355,7 @@ def output_rows(weights: LinearWeights, start: int, size: int) -> LinearWeights:
         raise ValueError("only one projection without a collective can be sliced by outputs")
     rows = slice(start, start + size)
     (terms,) = weights.adapters
-    terms = tuple(
-        replace(t, up=t.up[rows], up_bias=None if t.up_bias is None else t.up_bias[rows]) for t in terms
-    )
+    terms = _adapter_rows(terms, rows)
     bias = None if weights.bias is None else weights.bias[rows]
     return replace(
         weights,

@@ -144,13 +144,16 @@ class NativeBlock:
     """Mixin for a native block; the subclass also derives from the Diffusers block class it replaces.
 
     ``packed``: name -> Diffusers paths of linears that read one input (one GEMM). ``linears``: name ->
-    path of the other linears the math reads. Subclasses implement ``forward`` with Diffusers' signature:
+    path of the other linears the math reads (``output_parts``: those whose outputs pack several). Subclasses implement ``forward`` with Diffusers' signature:
     ``self.native_weights(...)`` gives the weights or None, in which case they return
     ``super().forward(...)``.
     """
 
     packed: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     linears: ClassVar[Mapping[str, str]] = {}
+    # Name in ``linears`` -> the linear's attribute listing the projections packed in its outputs (read as
+    # parts, ``read_linear``).
+    output_parts: ClassVar[Mapping[str, str]] = {}
     tp_plan: ClassVar[TensorPlan] = {}
     sites: ClassVar[tuple[AttentionSite, ...]] = ()  # the block's attention call sites (roles)
     # The names in ``linears`` of its AdaLN projections (``modulate``).
@@ -194,7 +197,7 @@ class NativeBlock:
                 }
                 weights.update(
                     {
-                        name: read_linear(self._submodule(path), path)
+                        name: read_linear(self._submodule(path), path, self.output_parts.get(name, ""))
                         for name, path in self.linear_projections().items()
                     }
                 )

@@ -75,6 +75,16 @@ _SPECS: dict[str, ModelSpec] = {
             r"single_transformer_blocks\.\d+\.attn": ("flux.single", "self"),
         },
     ),
+    "Flux2Transformer2DModel": ModelSpec(
+        family="flux2",
+        native="omni_accel.models.flux2:FLUX2",
+        output_class=f"{_TRANSFORMERS}.transformer_flux2:Flux2Transformer2DModelOutput",
+        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_flux2"),),
+        attention_roles={
+            r"transformer_blocks\.\d+\.attn": ("flux2.joint", "self"),
+            r"single_transformer_blocks\.\d+\.attn": ("flux2.single", "self"),
+        },
+    ),
     "WanTransformer3DModel": ModelSpec(family="wan", native="omni_accel.models.wan:WAN", **_WAN_ROUTES),
     "WanVACETransformer3DModel": ModelSpec(
         family="wan", native="omni_accel.models.wan:WAN_VACE", **_WAN_ROUTES

@@ -17,10 +17,13 @@ from contextlib import contextmanager
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
     ModelMixin,
@@ -47,6 +50,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -56,6 +61,7 @@ from transformers import (
 
 __all__ = [
     "flux_rope_axes",
+    "tiny_flux2_klein_pipeline",
     "tiny_flux_pipeline",
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",
@@ -559,6 +565,83 @@ def tiny_qwenimage_pipeline(
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=transformer,
+    )
+    pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
+    return _finish(pipe, dtype, device)
+
+
+# The chat template Qwen3's tokenizer applies (Flux2KleinPipeline asks for it with thinking off).
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Flux2KleinPipeline stacks the Qwen3 hidden states after these layers by default.
+_KLEIN_TEXT_LAYERS = (9, 18, 27)
+
+
+def tiny_flux2_klein_pipeline(
+    *,
+    seed: int = 0,
+    num_layers: int = 1,
+    num_single_layers: int = 2,
+    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    is_distilled: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Flux2KleinPipeline:
+    """FLUX.2 Klein text-to-image pipeline (FLUX.2 transformer without guidance embedding, Qwen3 text
+    encoder, FLUX.2 VAE) at toy size. ``is_distilled``: the step-distilled checkpoints (one transformer call
+    per step); otherwise guidance above 1 calls it twice (cond, uncond). The text encoder has the 27 layers
+    the pipeline reads hidden states from, at a toy width. Called without height/width the pipeline
+    renders 32x32."""
+    tokenizer = _qwen_tokenizer("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=_TEXT_HIDDEN,
+        intermediate_size=2 * _TEXT_HIDDEN,
+        num_hidden_layers=max(_KLEIN_TEXT_LAYERS),
+        num_attention_heads=_TEXT_HEADS,
+        num_key_value_heads=1,
+        head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
+        max_position_embeddings=1024,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with _seeded(seed, "text_encoder"):
+        text_encoder = Qwen3ForCausalLM(config)
+    latent_channels = 4
+    with _seeded(seed, "vae"):
+        vae = AutoencoderKLFlux2(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 8),
+            layers_per_block=1,
+            latent_channels=latent_channels,
+            norm_num_groups=4,
+        )
+    with _seeded(seed, "transformer"):
+        transformer = Flux2Transformer2DModel(
+            in_channels=4 * latent_channels,  # 2x2 patches of the latent, packed
+            num_layers=num_layers,
+            num_single_layers=num_single_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=len(_KLEIN_TEXT_LAYERS) * _TEXT_HIDDEN,
+            timestep_guidance_channels=16,
+            axes_dims_rope=(attention_head_dim // 4,) * 4,
+            guidance_embeds=False,
+        )
+        _randomize_(transformer)
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        is_distilled=is_distilled,
     )
     pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
     return _finish(pipe, dtype, device)
