@@ -103,6 +103,21 @@ def test_native_wan_fp8_is_diffusers_with_quantized_projections():
     assert omni_accel.describe(pipe).components[0].runtime.fp8.copies > 0
 
 
+def test_native_flux2_fp8_is_diffusers_with_quantized_projections():
+    """FLUX.2: every projection of its blocks in FP8 (its AdaLN modulations run at model level, in bf16),
+    the single block's one QKV+MLP linear as one FP8 GEMM whose outputs are read by parts."""
+    from conftest import random_flux2_transformer
+    from test_flux2_native import flux2_inputs
+
+    model = random_flux2_transformer()
+    inputs = flux2_inputs(model)
+    oracle = _oracle(model, inputs)
+    pipe = omni_accel.accelerate(_Holder(copy.deepcopy(model)), quantize="fp8")
+    assert rel_err(_sample(pipe.transformer, inputs), oracle) < _TIGHT
+    store = omni_accel.describe(pipe).components[0].runtime.fp8
+    assert store.quantized == 2 * 8 + 2 * 2  # double: 2 packed QKV, 2 out, 4 MLP; single: 2 linears
+
+
 @pytest.mark.parametrize("edit", ["in_place", "through_data", "load_state_dict", "assign"])
 def test_weight_edits_requantize(edit):
     model, inputs = _flux()

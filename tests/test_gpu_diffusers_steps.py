@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 
 _BUILDERS = {
     "flux": omni_accel.tiny_flux_pipeline,
+    "flux2": omni_accel.tiny_flux2_klein_pipeline,
     "qwenimage": omni_accel.tiny_qwenimage_pipeline,
     "sd3": omni_accel.tiny_sd3_pipeline,
     "wan": omni_accel.tiny_wan_pipeline,
