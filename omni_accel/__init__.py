@@ -21,6 +21,7 @@ _TINY_BUILDERS = (
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",
     "tiny_wan_pipeline",
+    "tiny_zimage_pipeline",
 )
 _RANDOM_BUILDERS = ("random_flux_dev_pipeline",)
 
@@ -60,5 +61,6 @@ __all__ = [
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",
     "tiny_wan_pipeline",
+    "tiny_zimage_pipeline",
     "unload_ipython_extension",
 ]

@@ -101,6 +101,25 @@ def random_flux2_transformer(seed: int = 0, **overrides):
     return randomized(Flux2Transformer2DModel(**{**config, **overrides}).eval())
 
 
+def random_zimage_transformer(seed: int = 0, **overrides):
+    """A small Diffusers Z-Image transformer whose every weight is random (the pad tokens too)."""
+    from diffusers import ZImageTransformer2DModel
+
+    config = dict(
+        in_channels=4,
+        dim=48,  # its MLP is int(dim / 3 * 8) wide: 128, which tp=2 divides
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=24,
+        axes_dims=[8, 8, 8],
+        axes_lens=[256, 32, 32],
+    )
+    torch.manual_seed(seed)
+    return randomized(ZImageTransformer2DModel(**{**config, **overrides}).eval())
+
+
 def randomized(model):
     """``model`` with every parameter drawn from N(0, 0.1): no zero-initialised layer hides a path."""
     with torch.no_grad():

@@ -42,8 +42,10 @@ def _block_lists(module: nn.Module) -> list[str]:
 
 
 def _run(module: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The output sample (one per sample stacked, for a model that returns a list of them: Z-Image's)."""
     with torch.no_grad():
-        return module(**copy.copy(inputs), return_dict=False)[0]
+        out = module(**copy.copy(inputs), return_dict=False)[0]
+    return torch.stack(out) if isinstance(out, list | tuple) else out
 
 
 class NativeContract:

@@ -211,6 +211,7 @@ def qkv_norm_rope(
     q_weights, k_weights = (list(w) for w in zip(*weights, strict=True))
     if (
         rope is not None
+        and (rope[0].ndim == 2 or rope[0].shape[0] == 1)  # one table for every sample
         and head_dim & (head_dim - 1) == 0  # a power of two: the kernel holds a head in one tile
         and all(w is not None for w in q_weights + k_weights)
         and all(t.stride(-1) == 1 for t in qs + ks + vs)

@@ -374,6 +374,7 @@ def modulation_sites(transformer: nn.Module) -> list[ModulationSite]:
         for block in transformer.modules()
         if isinstance(block, NativeBlock)
         for name in block.modulations
+        if name in block.linear_projections()  # some blocks of a class may have none (Z-Image's)
     ]
 
 

@@ -9,9 +9,6 @@ the cos/sin pairs our q/k kernel takes, the joint key mask, and what makes a cal
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -25,8 +22,8 @@ from ..layers.double_stream import BlockConstants, Rope, double_block
 from ..layers.fused import clip_fp16
 from ..layers.projection import LinearWeights
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
-from ..utils.versions import version_of
 from .base import NativeBlock, NativeModel, image_output_like, processor_kwargs_reason, processor_reason
+from .forward_memo import ForwardMemo
 
 _PROCESSOR_TAKES = frozenset(
     {
@@ -53,32 +50,6 @@ def qwen_block(
     in float16."""
     txt, img = double_block(img, txt, img_mod, txt_mod, rope, w, norms, c, attn_mask)
     return clip_fp16(txt), clip_fp16(img)
-
-
-class _Prepared:
-    """What every block of one forward shares and Qwen-Image hands each block in another form: the RoPE
-    tables as joint ``(cos, sin)`` and the joint key mask, made at the forward's first block and reused
-    (the same mask tensor at every block also lets attention drop the padded keys, see
-    ``attention.key_padding``). Per thread, the last one made, keyed by the tensors it was made from
-    (alive and unwritten) and an ``extra`` value."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def get(self, key: tuple[torch.Tensor, ...], extra: Hashable, make: Callable[[], Any]) -> Any:
-        """``make()``, or what it made for the same ``key`` tensors and ``extra`` value last time."""
-        versions = tuple(version_of(t) for t in key)
-        entry = getattr(self._local, "entry", None)
-        if (
-            entry is not None
-            and entry[1:3] == (versions, extra)
-            and len(entry[0]) == len(key)
-            and all(ref() is t for ref, t in zip(entry[0], key, strict=True))
-        ):
-            return entry[3]
-        value = make()
-        self._local.entry = (tuple(weakref.ref(t) for t in key), versions, extra, value)
-        return value
 
 
 def _joint_rope(img_freqs: torch.Tensor, txt_freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +112,7 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
     site = AttentionSite("qwenimage.joint", "self")
     sites = (site,)
     math = staticmethod(qwen_block)
-    _ropes, _masks = _Prepared(), _Prepared()  # per thread, the last forward's
+    _ropes, _masks = ForwardMemo(), ForwardMemo()  # per thread, the last forward's
 
     def head_dim(self) -> int:
         return self.attention_head_dim

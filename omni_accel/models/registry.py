@@ -97,6 +97,12 @@ _SPECS: dict[str, ModelSpec] = {
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_qwenimage"),),
         attention_roles={r".*\.attn": ("qwenimage.joint", "self")},
     ),
+    "ZImageTransformer2DModel": ModelSpec(
+        family="zimage",
+        native="omni_accel.models.zimage:ZIMAGE",
+        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_z_image"),),
+        attention_roles={r".*\.attention": ("zimage.self", "self")},
+    ),
     "SD3Transformer2DModel": ModelSpec(
         family="sd3",
         attention_routes=(("functional_sdpa", "diffusers.models.attention_processor"),),

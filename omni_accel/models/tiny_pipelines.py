@@ -37,6 +37,8 @@ from diffusers import (
     WanTransformer3DModel,
     WanVACEPipeline,
     WanVACETransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from tokenizers import pre_tokenizers
 from transformers import (
@@ -52,6 +54,7 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -66,6 +69,7 @@ __all__ = [
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",
     "tiny_wan_pipeline",
+    "tiny_zimage_pipeline",
 ]
 
 # Text encoders are never what is being accelerated, so they share one fixed toy size.
@@ -644,4 +648,59 @@ def tiny_flux2_klein_pipeline(
         is_distilled=is_distilled,
     )
     pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
+    return _finish(pipe, dtype, device)
+
+
+def tiny_zimage_pipeline(
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    num_refiner_layers: int = 1,
+    num_heads: int = 2,
+    head_dim: int = 24,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> ZImagePipeline:
+    """Z-Image text-to-image pipeline (single-stream transformer with noise and context refiners, Qwen3
+    text encoder, FLUX-style VAE) at toy size. Its default size is the real 1024x1024: pass height/width
+    (32x32 is 64 image tokens)."""
+    tokenizer = _qwen_tokenizer("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=_TEXT_HIDDEN,
+        intermediate_size=2 * _TEXT_HIDDEN,
+        num_hidden_layers=_TEXT_LAYERS,
+        num_attention_heads=_TEXT_HEADS,
+        num_key_value_heads=1,
+        head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
+        max_position_embeddings=1024,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with _seeded(seed, "text_encoder"):
+        text_encoder = Qwen3Model(config)
+    vae = _image_vae(seed, scaling_factor=0.3611, shift_factor=0.1159)
+    third = head_dim // 3
+    with _seeded(seed, "transformer"):
+        transformer = ZImageTransformer2DModel(
+            in_channels=_LATENT_CHANNELS,
+            dim=num_heads * head_dim,
+            n_layers=num_layers,
+            n_refiner_layers=num_refiner_layers,
+            n_heads=num_heads,
+            n_kv_heads=num_heads,
+            cap_feat_dim=_TEXT_HIDDEN,
+            axes_dims=[head_dim - 2 * third, third, third],
+            axes_lens=[1024, 64, 64],
+        )
+        _randomize_(transformer)
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
     return _finish(pipe, dtype, device)

@@ -48,12 +48,14 @@ class GuidanceBranches:
         self,
         group: dist.ProcessGroup | None,
         batched_inputs: Sequence[str] | Callable[[dict[str, Any]], tuple[str, ...]],
+        per_sample_inputs: Sequence[str] = (),
     ) -> None:
         if group is not None and dist.get_world_size(group) != 2:
             raise ValueError("CFG parallelism runs the two guidance branches on exactly two ranks.")
         self.group = group
         self.rank = 0 if group is None else dist.get_rank(group)
         self._batched = batched_inputs if callable(batched_inputs) else tuple(batched_inputs)
+        self._per_sample = frozenset(per_sample_inputs)  # lists of one tensor per sample (see ParallelPlan)
         self.pairing = False  # set for the duration of a pipeline call whose calls pair (see patches)
         self.branch: str | None = None  # the pipeline's cache_context of the call in flight
         self._pending: tuple[dict[str, Any], torch.Tensor] | None = None
@@ -79,23 +81,29 @@ class GuidanceBranches:
             return self._paired(model, kwargs, output_like)
         if self.group is None:
             return model(**kwargs)
-        batched = self.batched(kwargs)
-        batch = kwargs[batched[0]].shape[0] if batched else 1
+        batched = [name for name in self.batched(kwargs) if kwargs.get(name) is not None]
+        batch = self._batch_of(batched[0], kwargs[batched[0]]) if batched else 1
         if batch % 2:
             self.replicated_calls += 1  # one sample and no pairing: both ranks compute it
             return model(**kwargs)
         self.split_calls += 1
-        return all_gather_dim(model(**self._half(kwargs)), 0, self.group)
+        out = model(**self._half(kwargs))
+        if isinstance(out, list | tuple):  # one tensor per sample, as the per-sample inputs came
+            return list(all_gather_dim(torch.stack(list(out)), 0, self.group).unbind(0))
+        return all_gather_dim(out, 0, self.group)
+
+    def _batch_of(self, name: str, value: Any) -> int:
+        return len(value) if name in self._per_sample else value.shape[0]
 
     def batched(self, kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The arguments of this call with a batch dimension."""
         return self._batched(kwargs) if callable(self._batched) else self._batched
 
     def _half(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        def half(value):
+        def half(value, per_sample=False):
             if isinstance(value, torch.Tensor):
                 return value.chunk(2)[self.rank]
-            if _per_sample(value):  # one entry per sample: this rank's half of the entries
+            if per_sample or _per_sample(value):  # one entry per sample: this rank's half of the entries
                 size = len(value) // 2
                 return type(value)(value[self.rank * size : (self.rank + 1) * size])
             if isinstance(value, list | tuple):
@@ -103,7 +111,7 @@ class GuidanceBranches:
             return value
 
         batched = self.batched(kwargs)
-        return {k: half(v) if k in batched else v for k, v in kwargs.items()}
+        return {k: half(v, k in self._per_sample) if k in batched else v for k, v in kwargs.items()}
 
     def _paired(self, model, kwargs, output_like) -> torch.Tensor:
         if self.branch not in _BRANCHES:
@@ -162,7 +170,7 @@ class GuidanceBranches:
                 stacked[name] = a
             elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim and _stackable(a, b):
                 stacked[name] = torch.cat([a, b])
-            elif _per_sample(a) and _per_sample(b) and type(a) is type(b):
+            elif (name in self._per_sample or (_per_sample(a) and _per_sample(b))) and type(a) is type(b):
                 stacked[name] = type(a)([*a, *b])
             else:
                 return None

@@ -53,6 +53,8 @@ class ParallelPlan:
     tokens split over the TP ranks as well (native blocks gather them before the column-split projections,
     ``token_rows.py``); False where Diffusers' own forward runs the blocks (every TP rank holds all of its
     sequence share's tokens, and the row-split linears' all-reduce sums over them).
+    ``per_sample_inputs``: batched inputs given as a list of one tensor per sample (Z-Image's latents and
+    captions, of per-sample lengths): halved and stacked by entries; the output is such a list too.
     """
 
     name: str
@@ -62,6 +64,7 @@ class ParallelPlan:
     output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor | None]
     tensor: Mapping[str, TensorPlan] = field(default_factory=dict)
     tokens_over_tp: bool = True
+    per_sample_inputs: tuple[str, ...] = ()
 
 
 _LAYOUTS: list[weakref.ref] = []
@@ -157,7 +160,7 @@ def parallelize(
         hook = SplitSequence(seq, sequence, submodules, tuple(plan.tensor))
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "sp_split"))
     if config.cfg > 1 or (pairs_guidance and config.stacks_guidance):
-        layout.cfg = GuidanceBranches(state.group("cfg"), plan.batched_inputs)
+        layout.cfg = GuidanceBranches(state.group("cfg"), plan.batched_inputs, plan.per_sample_inputs)
         hook = SplitGuidance(layout.cfg, plan.output_like, output_class, tuple(plan.tensor))
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "cfg_split"))
     return layout

@@ -118,8 +118,7 @@ def plan_shards(
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     shards = []
     for path, style in plan.items():
-        owner, _, leaf = path.rpartition(".")
-        if style.optional and getattr(block.get_submodule(owner), leaf, None) is None:
+        if style.optional and not _has_linear(block, path):
             continue
         linear = _base(block.get_submodule(path))
         if isinstance(style, Colwise):
@@ -139,6 +138,14 @@ def plan_shards(
             )
         shards.append((path, linear, LinearShard(dim, parts, group, rank, size)))
     return shards
+
+
+def _has_linear(block: nn.Module, path: str) -> bool:
+    """Whether ``block`` has a module at ``path`` (a variant of the model, or a block of a list, may not)."""
+    try:
+        return block.get_submodule(path) is not None
+    except AttributeError:
+        return False
 
 
 def _packed(linear: nn.Linear, style: Colwise | Rowwise, total: int, path: str) -> tuple[int, ...]:
