@@ -11,17 +11,27 @@ import omni_accel
 from omni_accel import ParallelConfig
 
 
-def zimage_inputs(module, batch=2, side=4, captions=(5,), seed=1):
+def zimage_inputs(module, batch=2, side=4, captions=(5,), seed=1, controlnet=False):
     """``batch`` latents of ``side`` x ``side`` patches (2x2 patches of a ``2 side`` latent) and captions of
     the given lengths (cycled over the samples: unequal lengths pad, and the model masks the padding)."""
     cfg = module.config
     g = torch.Generator().manual_seed(seed)
     lengths = [captions[i % len(captions)] for i in range(batch)]
+    extra = {}
+    if controlnet:  # a residual after the first layer, over the unified sequence (image then caption)
+        tokens = _padded(side * side) + _padded(max(lengths))
+        extra["controlnet_block_samples"] = {0: torch.randn(batch, tokens, cfg.dim, generator=g)}
     return dict(
+        **extra,
         x=[torch.randn(cfg.in_channels, 1, 2 * side, 2 * side, generator=g) for _ in range(batch)],
         t=torch.rand(batch, generator=g),
         cap_feats=[torch.randn(n, cfg.cap_feat_dim, generator=g) for n in lengths],
     )
+
+
+def _padded(tokens: int) -> int:
+    """Z-Image pads its image and caption tokens to multiples of 32."""
+    return -(-tokens // 32) * 32
 
 
 def _stacked(outputs) -> torch.Tensor:
@@ -38,6 +48,10 @@ class TestZImageContract(NativeContract):
         (ParallelConfig(cfg=2), {}, None),
         (ParallelConfig(tp=2), {}, None),
         (ParallelConfig(tp=2), {}, dict(batch=2, side=2, captions=(40, 7))),
+        (ParallelConfig(ulysses=2), {}, None),
+        (ParallelConfig(ulysses=2), {}, dict(batch=2, side=2, captions=(40, 7))),  # masked
+        (ParallelConfig(ring=2), {}, dict(batch=2, side=3, captions=(40, 7))),  # 9 image tokens pad to 32
+        (ParallelConfig(ring=2), {}, dict(batch=1, side=3, captions=(5,), controlnet=True)),
     ]
 
     make_module = staticmethod(random_zimage_transformer)

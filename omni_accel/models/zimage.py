@@ -23,7 +23,7 @@ from ..layers import gated_residual
 from ..layers.attention import AttentionSite, qkv_attention
 from ..layers.double_stream import BlockConstants
 from ..layers.projection import LinearWeights, apply_linear, apply_one
-from ..parallel import Colwise, ParallelPlan, Rowwise
+from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
 from .base import NativeBlock, NativeModel, processor_reason
 from .forward_memo import ForwardMemo
 from .generic import LearnedOutputs
@@ -146,9 +146,11 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
             return None
         runtime = self.omni_runtime
         mod = self.modulate("mod", adaln_input, weights) if self.modulation else None
+        freqs_cis = self._local(freqs_cis, x.shape[1])
         rope = self._ropes.get((freqs_cis,), None, lambda: _rope(freqs_cis))
         mask = None
         if attn_mask is not None:
+            attn_mask = self._local(attn_mask, x.shape[1])
             mask = self._masks.get((attn_mask,), None, lambda: attn_mask.bool()[:, None, None, :])
         constants = BlockConstants(
             self.head_dim,
@@ -166,6 +168,14 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
         norms.update(q=self.attention.norm_q.weight, k=self.attention.norm_k.weight)
         return mod, rope, mask, weights, norms, constants
 
+    def _local(self, per_token: torch.Tensor, length: int) -> torch.Tensor:
+        """This rank's share of ``per_token`` (``[B, S, ...]``, every token of the unified sequence) under a
+        sequence split, where this block holds ``length`` of them."""
+        layout = self.omni_runtime.layout
+        if per_token.shape[1] == length or layout is None or layout.sequence is None:
+            return per_token
+        return layout.sequence.split(per_token, Split("unified", 1, positions=True))
+
 
 ZIMAGE = NativeModel(
     blocks={
@@ -176,9 +186,15 @@ ZIMAGE = NativeModel(
     parallel=ParallelPlan(
         name="Z-Image",
         attention_heads="n_heads",
-        # The model builds its sequences from per-sample lists inside its forward (and declares no
-        # _cp_plan): no sequence split yet.
-        sequence=None,
+        # Diffusers declares no _cp_plan. The model builds its unified sequence from per-sample lists in
+        # its forward: split where the main layers take it (the refiners before run whole on every rank),
+        # with the ControlNet residuals added after them, and gathered after the final layer. Each main
+        # layer takes its share of the RoPE tables and the key mask itself (the model passes them whole).
+        sequence=SequencePlan(
+            inputs={"controlnet_block_samples": Split("unified", 1)},
+            submodule_inputs={"layers.0": {"x": Split("unified", 1)}},
+            output=("all_final_layer.2-1", Split("unified", 1)),
+        ),
         # ZImagePipeline stacks cond and uncond in one call, each a list of per-sample entries.
         batched_inputs=("x", "t", "cap_feats", "siglip_feats", "image_noise_mask"),
         per_sample_inputs=("x", "cap_feats", "siglip_feats", "image_noise_mask"),

@@ -175,6 +175,8 @@ class SequenceState:
             # contiguous, as a step graph's copy of it is: the kernels then see the same strides eagerly and
             # replayed (a slice of a batch of several is strided, and may round differently)
             return local.contiguous()
+        if isinstance(value, Mapping):  # e.g. ControlNet residuals keyed by block index
+            return {key: self.split(item, split) for key, item in value.items()}
         return type(value)(self.split(item, split) for item in value)
 
     def gather(self, value: torch.Tensor, split: Split) -> torch.Tensor:
