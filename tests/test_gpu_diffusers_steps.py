@@ -22,6 +22,7 @@ _BUILDERS = {
     "qwenimage": omni_accel.tiny_qwenimage_pipeline,
     "sd3": omni_accel.tiny_sd3_pipeline,
     "wan": omni_accel.tiny_wan_pipeline,
+    "zimage": omni_accel.tiny_zimage_pipeline,
 }
 _HALF = [torch.float16, torch.bfloat16]
 
