@@ -583,6 +583,27 @@ _QWEN3_CHAT_TEMPLATE = (
 _KLEIN_TEXT_LAYERS = (9, 18, 27)
 
 
+def _qwen3_text(seed: int, model_class: type, layers: int) -> tuple[Qwen2Tokenizer, torch.nn.Module]:
+    """A byte-level Qwen tokenizer with Qwen3's chat template, and a toy Qwen3 text tower of ``layers``."""
+    tokenizer = _qwen_tokenizer("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=_TEXT_HIDDEN,
+        intermediate_size=2 * _TEXT_HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=_TEXT_HEADS,
+        num_key_value_heads=1,
+        head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
+        max_position_embeddings=1024,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with _seeded(seed, "text_encoder"):
+        return tokenizer, model_class(config)
+
+
 def tiny_flux2_klein_pipeline(
     *,
     seed: int = 0,
@@ -599,23 +620,7 @@ def tiny_flux2_klein_pipeline(
     per step); otherwise guidance above 1 calls it twice (cond, uncond). The text encoder has the 27 layers
     the pipeline reads hidden states from, at a toy width. Called without height/width the pipeline
     renders 32x32."""
-    tokenizer = _qwen_tokenizer("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
-    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=_TEXT_HIDDEN,
-        intermediate_size=2 * _TEXT_HIDDEN,
-        num_hidden_layers=max(_KLEIN_TEXT_LAYERS),
-        num_attention_heads=_TEXT_HEADS,
-        num_key_value_heads=1,
-        head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
-        max_position_embeddings=1024,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with _seeded(seed, "text_encoder"):
-        text_encoder = Qwen3ForCausalLM(config)
+    tokenizer, text_encoder = _qwen3_text(seed, Qwen3ForCausalLM, max(_KLEIN_TEXT_LAYERS))
     latent_channels = 4
     with _seeded(seed, "vae"):
         vae = AutoencoderKLFlux2(
@@ -664,23 +669,7 @@ def tiny_zimage_pipeline(
     """Z-Image text-to-image pipeline (single-stream transformer with noise and context refiners, Qwen3
     text encoder, FLUX-style VAE) at toy size. Its default size is the real 1024x1024: pass height/width
     (32x32 is 64 image tokens)."""
-    tokenizer = _qwen_tokenizer("<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
-    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=_TEXT_HIDDEN,
-        intermediate_size=2 * _TEXT_HIDDEN,
-        num_hidden_layers=_TEXT_LAYERS,
-        num_attention_heads=_TEXT_HEADS,
-        num_key_value_heads=1,
-        head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
-        max_position_embeddings=1024,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with _seeded(seed, "text_encoder"):
-        text_encoder = Qwen3Model(config)
+    tokenizer, text_encoder = _qwen3_text(seed, Qwen3Model, _TEXT_LAYERS)
     vae = _image_vae(seed, scaling_factor=0.3611, shift_factor=0.1159)
     third = head_dim // 3
     with _seeded(seed, "transformer"):
