@@ -1,7 +1,7 @@
-"""The double-stream (MMDiT) block shared by the models whose blocks compute it (FLUX.1's double blocks,
-FLUX.2's, Qwen-Image's): two token streams, text and image, each with its own projections and modulation, joined
-only in attention. A model file supplies the weights' table, the modulation and what makes a call fall
-back to Diffusers' forward."""
+"""The double-stream (MMDiT) block shared by the models whose blocks compute it (FLUX.1's and FLUX.2's
+double blocks, Qwen-Image's): two token streams, text and image, each with its own projections and
+modulation, joined only in attention. A model file supplies the weights' table, the modulation and what
+makes a call fall back to Diffusers' forward."""
 
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ def double_block(
     """A double-stream (MMDiT) block over packed projections, its elementwise steps fused: each stream
     LayerNormed and modulated, its own QKV, one joint attention over ``[text, image]`` (``attn_mask``: the
     keys it may see, ``[B, 1, 1, S]`` bool, or None), each stream's output projection and gated residual,
-    then each stream's modulated MLP (``activation``: tanh-GELU, or SwiGLU as FLUX.2's) and gated residual.
-    FLUX.1's, FLUX.2's and Qwen-Image's blocks compute this; ``*_mod`` hold the six AdaLN chunks (shift, scale, gate; then for the MLP) of each stream, per
-    sample ``[B, 6 * D]`` or per token ``[B, S, 6 * D]``.
+    then each stream's modulated MLP (``activation``: tanh-GELU, or SwiGLU as FLUX.2's) and gated
+    residual. FLUX.1's, FLUX.2's and Qwen-Image's blocks compute this; ``*_mod`` hold the six AdaLN chunks
+    (shift, scale, gate; then for the MLP) of each stream, per sample ``[B, 6 * D]`` or per token
+    ``[B, S, 6 * D]``.
     Returns ``(txt, img)`` as their Diffusers blocks do."""
     i_shift, i_scale, i_gate, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
     t_shift, t_scale, t_gate, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)

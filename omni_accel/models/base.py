@@ -144,9 +144,9 @@ class NativeBlock:
     """Mixin for a native block; the subclass also derives from the Diffusers block class it replaces.
 
     ``packed``: name -> Diffusers paths of linears that read one input (one GEMM). ``linears``: name ->
-    path of the other linears the math reads (``output_parts``: those whose outputs pack several). Subclasses implement ``forward`` with Diffusers' signature:
-    ``self.native_weights(...)`` gives the weights or None, in which case they return
-    ``super().forward(...)``.
+    path of the other linears the math reads (``output_parts``: those whose outputs pack several).
+    Subclasses implement ``forward`` with Diffusers' signature: ``self.native_weights(...)`` gives the
+    weights or None, in which case they return ``super().forward(...)``.
     """
 
     packed: ClassVar[Mapping[str, tuple[str, ...]]] = {}
