@@ -206,6 +206,6 @@ ZIMAGE = NativeModel(
         "on a processor (or process-wide, where no provider of ours runs the same kernel), DoRA adapters, "
         "hooks on a submodule, active dropout in training mode, gradients flowing through a block and a "
         "user's torch.compile of the blocks run Diffusers' forward of the block (counted in the report, "
-        "except under torch.compile; an error under tensor parallelism)",
+        "except under torch.compile; an error under tensor or sequence parallelism)",
     ),
 )
