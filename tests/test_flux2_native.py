@@ -149,3 +149,24 @@ def test_klein_inpaint_pipeline_shares_the_native_transformer():
     got = _images(omni_accel.accelerate(Flux2KleinInpaintPipeline.from_pipe(fast)), **extra)
     expected = _images(Flux2KleinInpaintPipeline.from_pipe(plain), **extra)
     assert rel_err(got, expected) <= 1e-5
+
+
+def _klein_over_two_ranks(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    guided = {"guidance_scale": 4.0}  # Klein (not distilled): two transformer calls per step
+    one = _images(omni_accel.accelerate(omni_accel.tiny_flux2_klein_pipeline(seed=0)), **guided)
+    layouts = [
+        (ParallelConfig(cfg=2), "2 paired cond/uncond calls"),  # one branch per rank
+        (ParallelConfig(ulysses=2), "2 cond/uncond pairs in one call"),  # both branches stacked, split
+    ]
+    for layout, expect in layouts:
+        pipe = omni_accel.accelerate(omni_accel.tiny_flux2_klein_pipeline(seed=0), parallel=layout)
+        assert rel_err(_images(pipe, **guided), one) <= 1e-5, layout
+        assert expect in str(omni_accel.describe(pipe)), (layout, str(omni_accel.describe(pipe)))
+
+
+@pytest.mark.multirank
+def test_klein_guidance_pairs_over_two_ranks():
+    from multirank import run_multirank
+
+    run_multirank(_klein_over_two_ranks, 2, timeout=300)

@@ -104,3 +104,23 @@ def test_tiny_zimage_pipeline_native_matches_diffusers(call):
     assert component.mode == "native"
     assert rel_err(_stacked(_images(fast, **call)), _stacked(_images(plain, **call))) <= 1e-5
     assert component.runtime.fallbacks == {}
+
+
+def _zimage_over_two_ranks(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    guided = {"guidance_scale": 5.0, "negative_prompt": "a blurry picture of many things"}
+    one = _stacked(_images(omni_accel.accelerate(omni_accel.tiny_zimage_pipeline(seed=0)), **guided))
+    for layout, expect in [
+        (ParallelConfig(cfg=2), "cfg parallel: 2 batch-split calls"),  # cond and uncond: one per rank
+        (ParallelConfig(ring=2), "ring"),
+    ]:
+        pipe = omni_accel.accelerate(omni_accel.tiny_zimage_pipeline(seed=0), parallel=layout)
+        assert rel_err(_stacked(_images(pipe, **guided)), one) <= 1e-5, layout
+        assert expect in str(omni_accel.describe(pipe)), (layout, str(omni_accel.describe(pipe)))
+
+
+@pytest.mark.multirank
+def test_zimage_pipeline_over_two_ranks():
+    from multirank import run_multirank
+
+    run_multirank(_zimage_over_two_ranks, 2, timeout=300)
