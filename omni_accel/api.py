@@ -586,7 +586,7 @@ def _native_sites(module: nn.Module, model) -> list[tuple[str, str, int]]:
     """(role, category, head size) of every attention site of the native blocks, once per role."""
     rows = {}
     for list_name, native_cls in model.blocks.items():
-        for block in getattr(module, list_name):
+        for block in module.get_submodule(list_name):
             for site in native_cls.sites:
                 rows.setdefault(site.role, (site.role, site.category, native_cls.head_dim(block)))
     return list(rows.values())

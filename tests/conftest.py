@@ -120,6 +120,29 @@ def random_zimage_transformer(seed: int = 0, **overrides):
     return randomized(ZImageTransformer2DModel(**{**config, **overrides}).eval())
 
 
+def random_minimax_h3_transformer(seed: int = 0, **overrides):
+    """A small Diffusers MiniMax-H3 transformer whose every weight is random."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    config = dict(
+        num_attention_heads=2,
+        attention_head_dim=32,
+        hidden_size=48,
+        num_layers=2,
+        num_refiner_layers=1,
+        ffn_dim=64,
+        in_channels=4,
+        audio_in_channels=6,
+        text_dim=24,
+        freq_dim=32,
+        time_embed_hidden_dim=32,
+        time_embed_dim=16,
+        rope_freq_dim=4,  # 24 of the 32 channels of each head rotated
+    )
+    torch.manual_seed(seed)
+    return randomized(MiniMaxH3Transformer3DModel(**{**config, **overrides}).eval())
+
+
 def randomized(model):
     """``model`` with every parameter drawn from N(0, 0.1): no zero-initialised layer hides a path."""
     with torch.no_grad():

@@ -156,11 +156,11 @@ def gelu_tanh_fp8(x: torch.Tensor) -> Fp8Rows:
     return concat_gelu_fp8(x[..., :0], x)
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of a projection packing its gate and linear halves, ``x = [gate, linear]``:
-    ``silu(gate) * linear`` (FLUX.2's MLPs; under tp each rank holds its slice of both halves, in the same
-    order)."""
-    gate, linear = x.chunk(2, dim=-1)
+def swiglu(x: torch.Tensor, gate_first: bool = True) -> torch.Tensor:
+    """SwiGLU of a projection packing its gate and linear halves, ``x = [gate, linear]`` (FLUX.2's MLPs;
+    ``gate_first`` False: ``[linear, gate]``, Diffusers' ``SwiGLU``): ``silu(gate) * linear``. Under tp each
+    rank holds its slice of both halves, in the same order."""
+    gate, linear = x.chunk(2, dim=-1) if gate_first else x.chunk(2, dim=-1)[::-1]
     return F.silu(gate) * linear
 
 

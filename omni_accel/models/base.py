@@ -400,7 +400,7 @@ def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRunti
     for list_name, native_cls in model.blocks.items():
         diffusers_cls = native_cls.diffusers_class()
         _register_block_metadata(native_cls, diffusers_cls)
-        for index, block in enumerate(getattr(transformer, list_name)):
+        for index, block in enumerate(transformer.get_submodule(list_name)):
             if type(block) is not diffusers_cls:
                 raise TypeError(
                     f"{list_name} holds a {type(block).__name__}, expected {diffusers_cls.__name__}; "

@@ -103,6 +103,16 @@ _SPECS: dict[str, ModelSpec] = {
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_z_image"),),
         attention_roles={r".*\.attention": ("zimage.self", "self")},
     ),
+    "MiniMaxH3Transformer3DModel": ModelSpec(
+        family="minimax_h3",
+        native="omni_accel.models.minimax_h3:MINIMAX_H3",
+        output_class=f"{_TRANSFORMERS}.transformer_minimax_h3:MiniMaxH3TransformerOutput",
+        attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_minimax_h3"),),
+        attention_roles={
+            r"token_refiner\.refiner_blocks\.\d+\.attn": ("minimax_h3.refiner", "self"),
+            r"transformer_blocks\.\d+\.attn": ("minimax_h3.self", "self"),
+        },
+    ),
     "SD3Transformer2DModel": ModelSpec(
         family="sd3",
         attention_routes=(("functional_sdpa", "diffusers.models.attention_processor"),),

@@ -108,6 +108,11 @@ def check_parallel(transformer: nn.Module, plan: ParallelPlan, state: ParallelSt
     config = state.config
     if config.sequence_parallel > 1 and plan.sequence is None:
         raise ValueError(f"{plan.name} declares no sequence plan, so ulysses and ring cannot apply to it.")
+    if config.cfg > 1 and not plan.batched_inputs:
+        raise ValueError(
+            f"cfg={config.cfg} splits a call's batch or pairs its guidance calls, and {plan.name} names no "
+            "batched inputs (its outputs are not one batch of samples); use tp, ulysses or ring for it."
+        )
     tp = config.tp
     if tp > 1:
         heads = transformer.config[plan.attention_heads]
@@ -118,7 +123,7 @@ def check_parallel(transformer: nn.Module, plan: ParallelPlan, state: ParallelSt
             )
         group = state.group("tp")
         for list_name, block_plan in plan.tensor.items():
-            for block in getattr(transformer, list_name):
+            for block in transformer.get_submodule(list_name):
                 plan_shards(block, block_plan, group)
 
 
@@ -138,7 +143,7 @@ def parallelize(
         blocks = [
             (block, block_plan)
             for list_name, block_plan in plan.tensor.items()
-            for block in getattr(transformer, list_name)
+            for block in transformer.get_submodule(list_name)
         ]
         layout.undo.append(apply_tensor_parallel(blocks, state.group("tp")))
     tp = state.group("tp")

@@ -89,7 +89,7 @@ def foreign_block_hooks(module: nn.Module, block_lists: tuple[str, ...]) -> dict
     step cache's, offloading's, a user's)."""
     found = {}
     for list_name in block_lists:
-        for index, block in enumerate(getattr(module, list_name)):
+        for index, block in enumerate(module.get_submodule(list_name)):
             registry = block.__dict__.get("_diffusers_hook")
             hooks = {} if registry is None else registry.hooks
             foreign = {name: hook for name, hook in hooks.items() if not isinstance(hook, LayoutHook)}
