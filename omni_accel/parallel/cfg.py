@@ -276,7 +276,13 @@ class SplitGuidance(LayoutHook):
         self.cfg.branch = None if context is None else context.name
 
         def forward(**call: Any) -> torch.Tensor:
-            return self.fn_ref.original_forward(**call, return_dict=False)[0]
+            out = self.fn_ref.original_forward(**call, return_dict=False)
+            if len(out) > 1:  # gathering only the first would drop the others silently
+                raise NotImplementedError(
+                    f"{type(module).__name__} returns {len(out)} outputs (video and audio, say), and cfg "
+                    "parallelism gathers one; use tp, ulysses or ring for it."
+                )
+            return out[0]
 
         # only stacking needs to know (a walk over the blocks each call otherwise spent for nothing)
         stacking = self.cfg.group is None and self.cfg.pairing
