@@ -355,11 +355,15 @@ def _plan_swap(
         graphs_on = torch.cuda.is_available() and (parallel is None or parallel.device.type == "cuda")
     if parallel is not None:
         _check_layout(module, model, parallel, graphs_on)
-    options = None if not config.compile_asked else ({} if config.compile is True else dict(config.compile))
+    # A model whose math leaves its elementwise steps to the compiler compiles on CUDA unless compile=False.
+    compiled = config.compile_asked or (
+        config.compile is None and model.compiled_by_default and torch.cuda.is_available()
+    )
+    options = None if not compiled else (dict(config.compile) if isinstance(config.compile, Mapping) else {})
     limitations = list(model.limitations)
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
-    cache = _unless_compiled(cache, config.compile_asked, limitations)
+    cache = _unless_compiled(cache, compiled, limitations)
     fp8 = _fp8_weights(name, module) if config.quantize == "fp8" else None
     runtime = NativeRuntime(selector, options, cache, config.compile_in_background, fp8=fp8)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"

@@ -86,6 +86,8 @@ def split_rows(rows: Fp8Rows, lengths: Sequence[int]) -> list[Fp8Rows]:
     for length in lengths:
         part_data = data[:, start : start + length].reshape(batch * length, -1)
         part_scale = scale[:, start : start + length].reshape(batch * length, 1)
+        if start % 4:  # cuBLASLt takes 16-byte aligned scales (Qwen-Image's text of 7 tokens: not)
+            part_scale = part_scale.clone()
         parts.append(Fp8Rows(part_data, part_scale, (batch, length), rows.dtype))
         start += length
     return parts

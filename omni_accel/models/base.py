@@ -67,6 +67,9 @@ class NativeModel:
     transformer is called twice per step (cond, then uncond). ``limitations``: what the native blocks hand
     to Diffusers' forward, for the report. ``projection_cache``: whether the blocks consult the exact
     projection cache (``NativeBlock.project_conditioning``); without sites none is made.
+    ``compiled_by_default``: the blocks' math leaves elementwise steps (SwiGLU, sandwich norms, per-row
+    modulation) to the compiler, having no fused kernels of ours for them: on CUDA they compile (in the
+    background) unless ``compile=False``.
     """
 
     blocks: Mapping[str, type[NativeBlock]]
@@ -74,6 +77,7 @@ class NativeModel:
     cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
     limitations: tuple[str, ...] = ()
     projection_cache: bool = True
+    compiled_by_default: bool = False
 
     def __post_init__(self) -> None:
         # The TP plan lives with each block class; parallel/ (which never imports models/) gets it as data.

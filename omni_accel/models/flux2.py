@@ -234,6 +234,7 @@ def cfg_pairs(arguments: dict[str, Any]) -> bool:
 
 
 FLUX2 = NativeModel(
+    compiled_by_default=True,  # SwiGLU and its norms: Diffusers' ops, fused by the compiler
     blocks={
         "transformer_blocks": NativeFlux2TransformerBlock,
         "single_transformer_blocks": NativeFlux2SingleTransformerBlock,

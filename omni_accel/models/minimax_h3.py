@@ -203,6 +203,7 @@ class NativeMiniMaxH3TokenRefinerBlock(_MiniMaxNative, MiniMaxH3TokenRefinerBloc
 
 
 MINIMAX_H3 = NativeModel(
+    compiled_by_default=True,  # SwiGLU and its norms: Diffusers' ops, fused by the compiler
     blocks={
         "token_refiner.refiner_blocks": NativeMiniMaxH3TokenRefinerBlock,
         "transformer_blocks": NativeMiniMaxH3TransformerBlock,

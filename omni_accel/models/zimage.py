@@ -178,6 +178,7 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
 
 
 ZIMAGE = NativeModel(
+    compiled_by_default=True,  # SwiGLU and its norms: Diffusers' ops, fused by the compiler
     blocks={
         "noise_refiner": NativeZImageTransformerBlock,
         "context_refiner": NativeZImageTransformerBlock,
