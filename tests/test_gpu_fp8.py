@@ -111,10 +111,12 @@ def test_native_flux_fp8_follows_weight_edits_under_cuda_graphs():
         omni_accel.restore(fresh)
 
 
-def test_generic_tier_fp8_compiles_and_replays():
-    """Qwen-Image (no native blocks) under quantize="fp8": its blocks compiled by inductor with our FP8
-    linears inside, steps replayed from CUDA graphs; close to the same FP8 math run eagerly (inductor
-    computes the row quantization in its own fused kernels), lossy against plain Diffusers."""
+@pytest.mark.parametrize("native", [False, True], ids=["generic", "native"])
+def test_qwenimage_fp8_compiles_and_replays(native):
+    """Qwen-Image under quantize="fp8", in the generic tier (``native=False``: its blocks compiled by
+    inductor with our FP8 linears inside) and native (its text of a few tokens splits the joint attention
+    output's row scales at an unaligned offset): steps replayed from CUDA graphs, close to the same FP8
+    math run eagerly, lossy against plain Diffusers."""
 
     def pipeline():
         pipe = omni_accel.tiny_qwenimage_pipeline(
@@ -129,8 +131,8 @@ def test_generic_tier_fp8_compiles_and_replays():
 
     torch._dynamo.reset()
     plain = images(pipeline())
-    eager = omni_accel.accelerate(pipeline(), quantize="fp8", compile=False, cuda_graphs=False)
-    compiled = omni_accel.accelerate(pipeline(), quantize="fp8", compile_in_background=False)
+    eager = omni_accel.accelerate(pipeline(), quantize="fp8", compile=False, cuda_graphs=False, native=native)
+    compiled = omni_accel.accelerate(pipeline(), quantize="fp8", compile_in_background=False, native=native)
     expected = images(eager)
     got = [images(compiled) for _ in range(3)]
     component = omni_accel.describe(compiled).components[0]
