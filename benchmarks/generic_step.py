@@ -470,6 +470,9 @@ def _omni_ready(holder: _Holder, fn: Callable[[], Any], device: str) -> tuple[fl
     t0 = time.perf_counter()
     fn()
     if compiler is not None:
+        # compiles queued by a call start at the next one (a step of a pipeline); one forward per "step"
+        # here: start them now, or the wait returns at once and the timed calls race the compiler
+        compiler.start_compiles()
         compiler.wait()
     kernel_builds.wait()
     for _ in range(3):
