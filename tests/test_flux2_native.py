@@ -170,3 +170,22 @@ def test_klein_guidance_pairs_over_two_ranks():
     from multirank import run_multirank
 
     run_multirank(_klein_over_two_ranks, 2, timeout=300)
+
+
+def test_blocks_compile_by_default_on_cuda_only(monkeypatch):
+    """FLUX.2's math leaves its SwiGLU to the compiler: on CUDA its blocks compile unless compile=False
+    (checked at accelerate, CUDA reported present); FLUX.1's fused kernels need no compiler."""
+    from conftest import random_flux_transformer
+
+    def detail(module, **options):
+        return (
+            omni_accel.describe(omni_accel.accelerate(_Holder(module), cuda_graphs=False, **options))
+            .components[0]
+            .detail
+        )
+
+    assert "repeated blocks compiled" not in detail(random_flux2_transformer())  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "repeated blocks compiled" in detail(random_flux2_transformer())
+    assert "repeated blocks compiled" not in detail(random_flux2_transformer(), compile=False)
+    assert "repeated blocks compiled" not in detail(random_flux_transformer())
