@@ -49,6 +49,7 @@ from ..layers.projection import (
 )
 from ..layers.split_modulation import ModulationSite, SplitModulation
 from ..parallel.parallelize import Parallelized, ParallelPlan
+from ..parallel.sequence_hooks import Split
 from ..parallel.tensor import TensorPlan
 from ..parallel.token_rows import Rows
 from ..utils.logging import get_logger
@@ -286,6 +287,15 @@ class NativeBlock:
         is a process-wide flag that is also True while another thread compiles (our background compile), so
         eager steps beside a compile would take the traced paths."""
         return torch.compiler.is_dynamo_compiling()
+
+    def own_share(self, per_token: torch.Tensor, stream: str, dim: int, length: int) -> torch.Tensor:
+        """This rank's share of ``per_token`` (every token of ``stream`` along ``dim``: a mask, an index, a
+        RoPE table the model passes whole to every block) under a sequence split, where this block holds
+        ``length`` of them; ``per_token`` itself where it is that long already."""
+        layout = self.omni_runtime.layout
+        if per_token.shape[dim] == length or layout is None or layout.sequence is None:
+            return per_token
+        return layout.sequence.split(per_token, Split(stream, dim, positions=True))
 
     def _modules_at(self, paths: tuple[str, ...]) -> list[nn.Module]:
         return [self._submodule(path) for path in paths]

@@ -170,15 +170,7 @@ class NativeMiniMaxH3TransformerBlock(_MiniMaxNative, MiniMaxH3TransformerBlock)
         if weights is None:
             return None
         table = self.modulate("mod", temb, weights).view(-1, 6 * self.adaln_proj.hidden_size)
-        return table, self._local(adaln_indices, hidden_states.shape[1]), weights
-
-    def _local(self, rows: torch.Tensor, length: int) -> torch.Tensor:
-        """This rank's share of ``rows`` (one entry per token of the packed sequence, which the model passes
-        whole to every block) under a sequence split."""
-        layout = self.omni_runtime.layout
-        if rows.shape[0] == length or layout is None or layout.sequence is None:
-            return rows
-        return layout.sequence.split(rows, Split("packed", 0, positions=True))
+        return table, self.own_share(adaln_indices, "packed", 0, hidden_states.shape[1]), weights
 
 
 class NativeMiniMaxH3TokenRefinerBlock(_MiniMaxNative, MiniMaxH3TokenRefinerBlock):

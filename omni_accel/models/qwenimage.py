@@ -186,7 +186,9 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
             img_mod = self.modulate("img_mod", temb, weights)
             txt_mod = self.modulate("txt_mod", temb.chunk(2, dim=0)[0], weights)
             if modulate_index is not None:
-                img_mod = _per_token(img_mod, self._local(modulate_index, "image", hidden_states.shape[1]))
+                img_mod = _per_token(
+                    img_mod, self.own_share(modulate_index, "image", 1, hidden_states.shape[1])
+                )
             modulation = [img_mod, txt_mod]
         else:
             modulation = [self.modulate(name, temb, weights) for name in self.modulations]
@@ -194,7 +196,7 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         joint_rope = self._ropes.get((img_freqs, txt_freqs), None, lambda: _joint_rope(img_freqs, txt_freqs))
         mask = None
         if text_mask is not None:
-            text_mask = self._local(text_mask, "text", encoder_hidden_states.shape[1])
+            text_mask = self.own_share(text_mask, "text", 1, encoder_hidden_states.shape[1])
             rows = runtime.rows("image")  # tokens split over the TP ranks: attention sees them gathered
             tokens = hidden_states.shape[1] if rows is None else sum(rows.sizes[0])
             mask = self._masks.get((text_mask,), tokens, lambda: _joint_mask(text_mask, tokens))
@@ -213,14 +215,6 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         )
         norms = {name: getattr(self.attn, f"norm_{name}").weight for name in ("q", "k", "added_q", "added_k")}
         return modulation, joint_rope, weights, norms, constants, mask
-
-    def _local(self, tokens: torch.Tensor, stream: str, length: int) -> torch.Tensor:
-        """This rank's share of ``tokens`` (``[B, S]``, every token of ``stream``) under a sequence split:
-        the model passes them whole to every block."""
-        layout = self.omni_runtime.layout
-        if tokens.shape[1] == length or layout is None or layout.sequence is None:
-            return tokens
-        return layout.sequence.split(tokens, Split(stream, 1, positions=True))
 
 
 def true_cfg_pairs(arguments: dict[str, Any]) -> bool:

@@ -146,11 +146,11 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
             return None
         runtime = self.omni_runtime
         mod = self.modulate("mod", adaln_input, weights) if self.modulation else None
-        freqs_cis = self._local(freqs_cis, x.shape[1])
+        freqs_cis = self.own_share(freqs_cis, "unified", 1, x.shape[1])
         rope = self._ropes.get((freqs_cis,), None, lambda: _rope(freqs_cis))
         mask = None
         if attn_mask is not None:
-            attn_mask = self._local(attn_mask, x.shape[1])
+            attn_mask = self.own_share(attn_mask, "unified", 1, x.shape[1])
             mask = self._masks.get((attn_mask,), None, lambda: attn_mask.bool()[:, None, None, :])
         constants = BlockConstants(
             self.head_dim,
@@ -167,14 +167,6 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
         norms = {name: getattr(self, name).weight for name in _NORMS}
         norms.update(q=self.attention.norm_q.weight, k=self.attention.norm_k.weight)
         return mod, rope, mask, weights, norms, constants
-
-    def _local(self, per_token: torch.Tensor, length: int) -> torch.Tensor:
-        """This rank's share of ``per_token`` (``[B, S, ...]``, every token of the unified sequence) under a
-        sequence split, where this block holds ``length`` of them."""
-        layout = self.omni_runtime.layout
-        if per_token.shape[1] == length or layout is None or layout.sequence is None:
-            return per_token
-        return layout.sequence.split(per_token, Split("unified", 1, positions=True))
 
 
 ZIMAGE = NativeModel(
