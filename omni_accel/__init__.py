@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 _TINY_BUILDERS = (
     "tiny_flux2_klein_pipeline",
     "tiny_flux_pipeline",
+    "tiny_qwenimage_controlnet_pipeline",
+    "tiny_qwenimage_edit_pipeline",
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",
     "tiny_wan_pipeline",
@@ -58,6 +60,8 @@ __all__ = [
     "restore",
     "tiny_flux2_klein_pipeline",
     "tiny_flux_pipeline",
+    "tiny_qwenimage_controlnet_pipeline",
+    "tiny_qwenimage_edit_pipeline",
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",
     "tiny_wan_pipeline",

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import re
 import string
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from diffusers import (
@@ -27,6 +28,12 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
     ModelMixin,
+    QwenImageControlNetInpaintPipeline,
+    QwenImageControlNetModel,
+    QwenImageControlNetPipeline,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
+    QwenImageMultiControlNetModel,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -52,6 +59,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
@@ -66,6 +75,8 @@ __all__ = [
     "flux_rope_axes",
     "tiny_flux2_klein_pipeline",
     "tiny_flux_pipeline",
+    "tiny_qwenimage_controlnet_pipeline",
+    "tiny_qwenimage_edit_pipeline",
     "tiny_qwenimage_pipeline",
     "tiny_sd3_pipeline",
     "tiny_wan_pipeline",
@@ -83,6 +94,8 @@ _DEFAULT_IMAGE_SIZE = 32
 
 _BYTE_ALPHABET = sorted(pre_tokenizers.ByteLevel.alphabet())
 _QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-VL's vision tokens, in the order its config names their ids: image, video, vision start / end.
+_QWEN_VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
 @contextmanager
@@ -179,16 +192,19 @@ def _t5_tokenizer() -> T5Tokenizer:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
-def _qwen_tokenizer(template: str) -> Qwen2Tokenizer:
+def _qwen_tokenizer(template: str, vision: bool = False) -> Qwen2Tokenizer:
     """Byte-level Qwen2 tokenizer whose merges spell out each word of the pipeline's prompt template.
 
     Bytes alone cover any string. The merges make the template's fixed prefix come out as the same number of
     tokens as with the real vocabulary, which QwenImagePipeline relies on when it drops its first
     ``prompt_template_encode_start_idx`` tokens, so only the user's prompt reaches the transformer.
+    ``vision=True`` adds Qwen2.5-VL's vision tokens as special tokens (after the others), for a processor
+    that expands ``<|image_pad|>`` into one token per merged image patch.
     """
+    specials = _QWEN_SPECIAL_TOKENS + (_QWEN_VISION_TOKENS if vision else ())
     splitter = Qwen2Tokenizer().backend_tokenizer.pre_tokenizer
     # Special tokens and the "{}" prompt slot are not spelled with merges, so split them out first.
-    separators = "|".join(re.escape(token) for token in (*_QWEN_SPECIAL_TOKENS, "{}"))
+    separators = "|".join(re.escape(token) for token in (*specials, "{}"))
     words = [
         word for segment in re.split(separators, template) for word, _ in splitter.pre_tokenize_str(segment)
     ]
@@ -199,15 +215,38 @@ def _qwen_tokenizer(template: str) -> Qwen2Tokenizer:
             if word[:end] not in vocab:
                 merges.append((word[: end - 1], word[end - 1]))
                 vocab[word[:end]] = len(vocab)
-    for token in _QWEN_SPECIAL_TOKENS:
+    # BPE applies the lowest-ranked merge first, so one word's merges can cut into another's chain ("c"+"o"
+    # from "color" leaves " consistency" as "Ġ", "co", "n", ...): join what such a word still comes out as
+    # with merges ranked after all the others, which no word already whole ever reaches.
+    ranks = {pair: rank for rank, pair in enumerate(merges)}
+    for word in words:
+        while len(pieces := _bpe(word, ranks)) > 1:
+            ranks[pieces[0], pieces[1]] = len(merges)
+            merges.append((pieces[0], pieces[1]))
+            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
+    for token in specials:
         vocab[token] = len(vocab)
     return Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]),
+        extra_special_tokens=list(specials[1:]),
     )
+
+
+def _bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """``word`` split by byte-pair encoding with ``ranks``: the lowest-ranked adjacent pair merged first,
+    as the tokenizers library does."""
+    pieces = list(word)
+    while len(pieces) > 1:
+        rank, i = min(
+            (ranks.get(pair, len(ranks)), i) for i, pair in enumerate(zip(pieces, pieces[1:], strict=False))
+        )
+        if rank == len(ranks):
+            break
+        pieces[i : i + 2] = [pieces[i] + pieces[i + 1]]
+    return pieces
 
 
 def _clip_text_encoder(
@@ -484,31 +523,19 @@ def tiny_wan_pipeline(
     return _finish(pipe, dtype, device)
 
 
-def tiny_qwenimage_pipeline(
-    *,
-    seed: int = 0,
-    num_layers: int = 2,
-    num_attention_heads: int = 2,
-    attention_head_dim: int = 16,
-    axes_dims_rope: tuple[int, int, int] | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> QwenImagePipeline:
-    """Qwen-Image text-to-image pipeline (MMDiT, Qwen2.5-VL text encoder, causal VAE) at toy size.
+def _qwen_vl_text_encoder(
+    tokenizer: Qwen2Tokenizer, vision_token_ids: Sequence[int], seed: int
+) -> Qwen2_5_VLForConditionalGeneration:
+    """Tiny Qwen2.5-VL (text tower with multimodal RoPE, one-block vision tower) on ``tokenizer``'s ids.
 
-    The Qwen2.5-VL model includes a one-block vision tower only because the class requires one; prompts never
-    reach it. ``axes_dims_rope`` defaults to :func:`flux_rope_axes` of the head dim. Called without
-    height/width the pipeline renders 32x32.
+    ``vision_token_ids`` are the image, video, vision-start and vision-end token ids, in that order: the
+    tokenizer's own when a processor inserts image tokens, otherwise ids past its vocabulary that it never
+    emits. The vision tower keeps the real 14-pixel patches, 2-frame temporal patches and 2x2 merge.
     """
-    # Built bare only to read the prompt template the tokenizer's merges are learned from.
-    template = QwenImagePipeline(
-        scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
-    )
-    tokenizer = _qwen_tokenizer(template.prompt_template_encode)
-    vision_token_ids = range(len(tokenizer), len(tokenizer) + 4)  # reserved ids the tokenizer never emits
+    image_id, video_id, start_id, end_id = vision_token_ids
     config = Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": len(tokenizer) + len(vision_token_ids),
+            "vocab_size": max(len(tokenizer), max(vision_token_ids) + 1),
             "hidden_size": _TEXT_HIDDEN,
             "intermediate_size": 2 * _TEXT_HIDDEN,
             "num_hidden_layers": _TEXT_LAYERS,
@@ -533,23 +560,39 @@ def tiny_qwenimage_pipeline(
             "out_hidden_size": _TEXT_HIDDEN,
             "fullatt_block_indexes": [0],
         },
-        image_token_id=vision_token_ids[0],
-        video_token_id=vision_token_ids[1],
-        vision_start_token_id=vision_token_ids[2],
-        vision_end_token_id=vision_token_ids[3],
+        image_token_id=image_id,
+        video_token_id=video_id,
+        vision_start_token_id=start_id,
+        vision_end_token_id=end_id,
     )
     with _seeded(seed, "text_encoder"):
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+        return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _qwen_vae(seed: int, downsamples: int = 1, num_res_blocks: int = 1) -> AutoencoderKLQwenImage:
+    """Qwen-Image's causal VAE, 8 channels wide, halving each side ``downsamples`` times (frames never)."""
     with _seeded(seed, "vae"):
-        vae = AutoencoderKLQwenImage(
+        return AutoencoderKLQwenImage(
             base_dim=8,
             z_dim=_LATENT_CHANNELS,
-            dim_mult=[1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False],
+            dim_mult=[1] * (downsamples + 1),
+            num_res_blocks=num_res_blocks,
+            temperal_downsample=[False] * downsamples,
             latents_mean=[0.0] * _LATENT_CHANNELS,
             latents_std=[1.0] * _LATENT_CHANNELS,
         )
+
+
+def _qwen_transformer(
+    seed: int,
+    num_layers: int,
+    num_attention_heads: int,
+    attention_head_dim: int,
+    axes_dims_rope: tuple[int, int, int] | None,
+    **config: Any,
+) -> QwenImageTransformer2DModel:
+    """Qwen-Image's MMDiT on 2x2-packed 16-channel latents and the tiny text encoder's states, all weights
+    random."""
     with _seeded(seed, "transformer"):
         transformer = QwenImageTransformer2DModel(
             patch_size=2,
@@ -560,16 +603,165 @@ def tiny_qwenimage_pipeline(
             num_attention_heads=num_attention_heads,
             joint_attention_dim=_TEXT_HIDDEN,
             axes_dims_rope=axes_dims_rope or flux_rope_axes(attention_head_dim),
+            **config,
         )
         _randomize_(transformer)
+    return transformer
+
+
+def tiny_qwenimage_pipeline(
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    axes_dims_rope: tuple[int, int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> QwenImagePipeline:
+    """Qwen-Image text-to-image pipeline (MMDiT, Qwen2.5-VL text encoder, causal VAE) at toy size.
+
+    The Qwen2.5-VL model includes a one-block vision tower only because the class requires one; prompts never
+    reach it. ``axes_dims_rope`` defaults to :func:`flux_rope_axes` of the head dim. Called without
+    height/width the pipeline renders 32x32.
+    """
+    # Built bare only to read the prompt template the tokenizer's merges are learned from.
+    template = QwenImagePipeline(
+        scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
+    )
+    tokenizer = _qwen_tokenizer(template.prompt_template_encode)
+    vision_token_ids = range(len(tokenizer), len(tokenizer) + 4)  # reserved ids the tokenizer never emits
     pipe = QwenImagePipeline(
         # Dynamic shifting because the pipeline always passes a resolution-dependent ``mu``.
         scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
-        vae=vae,
-        text_encoder=text_encoder,
+        vae=_qwen_vae(seed),
+        text_encoder=_qwen_vl_text_encoder(tokenizer, vision_token_ids, seed),
         tokenizer=tokenizer,
-        transformer=transformer,
+        transformer=_qwen_transformer(
+            seed, num_layers, num_attention_heads, attention_head_dim, axes_dims_rope
+        ),
     )
+    pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
+    return _finish(pipe, dtype, device)
+
+
+class _ImageQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor without a video processor, which the Qwen-Image Edit pipelines never use.
+
+    Transformers checks each sub-processor's class and, without torchvision installed, cannot even look up
+    the video processor base class, so the real class refuses ``video_processor=None``; this one skips that
+    check alone. Text and images go through Qwen2VLProcessor's own ``__call__``.
+    """
+
+    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+# What the Qwen2-VL image processor resizes each image to (in pixels, multiples of 28 per side): 2x2 to
+# 4x4 merged patches, so 4 to 16 image tokens per picture instead of up to 1280.
+_VL_MIN_PIXELS = 56 * 56
+_VL_MAX_PIXELS = 112 * 112
+
+
+def tiny_qwenimage_edit_pipeline(
+    *,
+    seed: int = 0,
+    plus: bool = False,
+    zero_cond_t: bool = False,
+    num_layers: int = 2,
+    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    axes_dims_rope: tuple[int, int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> QwenImageEditPipeline | QwenImageEditPlusPipeline:
+    """Qwen-Image-Edit pipeline (the condition image's latent tokens after the noisy ones, per-image
+    ``img_shapes``; a Qwen2.5-VL that sees the image through a Qwen2VLProcessor) at toy size.
+
+    ``plus=True`` gives Qwen-Image-Edit-2509's ``QwenImageEditPlusPipeline``, which takes a list of condition
+    images of any sizes (batch size 1); ``zero_cond_t=True`` gives Edit-2511's transformer, whose condition
+    tokens are modulated as at timestep 0.
+
+    Whatever its input, the pipeline resizes each condition image to about 1024x1024 pixels (hard-coded) for
+    the VAE, so this VAE compresses 16x per side (the real one 8x) and has no encoder residual blocks: a
+    condition image is 32x32 = 1024 tokens and encodes in well under a second on CPU. 16x is the most that
+    fits those sizes (multiples of 32 pixels, 2x2-packed) at any aspect ratio. The output size defaults to
+    the condition's 1024x1024 too: pass height/width (multiples of 32; 64x64 is 4 tokens). The vision
+    tower sees each image at most 112x112 pixels, 16 tokens.
+    """
+    pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    # Built bare only to read the prompt template the tokenizer's merges are learned from.
+    template = pipeline_class(
+        scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None, transformer=None
+    )
+    tokenizer = _qwen_tokenizer(template.prompt_template_encode, vision=True)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=_VL_MIN_PIXELS, max_pixels=_VL_MAX_PIXELS)
+    pipe = pipeline_class(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=_qwen_vae(seed, downsamples=4, num_res_blocks=0),
+        text_encoder=_qwen_vl_text_encoder(
+            tokenizer, tokenizer.convert_tokens_to_ids(_QWEN_VISION_TOKENS), seed
+        ),
+        tokenizer=tokenizer,
+        processor=_ImageQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer),
+        transformer=_qwen_transformer(
+            seed, num_layers, num_attention_heads, attention_head_dim, axes_dims_rope, zero_cond_t=zero_cond_t
+        ),
+    )
+    return _finish(pipe, dtype, device)
+
+
+def tiny_qwenimage_controlnet_pipeline(
+    *,
+    seed: int = 0,
+    inpaint: bool = False,
+    multi: bool = False,
+    num_layers: int = 2,
+    num_controlnet_layers: int = 1,
+    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    axes_dims_rope: tuple[int, int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> QwenImageControlNetPipeline | QwenImageControlNetInpaintPipeline:
+    """Qwen-Image ControlNet pipeline: :func:`tiny_qwenimage_pipeline`'s components (same seed, same
+    weights) and a ``QwenImageControlNetModel`` of ``num_controlnet_layers`` blocks whose residuals the
+    transformer adds after its blocks (one residual serving several blocks when it has fewer layers).
+
+    The ControlNet's zero-initialised projections are drawn at random like the rest, so its residuals are
+    not zero. ``multi=True`` wraps it in a ``QwenImageMultiControlNetModel`` (a union ControlNet: one model,
+    a list of control images and scales). ``inpaint=True`` gives ``QwenImageControlNetInpaintPipeline``, whose
+    ControlNet also reads the mask (one extra channel per packed latent pixel). Called without height/width
+    the pipeline renders 32x32.
+    """
+    if inpaint and multi:
+        raise ValueError("QwenImageControlNetInpaintPipeline takes a single QwenImageControlNetModel")
+    base = tiny_qwenimage_pipeline(
+        seed=seed,
+        num_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        attention_head_dim=attention_head_dim,
+        axes_dims_rope=axes_dims_rope,
+    )
+    with _seeded(seed, "controlnet"):
+        controlnet = QwenImageControlNetModel(
+            patch_size=2,
+            in_channels=4 * _LATENT_CHANNELS,
+            out_channels=_LATENT_CHANNELS,
+            num_layers=num_controlnet_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=_TEXT_HIDDEN,
+            axes_dims_rope=axes_dims_rope or flux_rope_axes(attention_head_dim),
+            extra_condition_channels=4 if inpaint else 0,
+        )
+        _randomize_(controlnet)
+    if multi:
+        controlnet = QwenImageMultiControlNetModel([controlnet])
+    pipeline_class = QwenImageControlNetInpaintPipeline if inpaint else QwenImageControlNetPipeline
+    pipe = pipeline_class(**base.components, controlnet=controlnet)
     pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
     return _finish(pipe, dtype, device)
 

@@ -1,0 +1,86 @@
+"""End to end: FLUX.2-dev (``Flux2Pipeline``, embedded guidance, Mistral-Small-3.1 text encoder) and MiniMax-H3's
+modular pipeline (text -> one packed text/audio/video sequence -> video and audio), each accelerated and checked
+against the same pipeline left to Diffusers: same seed, same inputs, same generator."""
+
+import torch
+from conftest import rel_err
+from tiny_builders import tiny_flux2_dev_pipeline, tiny_minimax_h3_pipeline
+
+import omni_accel
+
+
+def _ran_natively(pipe) -> None:
+    """The accelerated transformer is native, its blocks ran (a native block resolved its attention) and no call
+    went back to Diffusers' forward."""
+    component = omni_accel.describe(pipe).components[0]
+    assert component.name == "transformer" and component.mode == "native", str(omni_accel.describe(pipe))
+    assert component.selector.decisions(), "no native block ran"
+    assert component.runtime.fallbacks == {}
+
+
+def _counting_calls(pipe) -> list:
+    """A list that grows by one at every forward of ``pipe``'s (Diffusers) transformer."""
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(None))
+    return calls
+
+
+def _flux2_dev_latents(pipe, **call):
+    call = {
+        "prompt": "a cat",
+        "num_inference_steps": 2,
+        "guidance_scale": 4.0,
+        "output_type": "latent",
+        **call,
+    }
+    return pipe(**call, generator=torch.Generator().manual_seed(0)).images
+
+
+def test_tiny_flux2_dev_pipeline_native_matches_diffusers():
+    """FLUX.2-dev embeds ``guidance_scale``: one transformer call per step, the guidance in the modulation."""
+    plain = tiny_flux2_dev_pipeline(seed=0)
+    fast = omni_accel.accelerate(tiny_flux2_dev_pipeline(seed=0))
+    assert type(fast.transformer.transformer_blocks[0]) is not type(plain.transformer.transformer_blocks[0])
+    calls = _counting_calls(plain)
+    expected = _flux2_dev_latents(plain)
+    assert len(calls) == 2
+    # The embedded guidance reaches the output, so a native path that dropped it would be caught.
+    assert rel_err(_flux2_dev_latents(plain, guidance_scale=1.5), expected) > 1e-3
+    assert rel_err(_flux2_dev_latents(fast), expected) <= 1e-5
+    batch = {"prompt": ["a cat", "a red dog"], "guidance_scale": 2.5}
+    assert rel_err(_flux2_dev_latents(fast, **batch), _flux2_dev_latents(plain, **batch)) <= 1e-5
+    _ran_natively(fast)
+
+
+_MINIMAX_OUTPUTS = ["latents", "audio_latents", "videos", "audio"]
+
+
+def _minimax_outputs(pipe, **call) -> dict:
+    call = {
+        "prompt": "a cat plays the drums",
+        # MiniMaxH3Scheduler counts grid points, the terminal sigma 0 included: 3 are 2 transformer calls.
+        "num_inference_steps": 3,
+        "height": 8,
+        "width": 8,
+        "num_frames": 124,  # 17 * 7 + 5: 37 latent frames, 5.17 s of stereo audio (2 x 207 rows)
+        "output_type": "pt",
+        **call,
+    }
+    return pipe(**call, generator=torch.Generator().manual_seed(0), output=_MINIMAX_OUTPUTS)
+
+
+def test_tiny_minimax_h3_modular_pipeline_native_matches_diffusers():
+    """The ``t2va`` workflow: the text rows, 2 x 207 audio rows and 37 x 4 video rows in one packed sequence, one
+    transformer call per step; the video and audio latents, and what the two VAEs decode them to, compared."""
+    plain = tiny_minimax_h3_pipeline(seed=0)
+    fast = omni_accel.accelerate(tiny_minimax_h3_pipeline(seed=0))
+    assert type(fast.transformer.transformer_blocks[0]) is not type(plain.transformer.transformer_blocks[0])
+    calls = _counting_calls(plain)
+    expected = _minimax_outputs(plain)
+    assert len(calls) == 2
+    assert expected["audio_latents"].shape == (2, 6, 207) and expected["latents"].shape == (1, 4, 37, 4, 4)
+    assert expected["audio"].shape == (1, 2, 828) and expected["videos"].shape == (1, 124, 3, 8, 8)
+    got = _minimax_outputs(fast)
+    for name in _MINIMAX_OUTPUTS:
+        assert rel_err(got[name], expected[name]) <= 1e-5, name
+    _ran_natively(fast)
