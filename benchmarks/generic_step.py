@@ -48,6 +48,7 @@ from diffusers import (
     Flux2Transformer2DModel,
     HunyuanVideo15Transformer3DModel,
     LTX2VideoTransformer3DModel,
+    MiniMaxH3Transformer3DModel,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     ZImageTransformer2DModel,
@@ -339,6 +340,97 @@ def _ltx2(smoke: bool) -> Spec:
     )
 
 
+def minimax_h3_layout(
+    text: int, audio_latents: int, frames: int, height: int, width: int, device: str
+) -> dict[str, torch.Tensor]:
+    """The packed ``[text, audio, video]`` rows of a text-to-video+audio call (no keyframes) as MiniMax-H3's
+    modular pipeline lays them out: stereo audio channel-major, each row's timestep index (0 text, 1 audio,
+    2 video) and modality tag (0 video, 1 text, 2 audio), float64 ``(t, h, w)`` positions continuing the
+    text's time axis."""
+    audio = 2 * audio_latents
+    video = frames * height * width
+    length = text + audio + video
+    positions = torch.zeros(length, 3, dtype=torch.float64)
+    positions[:text, 0] = torch.arange(text)
+    positions[text : text + audio, 0] = (text + torch.arange(audio_latents)).repeat(2)
+    axes = torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij")
+    grid = torch.stack(axes, dim=-1).reshape(-1, 3)
+    positions[text + audio :] = grid.double() + torch.tensor([float(text), 0.0, 0.0], dtype=torch.float64)
+    tags = torch.cat([torch.ones(text), torch.full((audio,), 2), torch.zeros(video)]).long()
+    timestep_indices = torch.cat([torch.zeros(text), torch.ones(audio), torch.full((video,), 2)]).long()
+    return dict(
+        timestep_indices=timestep_indices.to(device),
+        token_tags=tags.to(device),
+        position_ids=positions.to(device),
+        text_indices=torch.arange(text, device=device),
+        audio_indices=torch.arange(text, text + audio, device=device),
+        video_indices=torch.arange(text + audio, length, device=device),
+    )
+
+
+def _minimax_h3(smoke: bool) -> Spec:
+    """MiniMax-H3: the class defaults are the released model's widths (hidden 5376, 56 heads x 128, SwiGLU
+    14336, AdaLN from a 2688-wide timestep embedding); 10 of its 50 layers (a copy of all 50 is ~64 GB in
+    bf16) and both refiner blocks. Its modular pipeline's default length, 124 frames at 24 fps (37 latent
+    frames) with their stereo audio (207 latents per channel), at 480x832 (16x VAE, 2x2 patches: 15 x 26
+    rows per frame), with a 256-token prompt."""
+    config: dict[str, Any] = dict(num_layers=10)
+    text, audio, frames, (height, width), text_dim, video_channels, audio_channels = (
+        256,
+        207,
+        37,
+        (15, 26),
+        5120,
+        96,
+        32,
+    )
+    if smoke:
+        config = dict(
+            num_attention_heads=2,
+            attention_head_dim=32,
+            hidden_size=48,
+            num_layers=2,
+            num_refiner_layers=1,
+            ffn_dim=64,
+            in_channels=4,
+            audio_in_channels=6,
+            text_dim=24,
+            freq_dim=32,
+            time_embed_hidden_dim=32,
+            time_embed_dim=16,
+            rope_freq_dim=4,
+        )
+        text, audio, frames, (height, width), text_dim, video_channels, audio_channels = (
+            5,
+            3,
+            2,
+            (2, 2),
+            24,
+            16,
+            6,
+        )
+
+    def inputs(device: str, dtype: torch.dtype) -> dict[str, Any]:
+        g = torch.Generator(device).manual_seed(1)
+        return dict(
+            hidden_states=_randn(g, 1, frames * height * width, video_channels, device=device, dtype=dtype),
+            audio_hidden_states=_randn(g, 1, 2 * audio, audio_channels, device=device, dtype=dtype),
+            encoder_hidden_states=_randn(g, 1, text, text_dim, device=device, dtype=dtype),
+            timestep=torch.tensor([0.0, 0.6, 0.7], device=device),
+            **minimax_h3_layout(text, audio, frames, height, width, device),
+            return_dict=False,
+        )
+
+    return Spec(
+        MiniMaxH3Transformer3DModel,
+        config,
+        inputs,
+        f"{config['num_layers']} of 50 transformer_blocks, 2 of 2 refiner blocks",
+        f"{text} text + {2 * audio} audio + {frames * height * width} video rows (480x832, 124 frames with stereo audio "
+        "at full size), one packed sequence",
+    )
+
+
 MODELS: dict[str, Callable[[bool], Spec]] = {
     "qwenimage": _qwenimage,
     "sd3": _sd3,
@@ -346,10 +438,11 @@ MODELS: dict[str, Callable[[bool], Spec]] = {
     "zimage": _zimage,
     "hunyuanvideo15": _hunyuanvideo15,
     "ltx2": _ltx2,
+    "minimax_h3": _minimax_h3,
 }
 
 
-class _Holder(omni_accel.api.DiffusionPipeline):
+class Holder(omni_accel.api.DiffusionPipeline):
     """The smallest pipeline around a transformer, so that accelerate() can take it."""
 
     def __init__(self, transformer) -> None:
@@ -462,7 +555,7 @@ def _first_best_call(model: torch.nn.Module, fn: Callable[[], Any], device: str,
         return _wall(fn, device)
 
 
-def _omni_ready(holder: _Holder, fn: Callable[[], Any], device: str) -> tuple[float, list[str]]:
+def _omni_ready(holder: Holder, fn: Callable[[], Any], device: str) -> tuple[float, list[str]]:
     """Calls (c) until its background compile and kernel builds are done and a CUDA graph of the compiled
     step is captured: one call, the waits, three calls; their wall seconds and the compiler's summary."""
     runtime = omni_accel.describe(holder).components[0].runtime
@@ -518,7 +611,7 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         if args.smoke
         else dict(compile_in_background=True)  # as measured in docs/PERFORMANCE.md (the default waits)
     )
-    models["omni"] = omni_accel.accelerate(_Holder(_build(spec, device, dtype)), **options)
+    models["omni"] = omni_accel.accelerate(Holder(_build(spec, device, dtype)), **options)
     result["parameters_per_copy_b"] = sum(p.numel() for p in models["diffusers"].parameters()) / 1e9
     variants = {
         "diffusers": lambda: models["diffusers"](**x),
@@ -527,17 +620,17 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
     }
     if spec_for(models["diffusers"]).native is not None:  # a model with native blocks: its generic tier too
         models["omni_generic"] = omni_accel.accelerate(
-            _Holder(_build(spec, device, dtype)), native=False, **options
+            Holder(_build(spec, device, dtype)), native=False, **options
         )
         variants["omni_generic"] = lambda: models["omni_generic"].transformer(**x)
     if args.probe:  # where (b) gains on (c): its fused QKV, and our CUDA graphs' share
         fused = _build(spec, device, dtype)
         if hasattr(fused, "fuse_qkv_projections"):
             fused.fuse_qkv_projections()
-            models["omni_fused_qkv"] = omni_accel.accelerate(_Holder(fused), **options)
+            models["omni_fused_qkv"] = omni_accel.accelerate(Holder(fused), **options)
             variants["omni_fused_qkv"] = lambda: models["omni_fused_qkv"].transformer(**x)
         no_graphs = _build(spec, device, dtype)
-        models["omni_no_graphs"] = omni_accel.accelerate(_Holder(no_graphs), cuda_graphs=False, **options)
+        models["omni_no_graphs"] = omni_accel.accelerate(Holder(no_graphs), cuda_graphs=False, **options)
         variants["omni_no_graphs"] = lambda: models["omni_no_graphs"].transformer(**x)
 
     first: dict[str, float] = {}

@@ -361,9 +361,9 @@ def _plan_swap(
     )
     options = None if not compiled else (dict(config.compile) if isinstance(config.compile, Mapping) else {})
     limitations = list(model.limitations)
+    # The blocks consult the cache in their eager preparation, outside the compiled math: compiled or not.
     wanted = config.projection_cache_bytes and model.projection_cache
     cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
-    cache = _unless_compiled(cache, compiled, limitations)
     fp8 = _fp8_weights(name, module) if config.quantize == "fp8" else None
     runtime = NativeRuntime(selector, options, cache, config.compile_in_background, fp8=fp8)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
@@ -427,9 +427,9 @@ def _fp8_weights(name: str, module: nn.Module) -> Fp8Weights:
 def _unless_compiled(
     cache: ExactProjectionCache | None, compiled: bool, limitations: list[str]
 ) -> ExactProjectionCache | None:
-    """The cache, or None when the blocks are compiled: compiled blocks cannot consult it, so its per-step
-    comparison would be pure overhead (and the report says so). Graph-replayed steps skip it; eager calls
-    use it."""
+    """The cache, or None when the generic tier compiles the blocks its sites sit in: compiled code cannot
+    consult it, so its per-step comparison would be pure overhead (and the report says so). Graph-replayed
+    steps skip it; eager calls use it."""
     if compiled and cache is not None:
         limitations.append("exact projection cache: off, because compiled blocks cannot consult it")
         return None
@@ -717,11 +717,13 @@ def _commit(component: _Component) -> None:
         model = component.spec.native_model()
         swapped = swap_blocks(component.original, model, component.runtime)
         component.undo.append(swapped.undo)
+        if component.cache is not None:
+            component.undo += wrap_sites(component.original, model.conditioning_sites, component.cache)
         if component.graphs is not None:
             component.graphs.install()
             component.undo.append(component.graphs.uninstall)
             if component.parallel is None:  # under a layout every rank would have to capture alike
-                blocks = [block for name in model.blocks for block in getattr(component.original, name)]
+                blocks = [block for name in model.blocks for block in component.original.get_submodule(name)]
                 block_graphs = cuda_graphs.install_block_graphs(blocks, component.runtime)
                 component.undo += [graphs.uninstall for graphs in block_graphs]
                 component.report.block_graphs = block_graphs
@@ -874,6 +876,7 @@ def _parallelize_generic(component: _Component) -> None:
     layout = parallelize(module, plan, parallel, output_class(component.spec), pairs_guidance=pairs)
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
+    _agree_on_cache_hits(component)
     if layout.sequence is not None:  # read by traces of calls our providers cannot split
         count_split(+1)
         component.undo.append(lambda: count_split(-1))
@@ -903,6 +906,10 @@ def _parallelize(component: _Component) -> None:
     component.runtime.layout = layout
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
+    for list_name in model.blocks:  # the shards packed now, as the whole weights were at the swap
+        for block in component.original.get_submodule(list_name):
+            block.prepack()
+    _agree_on_cache_hits(component)
     group = _modulation_group(component.parallel)
     sites = modulation_sites(component.original)
     if group is not None and sites:
@@ -918,6 +925,16 @@ def _parallelize(component: _Component) -> None:
     if layout.sequence is not None and patches.applicable(_CACHE_OVER_RANKS[0]):
         patches.apply(*_CACHE_OVER_RANKS)
         component.undo.append(lambda: patches.revert(*_CACHE_OVER_RANKS))
+
+
+def _agree_on_cache_hits(component: _Component) -> None:
+    """Under a layout a cached projection may be a collective: the ranks that hold the same batch decide
+    every hit together (``ExactProjectionCache.agree_over``), so one rank's miss cannot leave another
+    waiting in a collective it skipped."""
+    cache = component.cache
+    if cache is not None:
+        cache.agree_over(component.parallel.host_group())
+        component.undo.append(lambda: cache.agree_over(None))
 
 
 def _modulation_group(parallel: ParallelState) -> dist.ProcessGroup | None:

@@ -28,8 +28,8 @@ denoising schedule is a cycle (step 1..N, then again for the next request); when
 LRU or FIFO evict each entry just before its reuse and hit nothing, while a frozen set keeps hitting on the
 part that fits. Invalid entries are dropped as soon as they are seen, which frees room for new ones.
 
-Under tensor or sequence parallelism a cached projection must involve no collective (the native models
-cache only replicated conditioning projections), so each rank may decide hits on its own.
+Under tensor or sequence parallelism a projection may be a collective (a row-split linear, the split AdaLN
+modulation): ``agree_over`` makes the ranks decide every hit together, so one rank's miss is every rank's.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..forward_hooks import has_hooks
@@ -141,6 +142,7 @@ class ExactProjectionCache:
         self._next_id = 0
         self._bytes = 0
         self._watched = Watcher()
+        self._group: dist.ProcessGroup | None = None
 
     def __deepcopy__(self, memo: dict) -> ExactProjectionCache:
         # Stored outputs belong to the original model's weights: a copy starts empty.
@@ -226,6 +228,15 @@ class ExactProjectionCache:
         self._bytes += nbytes
         return cond_id
 
+    def agree_over(self, group: dist.ProcessGroup | None) -> None:
+        """Under a parallel layout whose projections are collectives (a row-split linear's all-reduce, the
+        split modulation's all-gather): every ``project`` call then decides with all ranks of ``group``
+        together, hitting only where every rank would, so a miss on one rank (its entry invalidated, its
+        budget full, a hook on its module) has every rank compute instead of some waiting in a collective
+        the others skip. ``group`` must take CPU tensors (gloo): the verdict is host data, agreed without
+        touching a device stream. None: each rank decides alone."""
+        self._group = group
+
     def project(
         self, name: str, module: nn.Module, conditioning: torch.Tensor, compute: Callable[[], torch.Tensor]
     ) -> torch.Tensor:
@@ -245,20 +256,22 @@ class ExactProjectionCache:
             or has_hooks(module)
         ):
             module_state = _module_state(module, self._watched)
+        entry = key = numerics = None
+        if module_state is not None:
+            numerics = _numerics(conditioning.device.type)
+            key = (prepared.cond_id, name)
+            entry = self._entries.get(key)
+            if entry is not None and not (entry.is_valid(module_state) and entry.numerics == numerics):
+                self._drop(key)
+                entry = None
+        if self._agreed(entry is not None and prepared.reuse):
+            self.hits += 1
+            return entry.output
         if module_state is None:
             self.bypasses += 1
             return compute()
-
-        numerics = _numerics(conditioning.device.type)
-        key = (prepared.cond_id, name)
-        entry = self._entries.get(key)
-        if entry is not None:
-            valid = entry.is_valid(module_state) and entry.numerics == numerics
-            if valid and prepared.reuse:
-                self.hits += 1
-                return entry.output
+        if entry is not None:  # valid, but not yet reusable here or not on every rank: computed again
             self._drop(key)
-
         self.misses += 1
         output = self._lookup_precomputed(name, module, conditioning)
         if output is None:
@@ -266,6 +279,14 @@ class ExactProjectionCache:
         if prepared.cond_id is not None:
             self._admit_entry(key, output, module, module_state, numerics)
         return output
+
+    def _agreed(self, hit: bool) -> bool:
+        """``hit`` on every rank of the agreement group (this rank's ``hit`` without one)."""
+        if self._group is None:
+            return hit
+        verdict = torch.tensor([int(hit)], dtype=torch.int32)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(verdict.item())
 
     def _admit_entry(
         self,

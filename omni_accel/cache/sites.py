@@ -16,19 +16,27 @@ from torch import nn
 from .projection import ExactProjectionCache
 
 
+class _CachedForward:
+    """``module``'s forward through the cache, set on that instance. An object rather than a closure so that
+    ``copy.deepcopy`` of the model gives the copy a forward of its own module, its own cache and its own
+    original forward (a bound method deep-copies onto the copied instance)."""
+
+    def __init__(self, module: nn.Module, name: str, cache: ExactProjectionCache) -> None:
+        self.module, self.name, self.cache = module, name, cache
+        self.original = module.forward
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs:  # only single-input projections are cache sites
+            return self.original(x, *args, **kwargs)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a replay could not consult the cache
+            return self.original(x)
+        self.cache.ensure_prepared(x)
+        return self.cache.project(self.name, self.module, x, lambda: self.original(x))
+
+
 def wrap_module(module: nn.Module, name: str, cache: ExactProjectionCache) -> Callable[[], None]:
     """Routes ``module(x)`` through the cache; returns the undo."""
-    original = module.forward
-
-    def forward(x, *args, **kwargs):
-        if args or kwargs:  # only single-input projections are cache sites
-            return original(x, *args, **kwargs)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a replay could not consult the cache
-            return original(x)
-        cache.ensure_prepared(x)
-        return cache.project(name, module, x, lambda: original(x))
-
-    module.forward = forward
+    module.forward = _CachedForward(module, name, cache)
 
     def undo() -> None:
         del module.forward

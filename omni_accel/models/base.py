@@ -68,6 +68,8 @@ class NativeModel:
     transformer is called twice per step (cond, then uncond). ``limitations``: what the native blocks hand
     to Diffusers' forward, for the report. ``projection_cache``: whether the blocks consult the exact
     projection cache (``NativeBlock.project_conditioning``); without sites none is made.
+    ``conditioning_sites``: full names (regexes) of model-level modules of one tensor input that repeats
+    from call to call (a text refiner over the prompt's embeddings), whose outputs go through that cache too.
     ``compiled_by_default``: the blocks' math leaves elementwise steps (SwiGLU, sandwich norms, per-row
     modulation) to the compiler, having no fused kernels of ours for them: on CUDA they compile (in the
     background) unless ``compile=False``.
@@ -78,6 +80,7 @@ class NativeModel:
     cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
     limitations: tuple[str, ...] = ()
     projection_cache: bool = True
+    conditioning_sites: tuple[str, ...] = ()
     compiled_by_default: bool = False
 
     def __post_init__(self) -> None:

@@ -196,6 +196,8 @@ class NativeMiniMaxH3TokenRefinerBlock(_MiniMaxNative, MiniMaxH3TokenRefinerBloc
 
 MINIMAX_H3 = NativeModel(
     compiled_by_default=True,  # SwiGLU and its norms: Diffusers' ops, fused by the compiler
+    # the refined prompt: the same at every step of a request (and across requests with its prompt)
+    conditioning_sites=(r"token_refiner",),
     blocks={
         "token_refiner.refiner_blocks": NativeMiniMaxH3TokenRefinerBlock,
         "transformer_blocks": NativeMiniMaxH3TransformerBlock,

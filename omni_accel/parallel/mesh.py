@@ -37,6 +37,20 @@ class ParallelState:
             return None
         return self.mesh.get_group(dim)
 
+    def host_group(self) -> dist.ProcessGroup | None:
+        """A gloo group of the ranks that hold the same batch (every dimension but cfg), for what they decide
+        together on the host, such as the projection cache's hits; None where that is this rank alone.
+        Every rank must call it (each group is made by all). It waits ``timeout_s``, as the layout's groups do."""
+        if self.mesh is None or self.config.world_size == self.config.cfg:
+            return None
+        timeout = datetime.timedelta(seconds=self.config.timeout_s)
+        mine = None
+        for ranks in self.mesh.mesh.flatten(1).tolist():  # one row per cfg branch
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+
 
 def init_parallel(config: ParallelConfig) -> ParallelState:
     """Joins (or starts, from torchrun's environment) the default process group and builds the mesh."""
