@@ -30,12 +30,12 @@ from .attention import routing
 from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
-from .config import DEFAULT_COMPONENTS, AccelConfig
+from .config import DEFAULT_COMPONENTS, DEFAULT_PROJECTION_CACHE_BYTES, AccelConfig
 from .forward_hooks import scoped_hooks
 from .layers.fp8 import Fp8Weights
 from .layers.fp8_linears import install_fp8_linears
 from .layers.split_modulation import SplitModulation
-from .models.base import NativeBlock, NativeRuntime, modulation_sites, swap_blocks
+from .models.base import NativeBlock, NativeModel, NativeRuntime, modulation_sites, swap_blocks
 from .models.generic import (
     GenericRuntime,
     generic_parallel_plan,
@@ -361,9 +361,7 @@ def _plan_swap(
     )
     options = None if not compiled else (dict(config.compile) if isinstance(config.compile, Mapping) else {})
     limitations = list(model.limitations)
-    # The blocks consult the cache in their eager preparation, outside the compiled math: compiled or not.
-    wanted = config.projection_cache_bytes and model.projection_cache
-    cache = ExactProjectionCache(config.projection_cache_bytes) if wanted else None
+    cache = _native_cache(model, config, limitations)
     fp8 = _fp8_weights(name, module) if config.quantize == "fp8" else None
     runtime = NativeRuntime(selector, options, cache, config.compile_in_background, fp8=fp8)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
@@ -401,6 +399,25 @@ def _plan_swap(
     if parallel is not None and parallel.config.tp > 1 and model.parallel.sequence is not None:
         report.tp_group = parallel.group("tp")
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
+
+
+def _native_cache(
+    model: NativeModel, config: AccelConfig, limitations: list[str]
+) -> ExactProjectionCache | None:
+    """The native blocks' projection cache (they consult it in their eager preparation, outside the compiled
+    math: compiled or not), or None: no sites, a budget of 0, or a default budget on a model where it was
+    measured not to pay (said in ``limitations``)."""
+    budget = config.projection_cache_bytes
+    if not model.projection_cache:
+        return None
+    if budget is None and model.projection_cache_unpaid:
+        limitations.append(
+            f"exact projection cache: off by default ({model.projection_cache_unpaid}); "
+            "projection_cache_bytes=<bytes> turns it on"
+        )
+        return None
+    budget = DEFAULT_PROJECTION_CACHE_BYTES if budget is None else budget
+    return ExactProjectionCache(budget) if budget else None
 
 
 def _fp8_weights(name: str, module: nn.Module) -> Fp8Weights:
@@ -536,8 +553,13 @@ def _plan_generic(
         "projections, norms and MLPs: Diffusers' own" + (" (compiled)" if compile_on else "")
     )
     cache = None
-    if spec is not None and spec.cache_sites and config.projection_cache_bytes:
-        cache = ExactProjectionCache(config.projection_cache_bytes)
+    budget = (
+        DEFAULT_PROJECTION_CACHE_BYTES
+        if config.projection_cache_bytes is None
+        else config.projection_cache_bytes
+    )
+    if spec is not None and spec.cache_sites and budget:
+        cache = ExactProjectionCache(budget)
         cache = _unless_compiled(cache, compile_on, not_accelerated)
     elif spec is None or not spec.cache_sites:
         not_accelerated.append("exact projection cache: no sites are registered for this model")

@@ -15,6 +15,8 @@ from .parallel.config import ParallelConfig
 DEFAULT_COMPONENTS = ("transformer", "transformer_2")
 # The lossy modes ``quantize`` takes (None: none).
 QUANTIZATIONS = (None, "fp8")
+# The exact projection cache's budget per transformer where the user names none.
+DEFAULT_PROJECTION_CACHE_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -23,13 +25,16 @@ class AccelConfig:
 
     ``attention``: which provider serves which role. ``native``: swap in native transformers where one
     exists (False keeps Diffusers' modules and only routes their attention). ``projection_cache_bytes``:
-    budget of the exact projection cache per transformer (0 turns it off). ``parallel``: how the
+    budget of the exact projection cache per transformer (0 turns it off); None (the default):
+    ``DEFAULT_PROJECTION_CACHE_BYTES``, except on a native model whose cache was measured not to pay
+    (``NativeModel.projection_cache_unpaid``; the report says why), where an explicit budget turns it on. ``parallel``: how the
     transformer spreads over the ranks of a torchrun launch (``"auto"``: chosen for the model, the number
     of ranks and the pipeline's first call; see ``omni_accel.parallel.auto``). ``compile``:
     ``torch.compile`` the repeated blocks (True, or a dict of ``torch.compile`` keyword arguments; False:
     never); None (the default) compiles those of a transformer without native blocks (the generic tier,
     ``omni_accel.models.generic``) where they run on CUDA, and leaves native blocks eager (their fused
-    kernels are the fast path). ``compile_in_background``: True compiles each block function in a thread while its calls run eagerly
+    kernels are the fast path) except a model's whose blocks leave elementwise steps to the compiler
+    (``NativeModel.compiled_by_default``). ``compile_in_background``: True compiles each block function in a thread while its calls run eagerly
     (see ``omni_accel.models.compiler``), so the first image need not wait; False (the default): the first
     call per input shape waits for the compile. Not the default because torch.compile restores process-wide
     state it saved when it started (torch's CPU and CUDA random state, the deterministic-algorithms flag, the
@@ -44,7 +49,7 @@ class AccelConfig:
 
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     native: bool = True
-    projection_cache_bytes: int = 256 * 1024**2
+    projection_cache_bytes: int | None = None
     parallel: ParallelConfig | str | None = None
     compile: bool | Mapping[str, Any] | None = None
     compile_in_background: bool = False
@@ -58,9 +63,10 @@ class AccelConfig:
             object.__setattr__(self, "attention", _attention_config(self.attention))
         if not isinstance(self.native, bool):
             raise TypeError(f"native must be True or False, got {self.native!r}.")
-        if isinstance(self.projection_cache_bytes, bool) or not isinstance(self.projection_cache_bytes, int):
-            raise TypeError(f"projection_cache_bytes must be an int, got {self.projection_cache_bytes!r}.")
-        if self.projection_cache_bytes < 0:
+        budget = self.projection_cache_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise TypeError(f"projection_cache_bytes must be an int or None, got {budget!r}.")
+        if budget is not None and budget < 0:
             raise ValueError(
                 f"projection_cache_bytes must be >= 0 (0 turns it off), got {self.projection_cache_bytes}."
             )

@@ -35,6 +35,7 @@ from torch import nn
 
 import omni_accel
 from omni_accel import ParallelConfig
+from omni_accel.config import DEFAULT_PROJECTION_CACHE_BYTES
 from omni_accel.models.base import NativeBlock
 from omni_accel.models.registry import spec_for
 from omni_accel.parallel import Colwise
@@ -301,7 +302,7 @@ class NativeContract:
 
     def test_projection_cache_on_is_bitwise_off(self):
         overrides, shapes = self.cases[0]
-        on = self.accelerated(0, overrides)
+        on = self.accelerated(0, overrides, projection_cache_bytes=DEFAULT_PROJECTION_CACHE_BYTES)
         off = self.accelerated(0, overrides, projection_cache_bytes=0)
         inputs = self.make_inputs(on, **shapes)
         for _ in range(2):
@@ -309,6 +310,12 @@ class NativeContract:
         model = spec_for(on).native_model()
         cache = self.runtime(on).cache
         assert (cache is not None and cache.hits > 0) if model.projection_cache else cache is None
+        default = self.accelerated(0, overrides)  # off by default only where measured not to pay, said why
+        assert (self.runtime(default).cache is None) == (
+            not model.projection_cache or bool(model.projection_cache_unpaid)
+        )
+        if model.projection_cache and model.projection_cache_unpaid:
+            assert model.projection_cache_unpaid in str(omni_accel.describe(default._test_holder))
 
     def test_one_compiled_graph_per_block_class(self):
         overrides, shapes = self.cases[0]

@@ -43,7 +43,9 @@ def test_modular_pipeline_with_the_defaults_matches_plain(dtype):
 def test_projection_cache_serves_compiled_blocks_bitwise():
     plain = random_minimax_h3_transformer().cuda()
     fast = random_minimax_h3_transformer().cuda()
-    holder = omni_accel.accelerate(_Holder(fast), cuda_graphs=False, compile_in_background=False)
+    holder = omni_accel.accelerate(
+        _Holder(fast), cuda_graphs=False, compile_in_background=False, projection_cache_bytes=1 << 28
+    )
     cache = omni_accel.describe(holder).components[0].cache
     assert cache is not None, str(omni_accel.describe(holder))
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in minimax_inputs(plain).items()}

@@ -96,6 +96,9 @@ def test_cfg_is_refused_with_the_reason():
         check_parallel(random_minimax_h3_transformer(), MINIMAX_H3.parallel, _State())
 
 
+_CACHE_ON = 1 << 28  # MiniMax-H3's cache is off unless a budget is given (it does not pay there)
+
+
 def _cache(holder):
     return omni_accel.describe(holder).components[0].cache
 
@@ -104,7 +107,7 @@ def test_refined_prompt_is_reused_and_invalidated_exactly():
     """The text refiner's output (a cache site of its own) and the AdaLN tables: reused when a call repeats
     the prompt and the timesteps, recomputed after any change to what they depend on."""
     plain, fast = random_minimax_h3_transformer(), random_minimax_h3_transformer()
-    holder = omni_accel.accelerate(_Holder(fast))
+    holder = omni_accel.accelerate(_Holder(fast), projection_cache_bytes=_CACHE_ON)
     cache = _cache(holder)
     inputs = minimax_inputs(plain)
     sites = 1 + len(fast.transformer_blocks)  # the refiner, each block's AdaLN table
@@ -161,7 +164,9 @@ def _rank_local_miss_body(rank: int, world: int) -> None:
     with torch.no_grad():
         expected = plain(**inputs, return_dict=False)
     fast = random_minimax_h3_transformer()
-    holder = omni_accel.accelerate(_Holder(fast), parallel=ParallelConfig(tp=2))
+    holder = omni_accel.accelerate(
+        _Holder(fast), parallel=ParallelConfig(tp=2), projection_cache_bytes=_CACHE_ON
+    )
     cache = _cache(holder)
     with torch.no_grad():
         for call in range(3):

@@ -68,6 +68,8 @@ class NativeModel:
     transformer is called twice per step (cond, then uncond). ``limitations``: what the native blocks hand
     to Diffusers' forward, for the report. ``projection_cache``: whether the blocks consult the exact
     projection cache (``NativeBlock.project_conditioning``); without sites none is made.
+    ``projection_cache_unpaid``: why, measured, the cache costs this model more than it saves: then it is
+    off unless the user gives ``projection_cache_bytes`` (the report says why).
     ``conditioning_sites``: full names (regexes) of model-level modules of one tensor input that repeats
     from call to call (a text refiner over the prompt's embeddings), whose outputs go through that cache too.
     ``compiled_by_default``: the blocks' math leaves elementwise steps (SwiGLU, sandwich norms, per-row
@@ -80,6 +82,7 @@ class NativeModel:
     cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
     limitations: tuple[str, ...] = ()
     projection_cache: bool = True
+    projection_cache_unpaid: str = ""
     conditioning_sites: tuple[str, ...] = ()
     compiled_by_default: bool = False
 

@@ -198,6 +198,10 @@ MINIMAX_H3 = NativeModel(
     compiled_by_default=True,  # SwiGLU and its norms: Diffusers' ops, fused by the compiler
     # the refined prompt: the same at every step of a request (and across requests with its prompt)
     conditioning_sites=(r"token_refiner",),
+    projection_cache_unpaid=(
+        "its AdaLN tables change with every step's timestep and the refined prompt is a tiny share of a step: "
+        "on an H200 its lookups cost more than its hits save, see docs/PERFORMANCE.md"
+    ),
     blocks={
         "token_refiner.refiner_blocks": NativeMiniMaxH3TokenRefinerBlock,
         "transformer_blocks": NativeMiniMaxH3TransformerBlock,
