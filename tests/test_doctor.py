@@ -47,3 +47,18 @@ def test_the_table_and_the_command_line_entry_points():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "attention providers" in done.stdout and "distributed:" in done.stdout
     assert cli.main(["no-such-command"]) == 2
+
+
+def test_help_and_version_answer_without_importing_torch():
+    """``omni-accel --help`` / ``--version`` exit 0 with their text and import neither torch nor Diffusers."""
+    probe = (
+        "import sys\n"
+        "from omni_accel import cli\n"
+        "code = cli.main(sys.argv[1:])\n"
+        "print('HEAVY', sorted({'torch', 'diffusers'} & set(sys.modules)))\n"
+        "sys.exit(code)\n"
+    )
+    for flag, text in (("--help", "omni-accel <command> --help"), ("--version", "omni-accel 0.1.0")):
+        done = subprocess.run([sys.executable, "-c", probe, flag], capture_output=True, text=True)
+        assert done.returncode == 0 and text in done.stdout, (flag, done.stdout, done.stderr[-2000:])
+        assert "HEAVY []" in done.stdout, done.stdout
