@@ -228,9 +228,6 @@ def _log_summary(pipe: Pipeline, components: list[_Component]) -> None:
             logger.warning(
                 "pipe.%s (%s) is %s: %s", report.name, report.diffusers_class, report.mode, report.detail
             )
-        for item in report.not_accelerated:
-            if report.mode == "native" and item.startswith("exact projection cache: off"):
-                logger.warning("pipe.%s: %s", report.name, item)
 
 
 def restore(pipe: Pipeline) -> Pipeline:

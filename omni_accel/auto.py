@@ -27,7 +27,8 @@ from torch import nn
 from . import api
 from .config import AccelConfig
 from .parallel.config import ParallelConfig
-from .utils.logging import get_logger
+from .parallel.mesh import is_main_process
+from .utils.logging import NOTICE, get_logger
 
 logger = get_logger(__name__)
 
@@ -193,7 +194,8 @@ def _follow_components(pipe: ModularPipeline, options: dict[str, Any]) -> None:
 
 
 def _accelerate_or_warn(pipe: Any, config: AccelConfig) -> None:
-    """``accelerate``, or (where it refuses) a warning, with the pipeline left plain Diffusers."""
+    """``accelerate`` and one NOTICE line saying so (the user's script does not name it), or (where it
+    refuses) a warning, with the pipeline left plain Diffusers."""
     try:
         api.accelerate(pipe, config)
     except Exception as exc:
@@ -204,6 +206,18 @@ def _accelerate_or_warn(pipe: Any, config: AccelConfig) -> None:
             type(exc).__name__,
             exc,
         )
+        return
+    if not is_main_process():  # one line per pipeline, not one per rank
+        return
+    report = api.describe(pipe)
+    modes = ", ".join(f"{c.name} {c.mode}" for c in report.components) or "no denoiser found"
+    logger.log(
+        NOTICE,
+        "zero-code: %s accelerated (%s); omni_accel.describe(pipe) for details, OMNI_ACCEL_VERBOSITY=warning "
+        "silences this",
+        type(pipe).__name__,
+        modes,
+    )
 
 
 def load_ipython_extension(ipython: Any) -> None:

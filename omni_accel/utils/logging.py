@@ -1,9 +1,10 @@
 """The package logger, the way Diffusers users know it (``diffusers.utils.logging``).
 
 Every module logs through ``get_logger(__name__)``, a child of the ``omni_accel`` logger, which writes
-to stderr at WARNING unless told otherwise: ``set_verbosity_info()`` (or ``OMNI_ACCEL_VERBOSITY=info``
-in the environment) adds the one-line summary of each ``accelerate``; ``debug`` adds every attention
-decision. The library itself never prints.
+to stderr at NOTICE unless told otherwise: warnings, and the one line per pipeline that zero-code
+acceleration (which the user's script does not name) accelerated. ``set_verbosity_info()`` (or
+``OMNI_ACCEL_VERBOSITY=info`` in the environment) adds the one-line summary of each ``accelerate``;
+``debug`` adds every attention decision; ``warning`` silences the notices. The library itself never prints.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import os
 import threading
 
 _ROOT = "omni_accel"
+# Between INFO and WARNING: what a user should see by default that is not a problem.
+NOTICE = 25
+logging.addLevelName(NOTICE, "NOTICE")
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
+    "notice": NOTICE,
     "warning": logging.WARNING,
     "error": logging.ERROR,
     "critical": logging.CRITICAL,
@@ -25,12 +30,12 @@ _configured = False
 
 
 def _default_level() -> int:
-    name = os.environ.get("OMNI_ACCEL_VERBOSITY", "warning").lower()
+    name = os.environ.get("OMNI_ACCEL_VERBOSITY", "notice").lower()
     if name not in _LEVELS:
         logging.getLogger(_ROOT).warning(
-            "OMNI_ACCEL_VERBOSITY=%r is not one of %s; using 'warning'.", name, ", ".join(_LEVELS)
+            "OMNI_ACCEL_VERBOSITY=%r is not one of %s; using 'notice'.", name, ", ".join(_LEVELS)
         )
-        return logging.WARNING
+        return NOTICE
     return _LEVELS[name]
 
 
@@ -59,7 +64,7 @@ def get_verbosity() -> int:
 
 
 def set_verbosity(level: int | str) -> None:
-    """A ``logging`` level or one of debug, info, warning, error, critical."""
+    """A ``logging`` level or one of debug, info, notice, warning, error, critical."""
     _root().setLevel(_LEVELS[level.lower()] if isinstance(level, str) else level)
 
 
