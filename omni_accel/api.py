@@ -386,6 +386,7 @@ def _plan_swap(
         cache=cache,
         runtime=runtime,
         not_accelerated=limitations,
+        falls_back_on=model.falls_back_on,
     )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     report.graphs = graphs

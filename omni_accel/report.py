@@ -35,6 +35,7 @@ class ComponentReport:
     tp_group: Any = None  # the TP group of a model whose tokens may be split over it between projections
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
+    falls_back_on: str = ""  # what makes a native block run Diffusers' forward (shown once one did)
     adapted: list[str] = field(default_factory=list)  # where the model's own code was replaced, and how
 
     def lines(self) -> list[str]:
@@ -58,10 +59,13 @@ class ComponentReport:
                 )
         if self.cache is not None:
             stats = self.cache.stats()
-            out.append(
-                "  exact projection cache: {hits} hits, {misses} misses, {bypasses} bypassed, {entries} entries, "
-                "{bytes_used} of {max_bytes} bytes".format(**stats)
-            )
+            if stats["hits"] + stats["misses"] + stats["bypasses"]:
+                out.append(
+                    "  exact projection cache: {hits} hits, {misses} misses, {bypasses} bypassed, {entries} "
+                    "entries, {bytes_used} of {max_bytes} bytes".format(**stats)
+                )
+            else:
+                out.append(f"  exact projection cache: on ({stats['max_bytes']} bytes), not consulted yet")
         if self.cfg is not None:
             out.append(f"  {self.cfg.describe()}")
         if self.ulysses_group is not None:
@@ -70,7 +74,9 @@ class ComponentReport:
             out.append(f"  ring transfers: {describe_ring(self.ring_group)}")
         if self.tp_group is not None:
             out.append(f"  tensor parallel tokens: {describe_rows(self.tp_group)}")
-        if self.graphs is not None:
+        if self.graphs is not None and not _happened(self.graphs.stats()):
+            out.append("  cuda graphs: on, no step captured yet")
+        elif self.graphs is not None:
             stats = self.graphs.stats()
             out.append(
                 f"  cuda graphs: {stats['captures']} captured, {stats['replays']} replays, {stats['graphs']} kept"
@@ -79,7 +85,7 @@ class ComponentReport:
             )
             for reason, count in sorted(stats["eager"].items()):
                 out.append(f"  cuda graphs: {count} calls ran eagerly ({reason})")
-        if self.block_graphs:
+        if self.block_graphs and _happened(block_graph_stats(self.block_graphs)):
             stats = block_graph_stats(self.block_graphs)
             out.append(
                 f"  cuda graphs of the blocks, for hooked steps: {stats['captures']} captured, "
@@ -107,9 +113,16 @@ class ComponentReport:
                     out.append(f"  fp8: {count} projection calls kept bf16 ({reason})")
             for reason, count in sorted(self.runtime.fallbacks.items()):
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")
+            if self.runtime.fallbacks and self.falls_back_on:
+                out.append(f"  what runs Diffusers' forward of a block: {self.falls_back_on}")
         out.extend(f"  adapted: {item}" for item in self.adapted)
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out
+
+
+def _happened(stats: dict[str, Any]) -> bool:
+    """Whether a CUDA graph counter moved: anything captured, replayed or run eagerly."""
+    return bool(stats["captures"] or stats["replays"] or stats["eager"])
 
 
 @dataclass

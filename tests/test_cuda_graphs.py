@@ -164,7 +164,7 @@ def test_block_graphs_serve_steps_whose_hooks_wrap_their_blocks():
     transformer.enable_cache(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1))
     assert all(graphs._state() is None for graphs in blocks)
     transformer.disable_cache()
-    assert "cuda graphs of the blocks, for hooked steps: 0 captured" in str(omni_accel.describe(pipe))
+    assert "cuda graphs of the blocks" not in str(omni_accel.describe(pipe))  # no counter moved: no line
 
 
 def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):

@@ -217,3 +217,10 @@ def test_accelerate_still_refuses_what_is_not_a_pipeline():
         AccelConfig(attention={"per_role": {"flux.single": "sdpa"}}).attention.per_role["flux.single"]
         == "sdpa"
     )
+
+
+def test_describe_before_any_call_says_so_instead_of_zero_counters():
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    text = str(omni_accel.describe(pipe))
+    assert "exact projection cache: on (268435456 bytes), not consulted yet" in text
+    assert "0 hits" not in text and "not accelerated: IP-adapter" not in text

@@ -65,8 +65,9 @@ class NativeModel:
     ``blocks``: attribute of each repeated-block list -> its native block class. ``parallel``: what
     ``parallel.parallelize`` needs (sequence plan, batched inputs, head count...; the TP plans are the
     block classes' ``tp_plan``). ``cfg_pairing``: tells from a pipeline call's arguments whether the
-    transformer is called twice per step (cond, then uncond). ``limitations``: what the native blocks hand
-    to Diffusers' forward, for the report. ``projection_cache``: whether the blocks consult the exact
+    transformer is called twice per step (cond, then uncond). ``falls_back_on``: what makes a block call
+    run Diffusers' forward instead (the report lists it once such a call happened). ``limitations``: what
+    else the native blocks leave to Diffusers, for the report. ``projection_cache``: whether the blocks consult the exact
     projection cache (``NativeBlock.project_conditioning``); without sites none is made.
     ``projection_cache_unpaid``: why, measured, the cache costs this model more than it saves: then it is
     off unless the user gives ``projection_cache_bytes`` (the report says why).
@@ -80,6 +81,7 @@ class NativeModel:
     blocks: Mapping[str, type[NativeBlock]]
     parallel: ParallelPlan
     cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
+    falls_back_on: str = ""
     limitations: tuple[str, ...] = ()
     projection_cache: bool = True
     projection_cache_unpaid: str = ""

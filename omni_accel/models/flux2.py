@@ -258,13 +258,15 @@ FLUX2 = NativeModel(
     ),
     cfg_pairing=cfg_pairs,
     projection_cache=False,
-    limitations=(
+    falls_back_on=(
         "custom attention processors, Flux2KleinKVPipeline's reference-image KV cache, Diffusers attention "
         "backends set on a processor (or process-wide, where no provider of ours runs the same kernel), "
         "fuse_qkv_projections(), DoRA adapters, hooks on a submodule, active dropout in training mode, "
         "gradients flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of "
         "the block (counted in the report, except under torch.compile; an error under tensor or sequence "
-        "parallelism)",
+        "parallelism)"
+    ),
+    limitations=(
         "exact projection cache: not used for FLUX.2: its AdaLN projections run once per forward at model "
         "level, not in every block",
     ),

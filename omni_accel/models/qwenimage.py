@@ -260,10 +260,10 @@ QWEN_IMAGE = NativeModel(
         output_like=image_output_like,
     ),
     cfg_pairing=true_cfg_pairs,
-    limitations=(
+    falls_back_on=(
         "custom attention processors, Diffusers attention backends set on a processor (or process-wide, where "
         "no provider of ours runs the same kernel), fuse_qkv_projections(), DoRA adapters, hooks on a submodule, active dropout in training mode, gradients "
         "flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of the block "
-        "(counted in the report, except under torch.compile; an error under tensor parallelism)",
+        "(counted in the report, except under torch.compile; an error under tensor parallelism)"
     ),
 )

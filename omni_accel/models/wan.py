@@ -284,12 +284,14 @@ def cfg_pairs(arguments: dict[str, Any]) -> bool:
 
 
 _BATCHED = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")
-_LIMITATIONS = (
+_FALLS_BACK_ON = (
     "custom attention processors, Diffusers attention backends set on a processor (or process-wide, where "
     "no provider of ours runs the same kernel), "
     "fuse_qkv_projections(), DoRA adapters, hooks on a submodule, active dropout in training mode, gradients "
     "flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of the block "
-    "(counted in the report, except under torch.compile)",
+    "(counted in the report, except under torch.compile)"
+)
+_LIMITATIONS = (
     "exact projection cache: not used for Wan: its repeated projections (text K/V, timestep MLP) are ~0.1% of "
     "a 14B forward at 480p, and caching them measured no gain (docs/PERFORMANCE.md)",
 )
@@ -325,6 +327,7 @@ def _wan_model(name: str, blocks: dict, first_blocks: dict, batched: tuple[str, 
             output_like=_output_like,
         ),
         cfg_pairing=cfg_pairs,
+        falls_back_on=_FALLS_BACK_ON,
         limitations=_LIMITATIONS,
         projection_cache=False,
     )

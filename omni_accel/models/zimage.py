@@ -194,11 +194,11 @@ ZIMAGE = NativeModel(
         output_like=LearnedOutputs(),
         tokens_over_tp=False,
     ),
-    limitations=(
+    falls_back_on=(
         "custom attention processors, Z-Image Omni's per-token modulation, Diffusers attention backends set "
         "on a processor (or process-wide, where no provider of ours runs the same kernel), DoRA adapters, "
         "hooks on a submodule, active dropout in training mode, gradients flowing through a block and a "
         "user's torch.compile of the blocks run Diffusers' forward of the block (counted in the report, "
-        "except under torch.compile; an error under tensor or sequence parallelism)",
+        "except under torch.compile; an error under tensor or sequence parallelism)"
     ),
 )
