@@ -675,7 +675,11 @@ def _placement(module: nn.Module) -> _Placement:
             "which dtype it computes in"
         )
     if device is None:
-        reasons.append("its weights are on the meta device and no offload hook names the device it runs on")
+        reasons.append(
+            "its weights are on the meta device and no offload hook names the device it runs on (not an "
+            "attention matter: load the weights, e.g. load_state_dict(..., assign=True), or enable an offload "
+            "before the first call)"
+        )
     return _Placement(dtype, device, "; ".join(reasons) or None)
 
 
