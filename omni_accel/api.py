@@ -7,6 +7,7 @@ each recording its own undo). ``restore`` runs the undos in reverse order.
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib.util
 import itertools
@@ -28,7 +29,7 @@ from omni_accel.patches import attention_roles, pair_cfg_calls
 from . import cuda_graphs, pipeline_calls
 from .attention import routing
 from .attention.base import AttentionProviderError, AttentionRequest
-from .attention.selection import AttentionSelector, resolve
+from .attention.selection import AttentionConfig, AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
 from .config import DEFAULT_COMPONENTS, DEFAULT_PROJECTION_CACHE_BYTES, AccelConfig
 from .forward_hooks import scoped_hooks
@@ -95,8 +96,63 @@ class _State:
     others: list[ComponentReport] = field(default_factory=list)  # components other than denoisers (the VAE)
 
 
-def accelerate(pipe: Pipeline, config: AccelConfig | None = None, **overrides: Any) -> Pipeline:
-    """Accelerates ``pipe`` in place and returns it; its call signature and outputs stay Diffusers'."""
+class _Unset(enum.Enum):
+    """An option of ``accelerate`` not given: ``config``'s value (or the default) stands."""
+
+    UNSET = "unset"
+
+
+_UNSET = _Unset.UNSET
+
+
+def accelerate(
+    pipe: Pipeline,
+    config: AccelConfig | None = None,
+    *,
+    attention: AttentionConfig | str | Mapping[str, Any] | _Unset = _UNSET,
+    native: bool | _Unset = _UNSET,
+    projection_cache_bytes: int | None | _Unset = _UNSET,
+    parallel: ParallelConfig | str | None | _Unset = _UNSET,
+    compile: bool | Mapping[str, Any] | None | _Unset = _UNSET,
+    compile_in_background: bool | _Unset = _UNSET,
+    cuda_graphs: bool | None | _Unset = _UNSET,
+    vae_parallel: bool | None | _Unset = _UNSET,
+    components: tuple[str, ...] | _Unset = _UNSET,
+    quantize: str | None | _Unset = _UNSET,
+) -> Pipeline:
+    """Accelerates ``pipe`` in place and returns it; its call signature and outputs stay Diffusers'.
+
+    Every option is also a field of :class:`AccelConfig` (its docstring has the details); an option given
+    here overrides ``config``'s.
+
+    Args:
+        pipe: a Diffusers ``DiffusionPipeline`` or ``ModularPipeline``; its transformer(s) are accelerated.
+        config: all options at once, e.g. shared by several pipelines.
+        attention: the provider for every attention site (``"auto"``, ``"sdpa"``, ``"flashinfer"``...), or an
+            ``AttentionConfig`` / ``{"default": ..., "per_role": {...}}`` for per-role choices.
+        native: swap in native blocks where the model has them (False: the generic tier only).
+        projection_cache_bytes: the exact projection cache's budget (0: off; None: the model's default).
+        parallel: a ``ParallelConfig`` (tp, ulysses, ring, cfg) for a torchrun launch, or ``"auto"``.
+        compile: ``torch.compile`` the repeated blocks (True or ``torch.compile`` arguments; None: automatic).
+        compile_in_background: compile in a thread while eager calls serve, so no call waits for it.
+        cuda_graphs: replay each step from a CUDA graph (None: on wherever steps run on CUDA).
+        vae_parallel: under a layout, split the VAE decode over the ranks (None: where its layers allow).
+        components: the pipeline attributes treated as denoisers.
+        quantize: ``"fp8"`` for lossy FP8 projections (opt-in); None keeps everything lossless.
+    """
+    given = dict(
+        attention=attention,
+        native=native,
+        projection_cache_bytes=projection_cache_bytes,
+        parallel=parallel,
+        compile=compile,
+        compile_in_background=compile_in_background,
+        cuda_graphs=cuda_graphs,
+        vae_parallel=vae_parallel,
+        components=components,
+        quantize=quantize,
+    )
+    overrides = {name: value for name, value in given.items() if value is not _UNSET}
     if not isinstance(pipe, Pipeline):
         raise TypeError(
             f"accelerate() takes a Diffusers pipeline, got {type(pipe).__name__} (pass a DiffusionPipeline or a "

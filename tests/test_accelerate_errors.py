@@ -26,10 +26,16 @@ def test_not_a_pipeline():
         omni_accel.accelerate(torch.nn.Linear(2, 2))
 
 
-def test_unknown_option_lists_valid_ones(pipe):
-    with pytest.raises(TypeError, match=r"unknown option\(s\) \['atention'\]; valid options: \['attention'"):
+def test_unknown_option_is_refused_by_name(pipe):
+    """accelerate's options are typed keywords (type checkers and IDEs see them); a misspelt one is named."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'atention'"):
         omni_accel.accelerate(pipe, atention="sdpa")
     _untouched(pipe)
+
+
+def test_enable_lists_the_valid_options():
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['atention'\]; valid options: \['attention'"):
+        omni_accel.enable(atention="sdpa")
 
 
 def test_config_of_the_wrong_type(pipe):

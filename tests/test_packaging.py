@@ -44,7 +44,7 @@ def test_wheel_and_sdist_build_and_the_wheel_imports(tmp_path):
     source, out = tmp_path / "src", tmp_path / "dist"
     for name in ("omni_accel", "patches"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     build = (
         "from setuptools import build_meta as b; "
@@ -59,6 +59,8 @@ def test_wheel_and_sdist_build_and_the_wheel_imports(tmp_path):
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
         assert "omni-accel = omni_accel.cli:main" in archive.read(entry_points).decode()
     assert "omni_accel/patches/pair_cfg_calls.py" in names and "omni_accel/utils/logging.py" in names
+    assert "omni_accel/py.typed" in names  # type checkers read the package's hints
+    assert any(n.endswith("licenses/LICENSE") or n.endswith("/LICENSE") for n in names)
     with tarfile.open(out / sdist) as archive:
         assert any(n.endswith("patches/pair_cfg_calls.py") for n in archive.getnames())
     target = tmp_path / "site"
