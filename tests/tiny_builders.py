@@ -22,12 +22,10 @@ from __future__ import annotations
 import torch
 from conftest import random_minimax_h3_transformer
 from diffusers import (
-    AutoencoderKLFlux2,
     AutoencoderKLMiniMaxH3,
     AutoencoderKLMiniMaxH3Audio,
     FlowMatchEulerDiscreteScheduler,
     Flux2Pipeline,
-    Flux2Transformer2DModel,
     MiniMaxH3Scheduler,
     MiniMaxH3Transformer3DModel,
 )
@@ -51,6 +49,8 @@ from omni_accel.models.tiny_pipelines import (
     _TEXT_HIDDEN,
     _cast_,
     _finish,
+    _flux2_transformer,
+    _flux2_vae,
     _qwen_tokenizer,
     _randomize_,
     _seeded,
@@ -184,35 +184,14 @@ def tiny_flux2_dev_pipeline(
     without height/width the pipeline renders 32x32."""
     tokenizer = _mistral_tokenizer(SYSTEM_MESSAGE)
     text_encoder = _mistral3_text_encoder(tokenizer, max(_DEV_TEXT_LAYERS), seed)
-    latent_channels = 4
-    with _seeded(seed, "vae"):
-        vae = AutoencoderKLFlux2(
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 8),
-            layers_per_block=1,
-            latent_channels=latent_channels,
-            norm_num_groups=4,
-        )
-    with _seeded(seed, "transformer"):
-        transformer = Flux2Transformer2DModel(
-            in_channels=4 * latent_channels,  # 2x2 patches of the latent, packed
-            num_layers=num_layers,
-            num_single_layers=num_single_layers,
-            attention_head_dim=attention_head_dim,
-            num_attention_heads=num_attention_heads,
-            joint_attention_dim=len(_DEV_TEXT_LAYERS) * _TEXT_HIDDEN,
-            timestep_guidance_channels=16,
-            axes_dims_rope=(attention_head_dim // 4,) * 4,
-            guidance_embeds=True,
-        )
-        _randomize_(transformer)
+    blocks = dict(num_layers=num_layers, num_single_layers=num_single_layers)
+    heads = dict(num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim)
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
-        vae=vae,
+        vae=_flux2_vae(seed),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
-        transformer=transformer,
+        transformer=_flux2_transformer(seed, len(_DEV_TEXT_LAYERS), guidance_embeds=True, **blocks, **heads),
     )
     pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
     return _finish(pipe, dtype, device)

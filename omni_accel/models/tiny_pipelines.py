@@ -796,6 +796,51 @@ def _qwen3_text(seed: int, model_class: type, layers: int) -> tuple[Qwen2Tokeniz
         return tokenizer, model_class(config)
 
 
+_FLUX2_LATENT_CHANNELS = 4
+
+
+def _flux2_vae(seed: int) -> AutoencoderKLFlux2:
+    """FLUX.2's VAE at toy size: 8 channels wide, halving each side once, 4 latent channels."""
+    with _seeded(seed, "vae"):
+        return AutoencoderKLFlux2(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 8),
+            layers_per_block=1,
+            latent_channels=_FLUX2_LATENT_CHANNELS,
+            norm_num_groups=4,
+        )
+
+
+def _flux2_transformer(
+    seed: int,
+    text_layers: int,
+    *,
+    guidance_embeds: bool,
+    num_layers: int,
+    num_single_layers: int,
+    num_attention_heads: int,
+    attention_head_dim: int,
+) -> Flux2Transformer2DModel:
+    """FLUX.2's transformer on :func:`_flux2_vae`'s 2x2-packed latents and ``text_layers`` stacked hidden
+    states of the tiny text encoder, every weight random. ``guidance_embeds``: FLUX.2-dev's embedded
+    guidance (Klein has none)."""
+    with _seeded(seed, "transformer"):
+        transformer = Flux2Transformer2DModel(
+            in_channels=4 * _FLUX2_LATENT_CHANNELS,  # 2x2 patches of the latent, packed
+            num_layers=num_layers,
+            num_single_layers=num_single_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=text_layers * _TEXT_HIDDEN,
+            timestep_guidance_channels=16,
+            axes_dims_rope=(attention_head_dim // 4,) * 4,
+            guidance_embeds=guidance_embeds,
+        )
+        _randomize_(transformer)
+    return transformer
+
+
 def tiny_flux2_klein_pipeline(
     *,
     seed: int = 0,
@@ -813,35 +858,16 @@ def tiny_flux2_klein_pipeline(
     the pipeline reads hidden states from, at a toy width. Called without height/width the pipeline
     renders 32x32."""
     tokenizer, text_encoder = _qwen3_text(seed, Qwen3ForCausalLM, max(_KLEIN_TEXT_LAYERS))
-    latent_channels = 4
-    with _seeded(seed, "vae"):
-        vae = AutoencoderKLFlux2(
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(8, 8),
-            layers_per_block=1,
-            latent_channels=latent_channels,
-            norm_num_groups=4,
-        )
-    with _seeded(seed, "transformer"):
-        transformer = Flux2Transformer2DModel(
-            in_channels=4 * latent_channels,  # 2x2 patches of the latent, packed
-            num_layers=num_layers,
-            num_single_layers=num_single_layers,
-            attention_head_dim=attention_head_dim,
-            num_attention_heads=num_attention_heads,
-            joint_attention_dim=len(_KLEIN_TEXT_LAYERS) * _TEXT_HIDDEN,
-            timestep_guidance_channels=16,
-            axes_dims_rope=(attention_head_dim // 4,) * 4,
-            guidance_embeds=False,
-        )
-        _randomize_(transformer)
+    blocks = dict(num_layers=num_layers, num_single_layers=num_single_layers)
+    heads = dict(num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim)
     pipe = Flux2KleinPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
-        vae=vae,
+        vae=_flux2_vae(seed),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
-        transformer=transformer,
+        transformer=_flux2_transformer(
+            seed, len(_KLEIN_TEXT_LAYERS), guidance_embeds=False, **blocks, **heads
+        ),
         is_distilled=is_distilled,
     )
     pipe.default_sample_size = _DEFAULT_IMAGE_SIZE // pipe.vae_scale_factor
