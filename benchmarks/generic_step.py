@@ -9,7 +9,7 @@ cuDNN attention backend (``timing.cudnn_backend_for``) and ``compile_repeated_bl
 (each block of the block ModuleLists compiled where the class declares no ``_repeated_blocks``); (c)
 ``omni``, ``omni_accel.accelerate(holder, compile_in_background=True)`` around a bare pipeline (on CUDA:
 the repeated blocks compile in the background and the steps replay from CUDA graphs; by default the
-generic tier compiles at the first call instead, see docs/PERFORMANCE.md). The first call of (b) and (c)
+generic tier compiles at the first call instead, see docs/archive/performance-history.md). The first call of (b) and (c)
 is timed apart (compilation); (c) is then called until its background compile is done and its CUDA
 graph captured. Errors of (b) and (c) are against (a)'s output, in fp32 (max abs diff / max abs).
 
@@ -609,7 +609,9 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
     options: dict[str, Any] = (
         dict(compile={"backend": "eager"}, compile_in_background=False)
         if args.smoke
-        else dict(compile_in_background=True)  # as measured in docs/PERFORMANCE.md (the default waits)
+        else dict(
+            compile_in_background=True
+        )  # as measured in docs/archive/performance-history.md (the default waits)
     )
     models["omni"] = omni_accel.accelerate(Holder(_build(spec, device, dtype)), **options)
     result["parameters_per_copy_b"] = sum(p.numel() for p in models["diffusers"].parameters()) / 1e9

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-GPU runs pending since the last two-GPU launch (docs/PERFORMANCE.md, "Built since the last two-GPU
+# The two-GPU runs pending since the last two-GPU launch (docs/archive/performance-history.md, "Built since the last two-GPU
 # launch"): one part per device call, each meant to end well inside a call's 10 minutes, its log and JSON
 # under $OUT (./out elsewhere). On nvidia-h200-x2, with the carried wheels installed:
 #

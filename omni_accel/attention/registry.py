@@ -17,14 +17,14 @@ _TARGETS: dict[str, str] = {
 }
 
 # Lossless providers tried in order under "auto". cuDNN leads on CUDA: on an H200 it ties FlashInfer's fa3
-# at FLUX's 4608 tokens and beats PyTorch's flash kernel by 1.6x (docs/PERFORMANCE.md). Lossy providers
+# at FLUX's 4608 tokens and beats PyTorch's flash kernel by 1.6x (docs/archive/performance-history.md). Lossy providers
 # (sage) are never automatic.
 _PLATFORM_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "sdpa_math"),
 }
 _DEFAULT_PREFERENCE = ("sdpa", "sdpa_math")
 # FlashInfer goes first where it is installed and beats cuDNN on an H200 (``benchmarks/attention_shapes.py``,
-# docs/PERFORMANCE.md): long sequences (Wan 14B's 32760 tokens: fa3 648 TFLOP/s against cuDNN's 567;
+# docs/archive/performance-history.md): long sequences (Wan 14B's 32760 tokens: fa3 648 TFLOP/s against cuDNN's 567;
 # HunyuanVideo 1.5's 35375: 15.7 against 18.0 ms) and head size 64 (SD3.5-large's 4429 tokens x 38 heads:
 # 0.47 against 0.61 ms). At head size 128 and 4352-6144 tokens (FLUX, Qwen-Image, Z-Image, FLUX.2, LTX-2)
 # cuDNN ties or wins, so it keeps those. Its kernel is JIT-compiled on first use; until it is built in the

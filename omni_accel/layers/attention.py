@@ -158,7 +158,7 @@ def places_inputs(layout: int) -> bool:
 def overlaps_work(layout: int) -> bool:
     """Whether attention under ``layout`` hides work run beside it (``attention_beside``) behind its
     exchanges: where its inputs are placed, a ring's K/V then meet one kernel, Ulysses' peers' heads travel
-    by the copy engine (docs/PERFORMANCE.md)."""
+    by the copy engine (docs/archive/performance-history.md)."""
     return places_inputs(layout)
 
 

@@ -2,7 +2,7 @@
 
 A compiled first call traces and compiles each block function, and the first image waits for it: seconds
 of host work even with a warm on-disk cache (FLUX.1-dev on an H200: 8.6-10.7 s from ``accelerate`` to the
-first image against 3.5-3.8 s for a warm one, docs/PERFORMANCE.md). In the background mode (``compile_in_background=True``, on
+first image against 3.5-3.8 s for a warm one, docs/archive/performance-history.md). In the background mode (``compile_in_background=True``, on
 one device) the first steps run the eager math, the same fused kernels, and a worker thread compiles each
 block function by calling it once with its first call's arguments (on the caller's stream, the result
 thrown away; block math never writes to its inputs). The compile starts after the first step (whose

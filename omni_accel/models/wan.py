@@ -293,7 +293,7 @@ _FALLS_BACK_ON = (
 )
 _LIMITATIONS = (
     "exact projection cache: not used for Wan: its repeated projections (text K/V, timestep MLP) are ~0.1% of "
-    "a 14B forward at 480p, and caching them measured no gain (docs/PERFORMANCE.md)",
+    "a 14B forward at 480p, and caching them measured no gain (docs/archive/performance-history.md)",
 )
 
 

@@ -1,6 +1,6 @@
 """``parallel="auto"``: a layout chosen for the model, the number of ranks and how the pipeline calls it.
 
-The rules are the measured ones (docs/PARALLELISM.md, docs/PERFORMANCE.md), applied in this order:
+The rules are the measured ones (docs/PARALLELISM.md, docs/archive/performance-history.md), applied in this order:
 
 1. CFG first. When the call runs both guidance branches (Wan's default ``guidance_scale=5``, FLUX's true CFG),
    ``cfg=2`` splits them over two ranks: one tensor exchanged per step (two H200s: 1.93x on FLUX true CFG,

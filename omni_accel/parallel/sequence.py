@@ -225,7 +225,7 @@ PLACED_STAGES_FROM = 16384
 half a rank's heads keeps its efficiency (Wan 14B's 32760 tokens on FlashInfer: 8.28 ms over 10 heads,
 16.87 over 20), and the second stage's heads travel by the copy engine beside the first stage's kernel
 instead of as stores from the q/k kernel. Shorter ones run one kernel over all a rank's heads (FLUX's
-4608 tokens on cuDNN: a kernel over 6 heads is ~1.2x slower per head than over 12; docs/PERFORMANCE.md)."""
+4608 tokens on cuDNN: a kernel over 6 heads is ~1.2x slower per head than over 12; docs/archive/performance-history.md)."""
 
 
 def placed_stages(heads: int, degree: int, tokens: int) -> list[tuple[int, list[int]]]:

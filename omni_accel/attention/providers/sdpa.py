@@ -2,7 +2,7 @@
 
 Pinning matters because PyTorch's own choice on Hopper is the flash kernel, while cuDNN's fused attention
 ran FLUX-sized attention at 617 TFLOP/s against flash's 318 on an H200 in this workplace (the whole FLUX
-step: docs/PERFORMANCE.md); pinning also makes a run reproducible.
+step: docs/archive/performance-history.md); pinning also makes a run reproducible.
 
 A pinned kernel has limits the declared capabilities cannot hold (they depend on the call's tensors and on
 process-wide switches): on an H200 with torch 2.11 and cuDNN 9.19, cuDNN refuses any sequence of length 1
