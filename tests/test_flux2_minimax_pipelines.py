@@ -2,6 +2,8 @@
 modular pipeline (text -> one packed text/audio/video sequence -> video and audio), each accelerated and checked
 against the same pipeline left to Diffusers: same seed, same inputs, same generator."""
 
+import numpy as np
+import PIL.Image
 import torch
 from conftest import rel_err
 from tiny_builders import tiny_flux2_dev_pipeline, tiny_minimax_h3_pipeline
@@ -49,6 +51,24 @@ def test_tiny_flux2_dev_pipeline_native_matches_diffusers():
     assert rel_err(_flux2_dev_latents(fast), expected) <= 1e-5
     batch = {"prompt": ["a cat", "a red dog"], "guidance_scale": 2.5}
     assert rel_err(_flux2_dev_latents(fast, **batch), _flux2_dev_latents(plain, **batch)) <= 1e-5
+    _ran_natively(fast)
+
+
+def _picture(width: int, height: int, seed: int) -> PIL.Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return PIL.Image.fromarray(pixels)
+
+
+def test_tiny_flux2_dev_pipeline_with_reference_images_native_matches_diffusers():
+    """``Flux2Pipeline(image=[...])``: each reference image's latent tokens join the sequence after the target's
+    (with their own time index); one and two references of different sizes (the pipeline takes >= 64 px)."""
+    plain = tiny_flux2_dev_pipeline(seed=0)
+    fast = omni_accel.accelerate(tiny_flux2_dev_pipeline(seed=0))
+    unconditioned = _flux2_dev_latents(plain, height=32, width=32)
+    for images in ([_picture(64, 64, 1)], [_picture(64, 64, 1), _picture(96, 64, 2)]):
+        expected = _flux2_dev_latents(plain, image=images, height=32, width=32)
+        assert rel_err(expected, unconditioned) > 1e-3  # the references reach the output
+        assert rel_err(_flux2_dev_latents(fast, image=images, height=32, width=32), expected) <= 1e-5
     _ran_natively(fast)
 
 
