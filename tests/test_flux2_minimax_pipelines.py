@@ -80,8 +80,8 @@ def _minimax_outputs(pipe, **call) -> dict:
         "prompt": "a cat plays the drums",
         # MiniMaxH3Scheduler counts grid points, the terminal sigma 0 included: 3 are 2 transformer calls.
         "num_inference_steps": 3,
-        "height": 8,
-        "width": 8,
+        "height": 16,
+        "width": 16,
         "num_frames": 124,  # 17 * 7 + 5: 37 latent frames, 5.17 s of stereo audio (2 x 207 rows)
         "output_type": "pt",
         **call,
@@ -99,8 +99,26 @@ def test_tiny_minimax_h3_modular_pipeline_native_matches_diffusers():
     expected = _minimax_outputs(plain)
     assert len(calls) == 2
     assert expected["audio_latents"].shape == (2, 6, 207) and expected["latents"].shape == (1, 4, 37, 4, 4)
-    assert expected["audio"].shape == (1, 2, 828) and expected["videos"].shape == (1, 124, 3, 8, 8)
+    assert expected["audio"].shape == (1, 2, 828) and expected["videos"].shape == (1, 124, 3, 16, 16)
     got = _minimax_outputs(fast)
     for name in _MINIMAX_OUTPUTS:
         assert rel_err(got[name], expected[name]) <= 1e-5, name
+    _ran_natively(fast)
+
+
+def test_tiny_minimax_h3_keyframe_workflow_native_matches_diffusers():
+    """The ``fl2va`` workflow (chosen by the pipeline when keyframes are given): a first and a last keyframe
+    encoded by the video VAE and packed as conditioning rows at timestep 0 beside the generated ones."""
+    plain = tiny_minimax_h3_pipeline(seed=0)
+    fast = omni_accel.accelerate(tiny_minimax_h3_pipeline(seed=0))
+    unconditioned = _minimax_outputs(plain)
+    for keyframes in (
+        dict(image=_picture(16, 16, 1)),
+        dict(image=_picture(16, 16, 1), last_image=_picture(16, 16, 2)),
+    ):
+        expected = _minimax_outputs(plain, **keyframes)
+        got = _minimax_outputs(fast, **keyframes)
+        for name in ("latents", "audio_latents"):
+            assert rel_err(expected[name], unconditioned[name]) > 1e-3, name  # the keyframes reach the output
+            assert rel_err(got[name], expected[name]) <= 1e-5, name
     _ran_natively(fast)

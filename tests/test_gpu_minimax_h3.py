@@ -17,7 +17,9 @@ _OUTPUTS = ["latents", "audio_latents"]
 
 
 def _generate(pipe, steps: int = 4) -> dict:
-    call = dict(prompt="a cat plays the drums", num_inference_steps=steps, height=8, width=8, num_frames=124)
+    call = dict(
+        prompt="a cat plays the drums", num_inference_steps=steps, height=16, width=16, num_frames=124
+    )
     return pipe(**call, generator=torch.Generator().manual_seed(0), output=_OUTPUTS)
 
 

@@ -289,7 +289,7 @@ def tiny_minimax_h3_components(seed: int = 0, **transformer_overrides) -> dict:
             latent_channels=config.in_channels,
             block_out_channels=(8, 8),
             layers_per_block=1,
-            spatial_downsample_factors=(2, 1),
+            spatial_downsample_factors=(2, 2),  # spatial 2 wherever temporal is 2, as in the real VAE
             temporal_downsample_factors=(2, 2),
             norm_num_groups=4,
             decoder_num_layers=1,
@@ -336,8 +336,8 @@ def tiny_minimax_h3_pipeline(
     **transformer_overrides,
 ) -> MiniMaxH3ModularPipeline:
     """MiniMax-H3's modular pipeline (``MiniMaxH3Blocks``: text -> packed text/audio/video denoising -> video and
-    audio decode) holding :func:`tiny_minimax_h3_components`. Call it with ``height=8, width=8`` (the canvas must
-    be a multiple of 4 here) and a ``num_frames`` of 5-15 seconds at 24 fps (e.g. 124): the pipeline's own
+    audio decode) holding :func:`tiny_minimax_h3_components`. Call it with ``height=16, width=16`` (the canvas must
+    be a multiple of 8 here: the VAE's 4x and the 2x2 patches) and a ``num_frames`` of 5-15 seconds at 24 fps (e.g. 124): the pipeline's own
     defaults are the released 768-pixel canvas."""
     pipe = MiniMaxH3Blocks().init_pipeline()
     pipe.update_components(**tiny_minimax_h3_components(seed, **transformer_overrides))
