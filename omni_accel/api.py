@@ -31,12 +31,19 @@ from .attention import routing
 from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionConfig, AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
-from .config import DEFAULT_COMPONENTS, DEFAULT_PROJECTION_CACHE_BYTES, AccelConfig
+from .config import DEFAULT_COMPONENTS, AccelConfig
 from .forward_hooks import scoped_hooks
 from .layers.fp8 import Fp8Weights
 from .layers.fp8_linears import install_fp8_linears
 from .layers.split_modulation import SplitModulation
-from .models.base import NativeBlock, NativeModel, NativeRuntime, modulation_sites, swap_blocks
+from .models.base import (
+    NativeBlock,
+    NativeModel,
+    NativeRuntime,
+    modulation_sites,
+    native_blocks,
+    swap_blocks,
+)
 from .models.generic import (
     GenericRuntime,
     generic_parallel_plan,
@@ -461,16 +468,15 @@ def _native_cache(
     """The native blocks' projection cache (they consult it in their eager preparation, outside the compiled
     math: compiled or not), or None: no sites, a budget of 0, or a default budget on a model where it was
     measured not to pay (said in ``limitations``)."""
-    budget = config.projection_cache_bytes
     if not model.projection_cache:
         return None
-    if budget is None and model.projection_cache_unpaid:
+    if config.projection_cache_bytes is None and model.projection_cache_unpaid:
         limitations.append(
             f"exact projection cache: off by default ({model.projection_cache_unpaid}); "
             "projection_cache_bytes=<bytes> turns it on"
         )
         return None
-    budget = DEFAULT_PROJECTION_CACHE_BYTES if budget is None else budget
+    budget = config.projection_cache_budget
     return ExactProjectionCache(budget) if budget else None
 
 
@@ -607,13 +613,8 @@ def _plan_generic(
         "projections, norms and MLPs: Diffusers' own" + (" (compiled)" if compile_on else "")
     )
     cache = None
-    budget = (
-        DEFAULT_PROJECTION_CACHE_BYTES
-        if config.projection_cache_bytes is None
-        else config.projection_cache_bytes
-    )
-    if spec is not None and spec.cache_sites and budget:
-        cache = ExactProjectionCache(budget)
+    if spec is not None and spec.cache_sites and config.projection_cache_budget:
+        cache = ExactProjectionCache(config.projection_cache_budget)
         cache = _unless_compiled(cache, compile_on, not_accelerated)
     elif spec is None or not spec.cache_sites:
         not_accelerated.append("exact projection cache: no sites are registered for this model")
@@ -803,7 +804,7 @@ def _commit(component: _Component) -> None:
             component.graphs.install()
             component.undo.append(component.graphs.uninstall)
             if component.parallel is None:  # under a layout every rank would have to capture alike
-                blocks = [block for name in model.blocks for block in component.original.get_submodule(name)]
+                blocks = native_blocks(component.original, model)
                 block_graphs = cuda_graphs.install_block_graphs(blocks, component.runtime)
                 component.undo += [graphs.uninstall for graphs in block_graphs]
                 component.report.block_graphs = block_graphs
@@ -986,9 +987,8 @@ def _parallelize(component: _Component) -> None:
     component.runtime.layout = layout
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
-    for list_name in model.blocks:  # the shards packed now, as the whole weights were at the swap
-        for block in component.original.get_submodule(list_name):
-            block.prepack()
+    for block in native_blocks(component.original, model):  # the shards packed, as the whole weights were
+        block.prepack()
     _agree_on_cache_hits(component)
     group = _modulation_group(component.parallel)
     sites = modulation_sites(component.original)

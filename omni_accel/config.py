@@ -96,6 +96,13 @@ class AccelConfig:
             )
 
     @property
+    def projection_cache_budget(self) -> int:
+        """The cache's budget in bytes: the one given, else ``DEFAULT_PROJECTION_CACHE_BYTES`` (a model whose
+        cache does not pay turns a default budget down itself, see ``projection_cache_bytes``)."""
+        budget = self.projection_cache_bytes
+        return DEFAULT_PROJECTION_CACHE_BYTES if budget is None else budget
+
+    @property
     def compile_asked(self) -> bool:
         """``compile`` is True or a dict of ``torch.compile`` arguments (not None, the automatic choice)."""
         return self.compile is True or isinstance(self.compile, Mapping)

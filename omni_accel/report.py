@@ -74,10 +74,10 @@ class ComponentReport:
             out.append(f"  ring transfers: {describe_ring(self.ring_group)}")
         if self.tp_group is not None:
             out.append(f"  tensor parallel tokens: {describe_rows(self.tp_group)}")
-        if self.graphs is not None and not _happened(self.graphs.stats()):
+        stats = self.graphs.stats() if self.graphs is not None else None
+        if stats is not None and not _happened(stats):
             out.append("  cuda graphs: on, no step captured yet")
-        elif self.graphs is not None:
-            stats = self.graphs.stats()
+        elif stats is not None:
             out.append(
                 f"  cuda graphs: {stats['captures']} captured, {stats['replays']} replays, {stats['graphs']} kept"
                 f" ({stats['early_replays']} launched before the module's state was read, "
@@ -85,8 +85,8 @@ class ComponentReport:
             )
             for reason, count in sorted(stats["eager"].items()):
                 out.append(f"  cuda graphs: {count} calls ran eagerly ({reason})")
-        if self.block_graphs and _happened(block_graph_stats(self.block_graphs)):
-            stats = block_graph_stats(self.block_graphs)
+        stats = block_graph_stats(self.block_graphs) if self.block_graphs else None
+        if stats is not None and _happened(stats):
             out.append(
                 f"  cuda graphs of the blocks, for hooked steps: {stats['captures']} captured, "
                 f"{stats['replays']} replays, {stats['graphs']} kept"

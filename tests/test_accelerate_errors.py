@@ -122,3 +122,17 @@ def test_routed_model_checks_an_explicit_provider_at_accelerate():
     with pytest.raises(AttentionProviderError, match="flashinfer"):
         omni_accel.accelerate(pipe, attention={"per_role": {"wan.self": "flashinfer"}})
     assert not pipe.transformer._forward_pre_hooks
+
+
+def test_accelerate_takes_every_option_of_accel_config_by_keyword():
+    """The typed keywords of ``accelerate`` are exactly AccelConfig's fields: a field added to one only would
+    be an option that cannot be given, or a keyword that sets nothing."""
+    import dataclasses
+    import inspect
+
+    keywords = [
+        name
+        for name, parameter in inspect.signature(omni_accel.accelerate).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    assert keywords == [field.name for field in dataclasses.fields(omni_accel.AccelConfig)]

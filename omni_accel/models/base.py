@@ -416,6 +416,11 @@ class SwappedBlocks:
         object.__delattr__(self.transformer, "_repeated_blocks")
 
 
+def native_blocks(transformer: nn.Module, model: NativeModel) -> list[nn.Module]:
+    """Every repeated block ``model`` makes native, list by list, in order."""
+    return [block for list_name in model.blocks for block in transformer.get_submodule(list_name)]
+
+
 def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRuntime) -> SwappedBlocks:
     """Makes every repeated block of ``transformer`` native (its projections are packed on first use)."""
     named: list[tuple[str, nn.Module, type, type]] = []
