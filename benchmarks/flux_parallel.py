@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from flux_lora_step import with_lora
 from flux_step import bare_pipeline, build_transformer, rel_err
-from layout_variants import split
+from layout_variants import configured
 from timing import timed, write_json
 
 import omni_accel
@@ -132,15 +132,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile and args.tiny:
         compile_options["compile"] = {"backend": "aot_eager"}
     for name in args.layouts or list(layouts):
-        base, variant = split(name)
+        base, layout = configured(name, layouts)
         true_cfg = base.endswith("true_cfg")
         model = build_transformer(device, dtype, **size)
         if base.endswith("lora"):
             with_lora(model, rank=16)
         pipe = bare_pipeline(model)
-        with variant:
-            omni_accel.accelerate(pipe, parallel=layouts[base], **compile_options)
-            result, latents = _measure(pipe, args.steps, args.repeats, true_cfg, device)
+        omni_accel.accelerate(pipe, parallel=layout, **compile_options)
+        result, latents = _measure(pipe, args.steps, args.repeats, true_cfg, device)
         key = _kind(name)
         oracle.setdefault(key, latents)  # the first layout run of each kind is the reference
         result["rel_err_vs_1gpu"] = rel_err(latents, oracle[key].float())

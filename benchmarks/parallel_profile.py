@@ -23,7 +23,7 @@ import torch.distributed as dist
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from flux_profile import family
 from flux_step import bare_pipeline, build_transformer, graphs_switched, inputs
-from layout_variants import split
+from layout_variants import configured
 from random_models import WAN_14B, randomized
 from timing import interleaved, write_json
 from torch.profiler import ProfilerActivity, profile
@@ -160,26 +160,25 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = f"cuda:{torch.cuda.current_device()}", torch.bfloat16
     results = {}
     for name in args.layouts:
-        base, variant = split(name)  # e.g. ulysses2+packed_inputs: benchmarks/layout_variants.py
+        base, layout = configured(name, LAYOUTS)  # e.g. ulysses2+one_stage: layout_variants.py
         pipe, x = MODELS[args.model](device, dtype)
         compiled = {"compile": True, "compile_in_background": False} if args.compile else {}
 
         def step(pipe=pipe, x=x):
             return pipe.transformer(**x)
 
-        with variant:
-            omni_accel.accelerate(pipe, parallel=LAYOUTS[base], **compiled)
-            eager, graphs = graphs_switched(pipe, step, False), graphs_switched(pipe, step, True)
-            for _ in range(3):  # warm-up; the graph captures on its second call
-                eager(), graphs()
-            times = interleaved({"eager": eager, "graphs": graphs}, device, args.rounds, 3)
-            result = {
-                "eager_ms_per_step": times["eager"]["median_ms"],
-                "graphs_ms_per_step": times["graphs"]["median_ms"],
-                "host_launch_ms_eager": host_ms(eager),
-                "profile_eager": timeline(eager, args.steps),
-                "profile_graphs": timeline(graphs, args.steps, _trace_path(args.trace_dir, name)),
-            }
+        omni_accel.accelerate(pipe, parallel=layout, **compiled)
+        eager, graphs = graphs_switched(pipe, step, False), graphs_switched(pipe, step, True)
+        for _ in range(3):  # warm-up; the graph captures on its second call
+            eager(), graphs()
+        times = interleaved({"eager": eager, "graphs": graphs}, device, args.rounds, 3)
+        result = {
+            "eager_ms_per_step": times["eager"]["median_ms"],
+            "graphs_ms_per_step": times["graphs"]["median_ms"],
+            "host_launch_ms_eager": host_ms(eager),
+            "profile_eager": timeline(eager, args.steps),
+            "profile_graphs": timeline(graphs, args.steps, _trace_path(args.trace_dir, name)),
+        }
         results[name] = result
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, result)

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-from layout_variants import split
+from layout_variants import configured
 from random_models import randomized
 from timing import timed, write_json
 from wan_step import CONFIGS, add_video_arguments, rel_err
@@ -77,19 +77,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     results, oracle = {"gpus": torch.cuda.device_count() or "cpu", "shapes": vars(args)}, None
     for name in args.layouts:
-        layout, variant = split(name)
+        layout, parallel = configured(name, LAYOUTS)
         torch.manual_seed(0)
         with torch.device(device):
             model = randomized(WanTransformer3DModel(**config), dtype)
         pipe = WanPipeline(None, None, None, FlowMatchEulerDiscreteScheduler(), transformer=model)
         pipe.set_progress_bar_config(disable=True)
-        with variant:
-            omni_accel.accelerate(
-                pipe, parallel=LAYOUTS[layout], compile=args.compile, compile_in_background=False
-            )
-            _call(pipe, args, device, dtype)  # warm-up (and compilation)
-            dist.barrier()
-            latents, ms = timed(lambda pipe=pipe: _call(pipe, args, device, dtype), device)
+        omni_accel.accelerate(pipe, parallel=parallel, compile=args.compile, compile_in_background=False)
+        _call(pipe, args, device, dtype)  # warm-up (and compilation)
+        dist.barrier()
+        latents, ms = timed(lambda pipe=pipe: _call(pipe, args, device, dtype), device)
         oracle = latents if oracle is None else oracle
         results[name] = {
             "s_per_step_with_cfg": ms / 1000 / args.steps,

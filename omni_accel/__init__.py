@@ -28,6 +28,7 @@ _PUBLIC = {
     "unload_ipython_extension": "auto",
     "ExactProjectionCache": "cache",
     "AccelConfig": "config",
+    "LayoutTuning": "parallel.config",
     "ParallelConfig": "parallel.config",
     "is_main_process": "parallel.mesh",
     "AccelerationReport": "report",
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
         tiny_wan_pipeline,
         tiny_zimage_pipeline,
     )
-    from .parallel.config import ParallelConfig
+    from .parallel.config import LayoutTuning, ParallelConfig
     from .parallel.mesh import is_main_process
     from .report import AccelerationReport
 
@@ -88,6 +89,7 @@ __all__ = [
     "AttentionConfig",
     "AttentionProviderError",
     "ExactProjectionCache",
+    "LayoutTuning",
     "ParallelConfig",
     "accelerate",
     "attention_scope",

@@ -62,7 +62,7 @@ from .models.registry import (
 from .parallel import check_parallel, parallelize
 from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
-from .parallel.config import ParallelConfig
+from .parallel.config import LayoutTuning, ParallelConfig
 from .parallel.mesh import ParallelState, init_parallel
 from .parallel.peer_exchange import ranks_write_each_other
 from .parallel.routed_attention import count_split
@@ -453,6 +453,8 @@ def _plan_swap(
     )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     report.graphs = graphs
+    if parallel is not None:
+        report.tuning = parallel.config.tuning
     if parallel is not None and parallel.config.ulysses > 1:
         report.ulysses_group = parallel.group("ulysses")
     if parallel is not None and parallel.config.ring > 1:
@@ -655,6 +657,8 @@ def _plan_generic(
         graphs=graphs,
         not_accelerated=not_accelerated,
     )
+    if parallel is not None:
+        report.tuning = parallel.config.tuning
     if parallel is not None and parallel.config.ulysses > 1:
         report.ulysses_group = parallel.group("ulysses")
     if parallel is not None and parallel.config.ring > 1:
@@ -917,7 +921,12 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
         module.config[model.parallel.attention_heads],
         cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(arguments),
         sequence_plan=sequence is not None,
-        ring_first=sequence is not None and sequence.ring_first and ranks_write_each_other(),
+        ring_first=(
+            sequence is not None
+            and sequence.ring_first
+            and LayoutTuning().peer_writes
+            and ranks_write_each_other()
+        ),
     )
     parallel = init_parallel(chosen.config)
     for component in natives:

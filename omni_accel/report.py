@@ -11,6 +11,7 @@ from .cuda_graphs import BlockGraphs, StepGraphs, block_graph_stats
 from .models.base import NativeRuntime
 from .models.generic import GenericRuntime
 from .parallel.cfg import GuidanceBranches
+from .parallel.config import LayoutTuning
 from .parallel.sequence import describe_ring, describe_ulysses
 from .parallel.token_rows import describe_rows
 
@@ -33,6 +34,7 @@ class ComponentReport:
     ulysses_group: Any = None  # the process group of a Ulysses layout's exchanges
     ring_group: Any = None  # the process group of a ring layout's K/V transfers
     tp_group: Any = None  # the TP group of a model whose tokens may be split over it between projections
+    tuning: LayoutTuning | None = None  # how the layout's exchanges run
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
     falls_back_on: str = ""  # what makes a native block run Diffusers' forward (shown once one did)
@@ -69,11 +71,11 @@ class ComponentReport:
         if self.cfg is not None:
             out.append(f"  {self.cfg.describe()}")
         if self.ulysses_group is not None:
-            out.append(f"  ulysses exchanges: {describe_ulysses(self.ulysses_group)}")
+            out.append(f"  ulysses exchanges: {describe_ulysses(self.ulysses_group, self.tuning)}")
         if self.ring_group is not None:
-            out.append(f"  ring transfers: {describe_ring(self.ring_group)}")
+            out.append(f"  ring transfers: {describe_ring(self.ring_group, self.tuning)}")
         if self.tp_group is not None:
-            out.append(f"  tensor parallel tokens: {describe_rows(self.tp_group)}")
+            out.append(f"  tensor parallel tokens: {describe_rows(self.tp_group, self.tuning)}")
         stats = self.graphs.stats() if self.graphs is not None else None
         if stats is not None and not _happened(stats):
             out.append("  cuda graphs: on, no step captured yet")

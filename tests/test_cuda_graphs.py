@@ -7,6 +7,7 @@ across new resolutions, batch sizes, LoRA scales, weight edits and compile.
 """
 
 import copy
+import dataclasses
 import faulthandler
 import pickle
 
@@ -17,10 +18,9 @@ from conftest import flux_inputs, random_flux_transformer, random_lora
 from diffusers import FirstBlockCacheConfig, FluxPipeline
 
 import omni_accel
-from omni_accel import ParallelConfig
+from omni_accel import LayoutTuning, ParallelConfig
 from omni_accel.cuda_graphs import StepGraphs, block_graph_stats, step_key
 from omni_accel.models.tiny_pipelines import tiny_flux_pipeline, tiny_sd3_pipeline
-from omni_accel.parallel import peer_exchange
 
 
 def _bare(transformer) -> FluxPipeline:
@@ -418,20 +418,14 @@ def _peer_writes_move_what_nccl_moves() -> None:
     splits (two partial sums add in either order to the same bits, the norms are per token)."""
     images = []
     for peer_writes in (True, False):
-        peer_exchange.ENABLED = peer_writes
-        try:
-            pipe = _gpu_pipeline(parallel=ParallelConfig(tp=2))
-            call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
-            sizes = ({}, {"height": 48, "width": 32})
-            images.append(
-                [
-                    pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
-                    for size in sizes
-                ]
-            )
-            report = str(omni_accel.describe(pipe))
-        finally:
-            peer_exchange.ENABLED = True
+        tuning = LayoutTuning(peer_writes=peer_writes)
+        pipe = _gpu_pipeline(parallel=ParallelConfig(tp=2, tuning=tuning))
+        call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+        sizes = ({}, {"height": 48, "width": 32})
+        images.append(
+            [pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images for size in sizes]
+        )
+        report = str(omni_accel.describe(pipe))
         how = "into its peers' symmetric memory" if peer_writes else "peer writes switched off"
         assert any("tensor parallel" in row and how in row for row in report.splitlines()), report
     assert all(torch.equal(a, b) for a, b in zip(*images, strict=True))
@@ -450,19 +444,16 @@ def _sequence_by_peer_writes_is_nccls_up_to_rounding() -> None:
     ):
         latents = []
         for peer_writes in (True, False):
-            peer_exchange.ENABLED = peer_writes
-            try:
-                pipe = _gpu_pipeline(torch.float32, parallel=layout)
-                call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
-                latents.append(
-                    [
-                        pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
-                        for size in ({}, {"height": 48, "width": 32})
-                    ]
-                )
-                report = str(omni_accel.describe(pipe))
-            finally:
-                peer_exchange.ENABLED = True
+            tuned = dataclasses.replace(layout, tuning=LayoutTuning(peer_writes=peer_writes))
+            pipe = _gpu_pipeline(torch.float32, parallel=tuned)
+            call = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
+            latents.append(
+                [
+                    pipe(**call, **size, generator=torch.Generator("cuda").manual_seed(0)).images
+                    for size in ({}, {"height": 48, "width": 32})
+                ]
+            )
+            report = str(omni_accel.describe(pipe))
             want = how if peer_writes else "peer writes switched off"
             assert any(line in row and want in row for row in report.splitlines()), report
         for got, nccl in zip(*latents, strict=True):

@@ -14,7 +14,7 @@ from diffusers import AutoencoderKLWan
 from multirank import run_multirank
 
 import omni_accel
-from omni_accel import ParallelConfig
+from omni_accel import LayoutTuning, ParallelConfig
 from omni_accel.parallel import sequence
 
 CALL = dict(prompt=["a cat", "a dog"], height=24, width=40, num_inference_steps=2, max_sequence_length=13)
@@ -451,22 +451,6 @@ def _first_block_cache_decides_on_every_rank() -> None:
     assert alone == (dist.get_rank() == 1) and together  # summed: 16 / 16 = 1.0 > 0.5
 
 
-@contextlib.contextmanager
-def _tokens_split_never_pays():
-    """As on NCCL ranks that cannot write each other's memory."""
-    modules = [
-        importlib.import_module(f"omni_accel.parallel.{name}") for name in ("parallelize", "token_rows")
-    ]
-    originals = [module.split_pays for module in modules]
-    for module in modules:
-        module.split_pays = lambda group: False
-    try:
-        yield
-    finally:
-        for module, original in zip(modules, originals, strict=True):
-            module.split_pays = original
-
-
 def _flux_with_lora(layout: ParallelConfig | None, heads: int = 3) -> torch.Tensor:
     pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=heads, attention_head_dim=16)
     pipe.load_lora_weights(
@@ -524,12 +508,28 @@ def _layouts_by_peer_writes() -> None:
             lora = _flux_with_lora(layout, heads)  # adapters on both GEMMs the single blocks split
             want = lora_one[heads]
             assert ((lora - want).abs().max() / want.abs().max()).item() <= 1e-5, layout
-        with _stages_from(0):  # Ulysses placed in two head stages, as at Wan 14B's length
-            wan = _wan_forward(torch.float32, ParallelConfig(ulysses=2))
+        # Ulysses placed in two head stages, as at Wan 14B's length
+        staged = LayoutTuning(placed_stages_from=1)
+        wan = _wan_forward(torch.float32, ParallelConfig(ulysses=2, tuning=staged))
         assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5
         assert any(len(args[3]) == 2 for args in ulysses_calls), "no call placed in two head stages"
+        default_ring = list(ring_calls)
+        # the tuning's other ways, each exact: packed inputs, one head stage, NCCL-style collectives
+        for tuning in (
+            LayoutTuning(place_inputs=False),
+            LayoutTuning(head_stages=1),
+            LayoutTuning(peer_writes=False),
+        ):
+            placed_before, ring_before = len(ulysses_calls), len(ring_calls)
+            for layout in (ParallelConfig(ulysses=2, tuning=tuning), ParallelConfig(ring=2, tuning=tuning)):
+                wan = _wan_forward(torch.float32, layout)
+                assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5, layout
+            by_peers = ring_calls[ring_before:]
+            placed = len(ulysses_calls) - placed_before + sum(bool(args[7]) for args in by_peers)
+            assert (placed > 0) == (tuning.place_inputs and tuning.peer_writes), tuning
+            assert bool(by_peers) == tuning.peer_writes, tuning
     assert made and ring_calls and ulysses_calls and gathers
-    assert all(args[7] for args in ring_calls), "the ring took K/V not written in place"  # placed
+    assert all(args[7] for args in default_ring), "the ring took K/V not written in place"  # placed
     # FLUX's single blocks: the GELU beside the outputs' return, which lands in the projection's input
     assert any(args[6] is not None and args[7] is not None for args in ulysses_calls)
     # FLUX's double blocks under tp: the image and text streams' exchanges end behind one barrier
@@ -544,16 +544,6 @@ def _layouts_by_peer_writes() -> None:
     ):
         placed = _compiled_by_peer_writes(ulysses_calls, ring_calls)
     assert placed == [True, True], "compiled blocks did not place q, k and v"
-
-
-@contextlib.contextmanager
-def _stages_from(tokens: int) -> Iterator[None]:
-    default = sequence.PLACED_STAGES_FROM
-    sequence.PLACED_STAGES_FROM = tokens
-    try:
-        yield
-    finally:
-        sequence.PLACED_STAGES_FROM = default
 
 
 def _compiled_by_peer_writes(ulysses_calls: list, ring_calls: list) -> list[bool]:
@@ -617,9 +607,12 @@ def _two_ranks(rank: int, world: int) -> None:
         _check(layout, oracle)
     # tp: each rank holds half the tokens between the projections
     _check(ParallelConfig(tp=2), oracle, expect="summed after the row-split ones: gloo all-to-all")
-    # where the token exchanges would be NCCL's (no peer writes), every token stays on every rank
-    with _tokens_split_never_pays():
-        _check(ParallelConfig(tp=2), oracle, expect="tensor parallel tokens: every rank holds every token")
+    # with the token split tuned off (as where the exchanges would be NCCL's), every token on every rank
+    _check(
+        ParallelConfig(tp=2, tuning=LayoutTuning(split_tokens=False)),
+        oracle,
+        expect="tensor parallel tokens: every rank holds every token",
+    )
     # heads not divisible by the Ulysses degree, uneven text (13) and image (60) lengths over the ranks
     _check(ParallelConfig(ulysses=2), _oracle(heads=3), heads=3, expect="ulysses exchanges: gloo all-to-all")
     _check(

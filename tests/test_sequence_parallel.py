@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from omni_accel.attention.merge import merge_partials
 from omni_accel.attention.providers.sdpa import SdpaMathProvider
 from omni_accel.parallel import sequence, token_rows
-from omni_accel.parallel.config import ParallelConfig
+from omni_accel.parallel.config import LayoutTuning, ParallelConfig
 from omni_accel.parallel.mesh import init_parallel
 from omni_accel.parallel.peer_exchange import PeerBuffers
 from omni_accel.parallel.sequence import (
@@ -74,6 +74,7 @@ def check_attention(
     batch: int = 2,
     beside: bool = False,
     placed: bool = False,
+    tuning: LayoutTuning | None = None,
 ) -> None:
     """Against one process; ``beside``: through ``attention_beside`` with work that must run exactly once
     and come back, work on its result after the kernel and the output written into given columns (the ring
@@ -82,7 +83,7 @@ def check_attention(
     (with work beside, Ulysses' peers' heads staged for the copy engine)."""
     q, k, v = make_inputs(q_len * 100 + heads, q_len, kv_len or q_len, heads, v_dim, batch)
     want = PROVIDER.forward(q, k, v)
-    sp = SequenceParallel.plan(q_len, kv_length=kv_len, **groups)
+    sp = SequenceParallel.plan(q_len, kv_length=kv_len, **groups, tuning=tuning)
     local = (sp.shard(q), sp.shard(k, kv=True), sp.shard(v, kv=True))
     placement = sp.input_placement(batch, heads, q.shape[-1], v_dim, q.dtype, beside) if placed else None
     if placed:
@@ -147,17 +148,13 @@ def check_peer_writes(groups: dict, directory: str, placed: bool = True, **case)
     """Ulysses and ring by peer writes on ``case``, then on a longer sequence (the buffers grow), with and
     without work beside the exchanges, with inputs sent by the layout and (``placed``, where one group
     splits the sequence) written in place by their producer, Ulysses' in one kernel and in head stages."""
-    ways = [(False, None)] + ([(True, None), (True, 0)] if placed else [])  # 0: placed in head stages
-    default = sequence.PLACED_STAGES_FROM
+    staged = LayoutTuning(placed_stages_from=1)  # placed in head stages, as at Wan 14B's length
+    ways = [(False, LayoutTuning())] + ([(True, LayoutTuning()), (True, staged)] if placed else [])
     with peer_writes_over_files(directory) as made:
-        for beside, (in_place, stages_from) in itertools.product((False, True), ways):
-            sequence.PLACED_STAGES_FROM = default if stages_from is None else stages_from
-            try:
-                check_attention(groups, beside=beside, placed=in_place, **case)
-                longer = {**case, "q_len": case["q_len"] + 3}
-                check_attention(groups, beside=beside, placed=in_place, **longer)
-            finally:
-                sequence.PLACED_STAGES_FROM = default
+        for beside, (in_place, tuning) in itertools.product((False, True), ways):
+            check_attention(groups, beside=beside, placed=in_place, tuning=tuning, **case)
+            longer = {**case, "q_len": case["q_len"] + 3}
+            check_attention(groups, beside=beside, placed=in_place, tuning=tuning, **longer)
     assert made, "the peer-write path was not taken"
 
 
@@ -430,16 +427,31 @@ def test_plan_refuses_what_it_cannot_serve():
         SequenceParallel.plan(5).attention(q, k[:, :, :1], v[:, :, :1], attend)
 
 
-def test_peer_writes_follow_their_environment_switch(monkeypatch):
-    """``OMNI_ACCEL_PEER_WRITES=0`` sends a group that has peer buffers back to the all-to-all."""
+def test_peer_writes_follow_their_tuning_and_environment_switch(monkeypatch):
+    """``LayoutTuning(peer_writes=False)``, or ``OMNI_ACCEL_PEER_WRITES=0`` for its default, sends a group
+    that has peer buffers back to the all-to-all."""
     from types import SimpleNamespace
 
     from omni_accel.parallel import peer_exchange
+    from omni_accel.parallel.config import PEER_WRITES_SWITCH
 
     group, made = SimpleNamespace(group_name="two GPUs"), object()
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(peer_exchange, "_try_peer_buffers", lambda group: made)
     monkeypatch.setattr(peer_exchange, "_BY_GROUP", {})
-    assert peer_exchange.peer_buffers(group) is made
-    monkeypatch.setenv(peer_exchange.SWITCH, "0")
-    assert peer_exchange.peer_buffers(group) is None
+    assert SequenceParallel((1, 1), ulysses_group=group)._peers(group) is made
+    off = SequenceParallel((1, 1), ulysses_group=group, tuning=LayoutTuning(peer_writes=False))
+    assert off._peers(group) is None and not off.places_inputs()
+    monkeypatch.setenv(PEER_WRITES_SWITCH, "0")
+    assert LayoutTuning() == LayoutTuning(peer_writes=False)
+    assert SequenceParallel((1, 1), ulysses_group=group)._peers(group) is None
+
+
+def test_layout_tuning_refuses_what_it_cannot_take():
+    for bad in (dict(head_stages=0), dict(placed_stages_from=True), dict(peer_writes=1)):
+        with pytest.raises(ValueError, match="LayoutTuning"):
+            LayoutTuning(**bad)
+    with pytest.raises(ValueError, match="must be a LayoutTuning"):
+        ParallelConfig(tp=2, tuning={"peer_writes": False})
+    assert "tuning=LayoutTuning(" in str(ParallelConfig(tp=2, tuning=LayoutTuning(head_stages=1)))
+    assert str(ParallelConfig(tp=2)) == "ParallelConfig(tp=2, ulysses=1, ring=1, cfg=1)"

@@ -150,16 +150,11 @@ def attention(
 def places_inputs(layout: int) -> bool:
     """Whether attention under ``layout`` takes q, k and v written where its exchange wants them
     (``input_placement`` gives a placement: between the GPUs of one machine, a ring or Ulysses alone).
-    Decided eagerly (it may map the peer buffers), so compiled code gets it as a constant."""
+    There it also hides work run beside it (``attention_beside``) behind its exchanges: a ring's K/V then
+    meet one kernel, Ulysses' peers' heads travel by the copy engine. Decided eagerly (it may map the peer
+    buffers), so compiled code gets it as a constant."""
     sp = current_sequence(layout)
     return sp is not None and sp.places_inputs()
-
-
-def overlaps_work(layout: int) -> bool:
-    """Whether attention under ``layout`` hides work run beside it (``attention_beside``) behind its
-    exchanges: where its inputs are placed, a ring's K/V then meet one kernel, Ulysses' peers' heads travel
-    by the copy engine (docs/archive/performance-history.md)."""
-    return places_inputs(layout)
 
 
 def input_placement(

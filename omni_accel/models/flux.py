@@ -29,7 +29,6 @@ from ..layers.attention import (
     AttentionSite,
     attention_beside,
     input_placement,
-    overlaps_work,
     places_inputs,
     qkv_attention,
 )
@@ -187,7 +186,7 @@ class _FluxNative(NativeBlock):
             runtime.rows("text"),
             placed,
             # compiled, attention_beside runs attention then the work: one GEMM serves better there
-            placed and runtime.compiler is None and overlaps_work(layout) and runtime.rows("text") is None,
+            placed and runtime.compiler is None and runtime.rows("text") is None,
         )
         return modulation, weights, self._norms(), constants
 

@@ -2,9 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 _DEGREES = ("tp", "ulysses", "ring", "cfg")
+PEER_WRITES_SWITCH = "OMNI_ACCEL_PEER_WRITES"
+"""``0`` in the environment: ``LayoutTuning.peer_writes`` defaults to False (a debugging aid: rules the peer
+writes out without a code change)."""
+
+
+def _peer_writes_by_default() -> bool:
+    return os.environ.get(PEER_WRITES_SWITCH, "1") != "0"
+
+
+@dataclass(frozen=True)
+class LayoutTuning:
+    """How a layout moves its tensors between the ranks. The defaults are what measurement chose on one
+    machine's H200s (docs/PARALLELISM.md); every choice is exact either way, so an A/B is two
+    ``ParallelConfig``s differing only here, in one launch.
+
+    ``peer_writes``: between the GPUs of one machine, exchanges are peer writes into symmetric memory
+    (False: the NCCL collectives everywhere; the default follows ``OMNI_ACCEL_PEER_WRITES``).
+    ``place_inputs``: native blocks' q/k kernel writes q, k and v where the exchange sends them from (the
+    peers' buffers), so attention needs no packing copy (False: the exchange packs them).
+    ``split_tokens``: under tp, each rank norms and modulates its share of the tokens between the
+    projections where the token exchanges pay (peer writes, or gloo), instead of every rank every token.
+    ``head_stages``: Ulysses' exchanges pipelined over this many head stages, one stage's transfers beside
+    another's kernel (fewer where the heads do not give every rank one per stage; 1: no pipelining).
+    ``placed_stages_from``: with inputs placed by the q/k kernel, sequences at least this long run
+    ``head_stages`` kernels, shorter ones one kernel over all a rank's heads (a kernel over fewer heads
+    loses efficiency on short sequences)."""
+
+    peer_writes: bool = field(default_factory=_peer_writes_by_default)
+    place_inputs: bool = True
+    split_tokens: bool = True
+    head_stages: int = 2
+    placed_stages_from: int = 16384
+
+    def __post_init__(self) -> None:
+        for name in ("peer_writes", "place_inputs", "split_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LayoutTuning.{name} must be True or False, got {getattr(self, name)!r}.")
+        for name in ("head_stages", "placed_stages_from"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LayoutTuning.{name} must be a positive int, got {value!r}.")
 
 
 @dataclass(frozen=True)
@@ -14,7 +56,7 @@ class ParallelConfig:
     so a dead rank ends in an error instead of a hang. ``batch_guidance``: with ``cfg=1`` under tp, ulysses
     or ring, a pipeline that calls the transformer once per guidance branch gets each step's two calls run
     as one call of both branches stacked along the batch (faster per step; twice the activation memory of
-    one call; see ``omni_accel.parallel.cfg``)."""
+    one call; see ``omni_accel.parallel.cfg``). ``tuning``: how the exchanges run (``LayoutTuning``)."""
 
     tp: int = 1
     ulysses: int = 1
@@ -22,6 +64,7 @@ class ParallelConfig:
     cfg: int = 1
     timeout_s: float = 600.0
     batch_guidance: bool = True
+    tuning: LayoutTuning = field(default_factory=LayoutTuning)
 
     def __post_init__(self) -> None:
         for name in _DEGREES:
@@ -36,6 +79,8 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig.batch_guidance must be True or False, got {self.batch_guidance!r}."
             )
+        if not isinstance(self.tuning, LayoutTuning):
+            raise ValueError(f"ParallelConfig.tuning must be a LayoutTuning, got {self.tuning!r}.")
 
     @property
     def world_size(self) -> int:
@@ -67,7 +112,9 @@ class ParallelConfig:
 
     def __str__(self) -> str:
         degrees = f"tp={self.tp}, ulysses={self.ulysses}, ring={self.ring}, cfg={self.cfg}"
-        return f"ParallelConfig({degrees}{'' if self.batch_guidance else ', batch_guidance=False'})"
+        stacking = "" if self.batch_guidance else ", batch_guidance=False"
+        tuning = "" if self.tuning == LayoutTuning() else f", tuning={self.tuning}"
+        return f"ParallelConfig({degrees}{stacking}{tuning})"
 
 
 def _divisors(n: int) -> list[int]:

@@ -146,14 +146,16 @@ def parallelize(
             for block in transformer.get_submodule(list_name)
         ]
         layout.undo.append(apply_tensor_parallel(blocks, state.group("tp")))
-    tp = state.group("tp")
+    tp, tuning = state.group("tp"), config.tuning
+    splits_tokens = (
+        tp is not None and plan.tokens_over_tp and plan.sequence is not None and tuning.split_tokens
+    )
     with torch.cuda.device(state.device) if state.device.type == "cuda" else contextlib.nullcontext():
-        tp_splits_tokens = (
-            tp is not None and plan.tokens_over_tp and plan.sequence is not None and split_pays(tp)
-        )
-    if config.sequence_parallel > 1 or tp_splits_tokens:
-        tp = tp if tp_splits_tokens else None
-        layout.sequence = sequence = SequenceState(state.group("ulysses"), state.group("ring"), tp)
+        splits_tokens = splits_tokens and split_pays(tp, tuning.peer_writes)
+    if config.sequence_parallel > 1 or splits_tokens:
+        tp = tp if splits_tokens else None
+        groups = (state.group("ulysses"), state.group("ring"), tp)
+        layout.sequence = sequence = SequenceState(*groups, tuning)
         seq, submodules = plan.sequence, SubmoduleHooks(transformer)
         for path, splits in seq.submodule_inputs.items():
             submodules.add(path, SplitInputs(splits, sequence), _HOOK_PREFIX + "sp_split", outermost=True)

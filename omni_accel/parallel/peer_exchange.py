@@ -28,7 +28,6 @@ staging), ~0.7 GB for Wan 14B at 480p and 81 frames.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -41,8 +40,6 @@ from .placement import Placement
 logger = get_logger(__name__)
 
 _SEQ, _HEADS = 1, 2
-ENABLED = True  # benchmarks flip it for an A/B against NCCL's all-to-all
-SWITCH = "OMNI_ACCEL_PEER_WRITES"  # "0" in the environment: NCCL's all-to-all everywhere (a debugging aid)
 _SIDE_CHANNEL = 1  # the side stream's barriers signal apart from the current stream's (channel 0)
 
 
@@ -137,8 +134,9 @@ _WHY_NOT: dict[str, str] = {}
 
 def peer_buffers(group: dist.ProcessGroup | None) -> PeerBuffers | None:
     """The peer buffers of ``group``, or None where its ranks cannot write each other's memory (not CUDA,
-    not NCCL, symmetric memory unavailable): then NCCL's all-to-all carries the exchange."""
-    if not switched_on() or group is None or dist.get_world_size(group) == 1:
+    not NCCL, symmetric memory unavailable): then NCCL's all-to-all carries the exchange. (Whether a
+    layout uses them is its ``LayoutTuning.peer_writes``.)"""
+    if group is None or dist.get_world_size(group) == 1:
         return None
     name = group.group_name
     if name not in _BY_GROUP:
@@ -150,10 +148,6 @@ def ranks_write_each_other() -> bool:
     """Whether every rank of the default group can write its peers' memory (decided with them: every rank
     calls it at the same point)."""
     return dist.is_initialized() and peer_buffers(dist.group.WORLD) is not None
-
-
-def switched_on() -> bool:
-    return ENABLED and os.environ.get(SWITCH, "1") != "0"
 
 
 def _try_peer_buffers(group: dist.ProcessGroup) -> PeerBuffers | None:
@@ -175,14 +169,17 @@ def _try_peer_buffers(group: dist.ProcessGroup) -> PeerBuffers | None:
     return peers
 
 
-def describe_exchange(group: dist.ProcessGroup | None, by_peer_writes: str, otherwise: str) -> str:
+def describe_exchange(
+    group: dist.ProcessGroup | None, peer_writes: bool, by_peer_writes: str, otherwise: str
+) -> str:
     """How exchanges travel in ``group``, for ``describe``: ``by_peer_writes`` says how they go where peer
-    writes serve, ``otherwise`` names the collective (after the backend) that carries them elsewhere."""
+    writes serve (and ``peer_writes``, the layout's tuning, allows them), ``otherwise`` names the
+    collective (after the backend) that carries them elsewhere."""
     if group is None or dist.get_world_size(group) == 1:
         return "no exchange (one rank)"
     name = group.group_name
-    if not switched_on():
-        return f"{dist.get_backend(group)} {otherwise} (peer writes switched off)"
+    if not peer_writes:
+        return f"{dist.get_backend(group)} {otherwise} (peer writes switched off: LayoutTuning.peer_writes)"
     if name not in _BY_GROUP:
         return "decided at the first exchange"
     if _BY_GROUP[name] is not None:

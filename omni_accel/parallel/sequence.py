@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from ..attention.merge import merge_partials
+from .config import LayoutTuning
 from .copies import copy_rows_
 from .peer_exchange import (
     describe_exchange,
@@ -70,10 +71,11 @@ def split_sizes(length: int, world: int) -> list[int]:
     return [base + (rank < extra) for rank in range(world)]
 
 
-def describe_ulysses(group: dist.ProcessGroup | None) -> str:
+def describe_ulysses(group: dist.ProcessGroup | None, tuning: LayoutTuning) -> str:
     """How Ulysses' exchanges travel in ``group``, for ``describe``."""
     return describe_exchange(
         group,
+        tuning.peer_writes,
         "each rank writes its pieces into its peers' symmetric memory: native blocks' q/k kernel writes "
         "every head group of q, k and v into the buffer of the rank that attends over it (a peer's straight, "
         "or staged and sent by the copy engine beside independent work), then one kernel over the rank's "
@@ -82,10 +84,11 @@ def describe_ulysses(group: dist.ProcessGroup | None) -> str:
     )
 
 
-def describe_ring(group: dist.ProcessGroup | None) -> str:
+def describe_ring(group: dist.ProcessGroup | None, tuning: LayoutTuning) -> str:
     """How ring attention's K/V blocks travel in ``group``, for ``describe``."""
     return describe_exchange(
         group,
+        tuning.peer_writes,
         "each rank writes its K/V block into every peer's symmetric memory by the copy engine beside the "
         "kernel, two barriers per call on a side stream",
         "send/recv around the ring",
@@ -212,25 +215,22 @@ def _pieces_in_a_row(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.T
     return send
 
 
-def head_stages(heads: int, degree: int) -> list[tuple[int, int]]:
-    """``(first head, count)`` of each pipeline stage of Ulysses attention: two stages when every rank gets
-    a head in each, so one stage's all-to-alls run while the kernel works on the other; else one."""
-    stages = 2 if degree > 1 and heads >= 2 * degree else 1
+def head_stages(heads: int, degree: int, stages: int) -> list[tuple[int, int]]:
+    """``(first head, count)`` of each pipeline stage of Ulysses attention: up to ``stages`` stages, as many
+    as give every rank a head in each, so one stage's exchanges run while the kernel works on another."""
+    stages = max(1, min(stages, heads // degree)) if degree > 1 else 1
     counts = split_sizes(heads, stages)
     return [(sum(counts[:i]), count) for i, count in enumerate(counts)]
 
 
-PLACED_STAGES_FROM = 16384
-"""Sequences at least this long run Ulysses with placed inputs in two head stages: there a kernel over
-half a rank's heads keeps its efficiency (Wan 14B's 32760 tokens on FlashInfer: 8.28 ms over 10 heads,
-16.87 over 20), and the second stage's heads travel by the copy engine beside the first stage's kernel
-instead of as stores from the q/k kernel. Shorter ones run one kernel over all a rank's heads (FLUX's
-4608 tokens on cuDNN: a kernel over 6 heads is ~1.2x slower per head than over 12; docs/archive/performance-history.md)."""
-
-
-def placed_stages(heads: int, degree: int, tokens: int) -> list[tuple[int, list[int]]]:
-    """``(first head, heads of each rank)`` of each head stage of Ulysses with placed inputs."""
-    stages = head_stages(heads, degree) if tokens >= PLACED_STAGES_FROM else [(0, heads)]
+def placed_stages(heads: int, degree: int, tokens: int, tuning: LayoutTuning) -> list[tuple[int, list[int]]]:
+    """``(first head, heads of each rank)`` of each head stage of Ulysses with placed inputs: one kernel over
+    a rank's heads below ``tuning.placed_stages_from`` tokens, where a kernel over fewer heads loses its
+    efficiency; from there the later stages' heads travel by the copy engine beside the kernel before."""
+    if tokens >= tuning.placed_stages_from:
+        stages = head_stages(heads, degree, tuning.head_stages)
+    else:
+        stages = [(0, heads)]
     return [(first, split_sizes(count, degree)) for first, count in stages]
 
 
@@ -250,17 +250,19 @@ def ring_attention(
     kv_sizes: Sequence[int],
     beside: Beside = None,
     placed: bool = False,
+    peer_writes: bool = True,
 ) -> tuple[torch.Tensor, object]:
     """Attention of the local queries over the K/V blocks of every rank in ``group`` (``kv_sizes[i]`` tokens
     on rank ``i``), and ``beside()``'s result, run while the first blocks travel. Between the GPUs of one
-    machine the blocks are peer writes (``peer_ring``; ``placed``: K/V already in its buffers); elsewhere
+    machine the blocks are peer writes where ``peer_writes`` allows (``peer_ring``; ``placed``: K/V already
+    in its buffers); elsewhere
     block ``i`` travels rank to rank, the transfer of the next block posted before the kernel runs on the
     current one, so communication overlaps compute."""
     world = _size(group)
     if world == 1:
         done = _run(beside)
         return _attend_out(attend, q, k, v), done
-    peers = peer_buffers(group)
+    peers = peer_buffers(group) if peer_writes else None
     if peers is not None:
         return ring_by_peer_writes(peers, q, k, v, kv_sizes, attend, beside, placed)
     rank = _rank(group)
@@ -311,13 +313,15 @@ class SequenceParallel:
 
     ``sizes[i]`` is the query length held by sequence slice ``i = ring_rank * ulysses_degree + ulysses_rank``;
     ``kv_sizes`` is the same for K/V when they are sharded with another length (cross attention), ``None``
-    when they follow ``sizes``. A group left ``None`` has degree 1. Build one with ``plan``.
+    when they follow ``sizes``. A group left ``None`` has degree 1. ``tuning``: how the exchanges run.
+    Build one with ``plan``.
     """
 
     sizes: tuple[int, ...]
     kv_sizes: tuple[int, ...] | None = None
     ulysses_group: dist.ProcessGroup | None = None
     ring_group: dist.ProcessGroup | None = None
+    tuning: LayoutTuning = field(default_factory=LayoutTuning)
 
     def __post_init__(self) -> None:
         for name, sizes in (("sizes", self.sizes), ("kv_sizes", self.kv_sizes)):
@@ -335,11 +339,13 @@ class SequenceParallel:
         kv_length: int | None = None,
         ulysses_group: dist.ProcessGroup | None = None,
         ring_group: dist.ProcessGroup | None = None,
+        tuning: LayoutTuning | None = None,
     ) -> SequenceParallel:
         """The even split of a ``length``-token sequence (and of ``kv_length`` K/V tokens, if they differ)."""
         degree = _size(ulysses_group) * _size(ring_group)
         kv_sizes = None if kv_length is None else tuple(split_sizes(kv_length, degree))
-        return cls(tuple(split_sizes(length, degree)), kv_sizes, ulysses_group, ring_group)
+        tuning = LayoutTuning() if tuning is None else tuning
+        return cls(tuple(split_sizes(length, degree)), kv_sizes, ulysses_group, ring_group, tuning)
 
     @property
     def degree(self) -> int:
@@ -376,15 +382,17 @@ class SequenceParallel:
 
     def places_inputs(self) -> bool:
         """Whether ``input_placement`` gives a placement: between the GPUs of one machine, a ring alone or
-        Ulysses alone. ``attention_beside`` then hides its work behind the exchanges."""
-        return (
+        Ulysses alone, where the tuning places inputs. ``attention_beside`` then hides its work behind the
+        exchanges."""
+        return self.tuning.place_inputs and (
             self._peers(self.ring_group, self.ulysses_group) is not None
             or self._peers(self.ulysses_group, self.ring_group) is not None
         )
 
-    def _peers(self, group: dist.ProcessGroup | None, other: dist.ProcessGroup | None):
-        """``group``'s peer buffers where it is the only group of more than one rank."""
-        if _size(other) > 1 or _size(group) == 1:
+    def _peers(self, group: dist.ProcessGroup | None, other: dist.ProcessGroup | None = None):
+        """``group``'s peer buffers where the tuning allows peer writes and no ``other`` group has more
+        than one rank."""
+        if _size(other) > 1 or _size(group) == 1 or not self.tuning.peer_writes:
             return None
         return peer_buffers(group)
 
@@ -395,12 +403,14 @@ class SequenceParallel:
         the GPUs of one machine: the ring's own K/V block, or Ulysses' buffers of the ranks that attend
         over each head), or None. ``beside``: attention will run work beside its exchanges
         (``attention_beside``), which Ulysses' copy engine then sends the peers' heads behind."""
+        if not self.tuning.place_inputs:
+            return None
         ring = self._peers(self.ring_group, self.ulysses_group)
         if ring is not None:
             return ring_placement(ring, self._sizes(kv=True), batch, heads, head_dim, v_dim, dtype)
         ulysses = self._peers(self.ulysses_group, self.ring_group)
         if ulysses is not None:
-            stages = placed_stages(heads, ulysses.world, sum(self._sizes(kv=True)))
+            stages = placed_stages(heads, ulysses.world, sum(self._sizes(kv=True)), self.tuning)
             args = (self.sizes, self._sizes(kv=True), stages, batch, (head_dim, v_dim), dtype, beside)
             return ulysses_placement(ulysses, *args)
         return None
@@ -433,10 +443,11 @@ class SequenceParallel:
                 raise ValueError("attention got q, k and v other than those its placement holds")
             if _size(self.ulysses_group) > 1:
                 heads = sum(dst.shape[_HEADS] for _, dst in placement.k)
-                stages = placed_stages(heads, _size(self.ulysses_group), sum(self._sizes(kv=True)))
+                tokens = sum(self._sizes(kv=True))
+                stages = placed_stages(heads, _size(self.ulysses_group), tokens, self.tuning)
                 attend_here = partial(_attend_out, attend)
                 args = (self.sizes, stages, attend_here, beside, then, out)
-                return ulysses_in_place(peer_buffers(self.ulysses_group), placement, *args)
+                return ulysses_in_place(self._peers(self.ulysses_group), placement, *args)
         return finish(*self._attention_beside(q, k, v, attend, beside, placement is not None), then, out)
 
     def _attention_beside(
@@ -452,24 +463,25 @@ class SequenceParallel:
         chunk = self._chunk(self.sizes)
         kv_sizes = self._sizes(kv=True)
         kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
+        peer_writes, stage_count = self.tuning.peer_writes, self.tuning.head_stages
         if _size(group) == 1:
-            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placed)
+            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placed, peer_writes)
         done = _run(beside)
 
         def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return ring_attention(q, k, v, attend, ring, ring_blocks)[0]
+            return ring_attention(q, k, v, attend, ring, ring_blocks, peer_writes=peer_writes)[0]
 
-        peers = peer_buffers(group)
+        peers = peer_buffers(group) if peer_writes else None
         if peers is not None:
             stages = [
                 (first, split_sizes(count, peers.world))
-                for first, count in head_stages(q.shape[_HEADS], peers.world)
+                for first, count in head_stages(q.shape[_HEADS], peers.world, stage_count)
             ]
             return ulysses_by_peer_writes(peers, q, k, v, chunk, kv_chunk, stages, around_ring), done
         # Every stage's inputs are posted first: the communication stream runs them back to back while the
         # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
         stages = []
-        for first, count in head_stages(q.shape[_HEADS], _size(group)):
+        for first, count in head_stages(q.shape[_HEADS], _size(group), stage_count):
             heads = split_sizes(count, _size(group))
 
             def send(t: torch.Tensor, sizes: Sequence[int], first=first, count=count, heads=heads):

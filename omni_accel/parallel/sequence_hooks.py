@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .config import LayoutTuning
 from .hooks import LayoutHook, SubmoduleHooks, bound_arguments
 from .sequence import SequenceParallel, gather, shard, split_sizes
 from .shares import SequenceShares, signature
@@ -132,11 +133,12 @@ class SequencePlan:
 class SequenceState:
     """The sequence layout of the forward in flight: one plan per stream, and ``joint``, every stream
     joined as attention joins them (read by the blocks' attention); with a TP group, each stream's split of
-    this rank's tokens over it (``tokens``)."""
+    this rank's tokens over it (``tokens``). ``tuning``: how the exchanges run."""
 
-    def __init__(self, ulysses_group, ring_group, tp_group=None) -> None:
+    def __init__(self, ulysses_group, ring_group, tp_group=None, tuning: LayoutTuning | None = None) -> None:
         self.groups = dict(ulysses_group=ulysses_group, ring_group=ring_group)
         self.tp_group = tp_group
+        self.tuning = LayoutTuning() if tuning is None else tuning
         self.shares = SequenceShares()
         self.reset()
 
@@ -150,9 +152,9 @@ class SequenceState:
     def stream(self, name: str, length: int) -> SequenceParallel:
         plan = self.streams.get(name)
         if plan is None:
-            plan = self.streams[name] = SequenceParallel.plan(length, **self.groups)
+            plan = self.streams[name] = SequenceParallel.plan(length, **self.groups, tuning=self.tuning)
             sizes = zip(*(p.sizes for p in self.streams.values()), strict=True)
-            self.joint = SequenceParallel(tuple(map(sum, sizes)), **self.groups)
+            self.joint = SequenceParallel(tuple(map(sum, sizes)), **self.groups, tuning=self.tuning)
             if self.tp_group is not None:
                 local = plan.sizes[plan.index]
                 self.tokens[name] = tuple(split_sizes(local, dist.get_world_size(self.tp_group)))
@@ -208,7 +210,8 @@ class SequenceState:
         else:
             per_rank = self.shares.exchange(lengths, self.groups)
         sizes, kv = (tuple(row[i] for row in per_rank) for i in (0, 1))
-        return SequenceParallel(sizes, None if kv_length is None else kv, **self.groups)
+        kv_sizes = None if kv_length is None else kv
+        return SequenceParallel(sizes, kv_sizes, **self.groups, tuning=self.tuning)
 
     def whole(self, length: int, sizes: tuple[int, ...]) -> bool:
         """Whether a tensor every rank holds ``length`` tokens of (``sizes``) is whole on every rank

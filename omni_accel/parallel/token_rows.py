@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from .config import LayoutTuning
 from .copies import copy_rows_
 from .peer_exchange import PeerBuffers, describe_exchange, peer_buffers
 
@@ -185,25 +186,28 @@ def sum_together(sums: Sequence[SumInFlight]) -> list[torch.Tensor]:
     return [_add_in_rank_order(s.partial, list(s.inbox), s.rows.sizes, peers.rank) for s in sums]
 
 
-def split_pays(group: dist.ProcessGroup) -> bool:
-    """Whether to split the tokens over the TP ``group``: by peer writes it pays, through NCCL's
-    all-to-all it measured slower than keeping every token on every rank (one all-reduce per projection
-    pair: FLUX.1-dev on two H200s, 85.0 against 80.9 ms per step), so NCCL without peer writes (PCIe GPUs
+def split_pays(group: dist.ProcessGroup, peer_writes: bool) -> bool:
+    """Whether to split the tokens over the TP ``group``: by peer writes it pays (where ``peer_writes``, the
+    layout's tuning, allows them); through NCCL's all-to-all it is slower than keeping every token on every
+    rank (one all-reduce per projection pair; docs/PARALLELISM.md), so NCCL without peer writes (PCIe GPUs
     without peer access, several hosts) keeps them whole; gloo (CPU) splits. Decided once per group, by
     every rank at the same call (the first decision maps the peer buffers)."""
-    return dist.get_backend(group) != "nccl" or peer_buffers(group) is not None
+    if dist.get_backend(group) != "nccl":
+        return True
+    return peer_writes and peer_buffers(group) is not None
 
 
-def describe_rows(group: dist.ProcessGroup) -> str:
+def describe_rows(group: dist.ProcessGroup, tuning: LayoutTuning) -> str:
     """Whether and how the tokens are split over the TP ``group``, for ``describe``."""
-    if not split_pays(group):
-        why = describe_exchange(group, "", "all-to-all")
-        return (
-            "every rank holds every token (one all-reduce per row-split projection): the token exchanges "
-            f"would be a {why}, slower than the all-reduce"
-        )
+    whole = "every rank holds every token (one all-reduce per row-split projection)"
+    if not tuning.split_tokens:
+        return f"{whole}: LayoutTuning.split_tokens is off"
+    if not split_pays(group, tuning.peer_writes):
+        why = describe_exchange(group, tuning.peer_writes, "", "all-to-all")
+        return f"{whole}: the token exchanges would be a {why}, slower than the all-reduce"
     how = describe_exchange(
         group,
+        tuning.peer_writes,
         "each rank writes its tokens into its peers' symmetric memory (native blocks' norm-modulate "
         "kernel writes a gather's rows there itself), a barrier per exchange (per pair where a block's "
         "two streams exchange together)",
