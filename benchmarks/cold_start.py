@@ -30,29 +30,24 @@ OPTION_SETS = {
     "eager_no_graphs": {"cuda_graphs": False},
     "compile": {"compile": True},  # in the background: eager steps until the compiled code is ready
     "compile_at_first_call": {"compile": True, "compile_in_background": False},
-    # Tried: the eager steps beside a background compile replayed from CUDA graphs (captured while it runs).
-    "compile_graphs_while_compiling": {"compile": True},
 }
 
 
-def child(name: str, steps: int, host: bool) -> dict:
+def child(name: str, steps: int, host: bool, blocks: tuple[int, int]) -> dict:
     import torch
 
     import omni_accel
 
     options = OPTION_SETS[name]
-    if name == "compile_graphs_while_compiling":
-        from omni_accel.models.base import NativeRuntime
-
-        NativeRuntime.may_capture = lambda self: True
-
     if host:
-        pipe = omni_accel.tiny_flux_pipeline(num_layers=19, num_single_layers=38)
+        pipe = omni_accel.tiny_flux_pipeline(num_layers=blocks[0], num_single_layers=blocks[1])
         call = dict(prompt="a cat", height=64, width=64)
     else:
-        from flux_step import bare_pipeline, build_transformer
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+        from harness.models import MODELS, build
 
-        pipe = bare_pipeline(build_transformer("cuda", torch.bfloat16))
+        model = build(MODELS["flux"](False), "cuda", torch.bfloat16)
+        pipe = FluxPipeline(FlowMatchEulerDiscreteScheduler(), None, None, None, None, None, model)
         g = torch.Generator("cuda").manual_seed(0)
         call = dict(
             prompt_embeds=torch.randn(1, 512, 4096, generator=g, device="cuda", dtype=torch.bfloat16),
@@ -148,16 +143,20 @@ def _compile_phases() -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=28)
-    tried = ["compile_graphs_while_compiling"]  # fails by design (see OPTION_SETS): only when named
-    parser.add_argument(
-        "--options", nargs="+", default=[n for n in OPTION_SETS if n not in tried], choices=list(OPTION_SETS)
-    )
+    parser.add_argument("--options", nargs="+", default=list(OPTION_SETS), choices=list(OPTION_SETS))
     parser.add_argument("--host", action="store_true", help="toy-size FLUX on the CPU: the host side only")
+    parser.add_argument(
+        "--tiny", action="store_true", help="--host with 2 + 2 blocks, 2 steps, eager options: a smoke run"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, nargs=2, default=(19, 38), help=argparse.SUPPRESS)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.host, args.steps, args.blocks = True, 2, (2, 2)
+        args.options = [name for name in args.options if not OPTION_SETS[name].get("compile")]
     if args.child:
-        print(json.dumps(child(args.child, args.steps, args.host)))
+        print(json.dumps(child(args.child, args.steps, args.host, tuple(args.blocks))))
         return {}
     results = {}
     for name in args.options:
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         for start in ("empty_cache", "warm_cache"):
             command = [sys.executable, __file__, "--child", name, "--steps", str(args.steps)]
-            command += ["--host"] if args.host else []
+            command += ["--blocks", *map(str, args.blocks)] + (["--host"] if args.host else [])
             done = subprocess.run(command, env=env, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"{name} ({start}) failed:\n{done.stderr[-4000:]}")

@@ -15,7 +15,7 @@ import statistics
 
 import numpy as np
 import torch
-from timing import write_json
+from harness.timing import write_json
 
 import omni_accel
 
