@@ -33,6 +33,7 @@ from .attention.selection import AttentionConfig, AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
 from .config import DEFAULT_COMPONENTS, AccelConfig
 from .forward_hooks import scoped_hooks
+from .layers.attention import enter_forward, leave_forward
 from .layers.fp8 import Fp8Weights
 from .layers.fp8_linears import install_fp8_linears
 from .layers.split_modulation import SplitModulation
@@ -802,6 +803,9 @@ def _commit(component: _Component) -> None:
         model = component.spec.native_model()
         swapped = swap_blocks(component.original, model, component.runtime)
         component.undo.append(swapped.undo)
+        # the blocks' attention reads its selector and layout from the forward in flight
+        enter = functools.partial(enter_forward, component.runtime)
+        component.undo += scoped_hooks(component.original, enter, leave_forward)
         if component.cache is not None:
             component.undo += wrap_sites(component.original, model.conditioning_sites, component.cache)
         if component.graphs is not None:

@@ -52,7 +52,7 @@ from .attention import kernel_builds
 from .attention.selection import current_scope
 from .background import nothing_beside
 from .capture_constants import REFUSED_COPY, CaptureConstants
-from .forward_hooks import InstanceForward, global_hooks_active, is_hooked
+from .forward_hooks import InstanceForward, global_hooks_active, has_foreign_torch_hooks, is_hooked
 from .utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -539,7 +539,7 @@ def _layout_hooks_state(module: nn.Module) -> tuple | None:
     ``replay_key``: it decides from shapes alone), else None."""
     attrs = module.__dict__
     registry = attrs.get("_diffusers_hook")
-    if registry is None or attrs["_forward_hooks"] or attrs["_forward_pre_hooks"] or "_hf_hook" in attrs:
+    if registry is None or has_foreign_torch_hooks(module):
         return None
     keys = []
     for name, hook in registry.hooks.items():

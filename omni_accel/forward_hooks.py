@@ -31,14 +31,14 @@ def is_hooked(module: nn.Module) -> bool:
     """A hook on this module itself (not its children)."""
     # Read the instance dict: hasattr() on a missing attribute runs Module.__getattr__ and raises, which
     # is most of the cost when this runs over every submodule of every block at every call.
+    registry = module.__dict__.get("_diffusers_hook")
+    return has_foreign_torch_hooks(module) or bool(registry is not None and registry.hooks)
+
+
+def has_foreign_torch_hooks(module: nn.Module) -> bool:
+    """A forward (pre-)hook on this module that is not ours, or accelerate's (Accelerate's ``_hf_hook``)."""
     state = module.__dict__
-    registry = state.get("_diffusers_hook")
-    return bool(
-        _foreign(state["_forward_hooks"])
-        or _foreign(state["_forward_pre_hooks"])
-        or "_hf_hook" in state
-        or (registry is not None and registry.hooks)
-    )
+    return _foreign(state["_forward_hooks"]) or _foreign(state["_forward_pre_hooks"]) or "_hf_hook" in state
 
 
 def _foreign(hooks: dict) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -35,6 +36,10 @@ def _entry(rank: int, world: int, port: int, init: bool, backend: str, fn, args,
         raise
     finally:
         if dist.is_initialized():
+            # As omni_accel.parallel.mesh does at exit: a gloo worker that has just finished a collective
+            # frees its tensors under the GIL; exiting before it got the GIL aborts the process (SIGABRT,
+            # "terminate called without an active exception").
+            time.sleep(0.05)
             dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """compile=True: the native blocks trace without graph breaks, keep following the attention scope, and
 compile beside the running pipeline (eager steps until the code is ready, switched in between steps)."""
 
+import contextlib
 import dataclasses
 import re
 import threading
@@ -41,31 +42,46 @@ def test_compiled_blocks_match_eager_and_follow_the_scope():
     assert {row[2] for row in selector.decisions()} == {"sdpa", "sdpa_math"}  # decided at run time
 
 
-def test_routed_attention_op_passes_opcheck():
-    from omni_accel.attention.selection import default_selector
+@contextlib.contextmanager
+def _forward_in_flight():
+    """What an accelerated model's forward binds for its blocks' attention (one rank, no layout)."""
+    from types import SimpleNamespace
 
+    from omni_accel.attention.selection import default_selector
+    from omni_accel.layers.attention import enter_forward, leave_forward
+
+    token = enter_forward(SimpleNamespace(selector=default_selector(), layout=None))
+    try:
+        yield
+    finally:
+        leave_forward(token)
+
+
+def test_routed_attention_op_passes_opcheck():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 5, 3, 8, generator=g) for _ in range(3))
-    args = (q, k, v, default_selector().index, -1, "test", "self", 8**-0.5)
-    torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, (*args, None))
+    args = (q, k, v, True, "test", "self", 8**-0.5)
     mask = torch.rand(2, 1, 1, 5, generator=g) > 0.3
     mask[:, ..., 0] = True
-    torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, (*args, mask))
+    with _forward_in_flight():
+        torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, (*args, None))
+        torch.library.opcheck(torch.ops.omni_accel.routed_attention.default, (*args, mask))
+    with pytest.raises(RuntimeError, match="native attention ran outside an accelerated forward"):
+        torch.ops.omni_accel.routed_attention.default(*args, None)
 
 
 def test_placed_attention_op_passes_opcheck():
     """The op compiled blocks call where a layout places q, k and v (here one rank: nothing placed)."""
     import importlib
 
-    from omni_accel.attention.selection import default_selector
-
     importlib.import_module("omni_accel.layers.attention")  # registers the op
     g = torch.Generator().manual_seed(0)
     qs, ks, vs = ([torch.randn(1, n, 3 * 8, generator=g) for n in (2, 5)] for _ in range(3))
     weights = [torch.rand(8, generator=g) + 0.5 for _ in range(2)], [None, torch.rand(8, generator=g)]
     cos, sin = torch.rand(7, 8, generator=g), torch.rand(7, 8, generator=g)
-    args = (qs, ks, vs, *weights, 8, 1e-6, cos, sin, False, default_selector().index, -1, "test", "self", 0.3)
-    torch.library.opcheck(torch.ops.omni_accel.placed_attention.default, args)
+    args = (qs, ks, vs, *weights, 8, 1e-6, cos, sin, False, "test", "self", 0.3)
+    with _forward_in_flight():
+        torch.library.opcheck(torch.ops.omni_accel.placed_attention.default, args)
 
 
 def test_blocks_of_one_class_share_one_compiled_graph():
@@ -77,6 +93,11 @@ def test_blocks_of_one_class_share_one_compiled_graph():
     omni_accel.accelerate(pipe, compile={"backend": "aot_eager"}, compile_in_background=False)
     _latents(pipe)
     assert counters["stats"]["unique_graphs"] == 2  # one per block class
+    # another pipeline of the class: its blocks run the same compiled code (the graphs name no pipeline)
+    other = omni_accel.tiny_flux_pipeline(seed=1, num_layers=3, num_single_layers=3)
+    omni_accel.accelerate(other, compile={"backend": "aot_eager"}, compile_in_background=False)
+    _latents(other)
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_every_resolution_compiles_static_code():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -223,9 +222,6 @@ def _resolve_diffusers(choice: str, role: str, request: AttentionRequest) -> Res
     return Resolution(provider, chosen, remedy=diffusers_backend.how_to_change(choice))
 
 
-_ALL_SELECTORS: list[weakref.ref] = []
-
-
 class AttentionSelector:
     """Resolves and remembers the provider of each (role, request); one per accelerated model."""
 
@@ -237,12 +233,9 @@ class AttentionSelector:
         self._refused: dict[tuple, Resolution] = {}  # who served calls whose resolved kernel refused them
         self.unrouted: dict[tuple[str, str], int] = {}
         self.served_without_mask: dict[str, int] = {}  # role -> calls whose key-padding mask was dropped
-        # A number compiled graphs can carry to find this selector (see layers.attention).
-        self.index = len(_ALL_SELECTORS)
-        _ALL_SELECTORS.append(weakref.ref(self))
 
     def __reduce__(self):
-        # Unpickled, a selector is a new one with the same config (its number and decisions are per process).
+        # Unpickled, a selector is a new one with the same config (its decisions are per process).
         return AttentionSelector, (self.config,)
 
     def resolve(self, role: str, category: str, request: AttentionRequest) -> Resolution:
@@ -353,13 +346,6 @@ class AttentionSelector:
             reason = found.reason if config == self.config else f"attention_scope: {found.reason}"
             rows.add((role, request.describe(), found.name, reason))
         return sorted(rows)
-
-
-def selector_by_index(index: int) -> AttentionSelector:
-    selector = _ALL_SELECTORS[index]()
-    if selector is None:
-        raise RuntimeError("The accelerated model this compiled graph belonged to no longer exists.")
-    return selector
 
 
 _DEFAULT_SELECTOR = AttentionSelector()

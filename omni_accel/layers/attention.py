@@ -6,27 +6,76 @@ provider with the needed capability (the log-sum-exp, for ring attention) works 
 ``qkv_attention`` makes q, k and v (the fused q/k kernel) and attends over them, so that where a layout
 wants its inputs in its exchange's buffers the kernel writes them there (eager or compiled);
 ``attention_beside`` runs independent work while the exchanges travel.
+
+Which selector resolves the provider and which layout splits the sequence is the runtime of the native
+forward in flight (``enter_forward``, bound around each native block call of an accelerated model), read
+when the call runs, also inside compiled graphs: the graphs name no pipeline, so every model of a block
+class shares them. A call made with ``split=False`` attends locally (cross attention over K/V every rank
+holds whole, a refiner ahead of the split).
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from ..attention.key_padding import attend_kept, kept_keys
-from ..attention.selection import AttentionSelector, selector_by_index
-from ..parallel.parallelize import current_sequence
+from ..attention.selection import AttentionSelector
+from ..parallel.parallelize import Parallelized
 from ..parallel.placement import Placement
 from ..parallel.routed_attention import with_mask_column
-from ..parallel.sequence import finish
+from ..parallel.sequence import SequenceParallel, finish
 from .fused import Segment, qkv_norm_rope
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+
+class ForwardRuntime(Protocol):
+    """What attention reads of the accelerated model whose forward is in flight."""
+
+    selector: AttentionSelector
+    layout: Parallelized | None
+
+
+_IN_FLIGHT: contextvars.ContextVar[ForwardRuntime | None] = contextvars.ContextVar(
+    "omni_accel_native_forward", default=None
+)
+
+
+def enter_forward(runtime: ForwardRuntime) -> contextvars.Token:
+    """Binds ``runtime`` to this thread's native attention calls until ``leave_forward``."""
+    return _IN_FLIGHT.set(runtime)
+
+
+def leave_forward(token: contextvars.Token) -> None:
+    _IN_FLIGHT.reset(token)
+
+
+def forward_in_flight() -> ForwardRuntime | None:
+    """The runtime bound by ``enter_forward`` on this thread, or None."""
+    return _IN_FLIGHT.get()
+
+
+def _runtime() -> ForwardRuntime:
+    runtime = _IN_FLIGHT.get()
+    if runtime is None:
+        raise RuntimeError(
+            "native attention ran outside an accelerated forward (no runtime bound); this is a bug: report "
+            "it with the traceback"
+        )
+    return runtime
+
+
+def _sequence(split: bool) -> SequenceParallel | None:
+    """The sequence layout of the forward in flight, where the call attends over the split sequence."""
+    layout = _runtime().layout if split else None
+    return None if layout is None or layout.sequence is None else layout.sequence.joint
 
 
 def _attend(
@@ -46,8 +95,7 @@ def _attend(
 
 
 def _attend_in_layout(
-    selector: int,
-    layout: int,
+    split: bool,
     role: str,
     category: str,
     scale: float,
@@ -64,15 +112,17 @@ def _attend_in_layout(
     and ``beside()``'s result (run while that communication travels; ``then`` on it: see
     ``attention_beside``)."""
 
-    def attend(q, k, v, need_lse=False):
-        return _attend(selector_by_index(selector), role, category, scale, q, k, v, need_lse, attn_mask)
+    selector = _runtime().selector
 
-    sp = current_sequence(layout)
+    def attend(q, k, v, need_lse=False):
+        return _attend(selector, role, category, scale, q, k, v, need_lse, attn_mask)
+
+    sp = _sequence(split)
     if sp is not None and sp.degree > 1:
         if attn_mask is not None:  # a key mask: it travels with its keys (qkv_attention places nothing then)
 
             def attend_masked(q, k, v, mask, scale, need_lse):
-                return _attend(selector_by_index(selector), role, category, scale, q, k, v, need_lse, mask)
+                return _attend(selector, role, category, scale, q, k, v, need_lse, mask)
 
             attended = with_mask_column(sp, attend_masked, query, key, value, attn_mask, scale)
             return finish(attended, None if beside is None else beside(), then, out)
@@ -82,7 +132,7 @@ def _attend_in_layout(
     kept = kept_keys(attn_mask, query.shape[0], key.shape[1], first_sight=True)
     if kept is not None:
         attended = attend_kept(query, key, value, kept, lambda q, k, v: _attend(
-            selector_by_index(selector), role, category, scale, q, k, v
+            selector, role, category, scale, q, k, v
         ))  # fmt: skip
         return finish(attended, None if beside is None else beside(), then, out)
     return finish(attend(query, key, value), None if beside is None else beside(), then, out)
@@ -93,8 +143,7 @@ def _routed_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    selector: int,
-    layout: int,
+    split: bool,
     role: str,
     category: str,
     scale: float,
@@ -104,13 +153,13 @@ def _routed_attention(
     inside a compiled graph the choice still follows the pipeline's config and any active
     ``attention_scope`` at run time, and the graph around it (norms, RoPE, projections) fuses without a
     break."""
-    out, _ = _attend_in_layout(selector, layout, role, category, scale, query, key, value, attn_mask)
+    out, _ = _attend_in_layout(split, role, category, scale, query, key, value, attn_mask)
     # Contiguous, as the fake promises: the graph may view the output (the eager path copies it there anyway).
     return out.contiguous()
 
 
 @_routed_attention.register_fake
-def _(query, key, value, selector, layout, role, category, scale, attn_mask):
+def _(query, key, value, split, role, category, scale, attn_mask):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
 
 
@@ -129,41 +178,38 @@ def attention(
     key: torch.Tensor,
     value: torch.Tensor,
     site: AttentionSite,
-    selector: int,
-    layout: int = -1,
+    split: bool = False,
     attn_mask: torch.Tensor | None = None,
     placement: Placement | None = None,
 ) -> torch.Tensor:
-    """Attention over BSHD tensors through the provider the selector (by ``AttentionSelector.index``, which
-    a compiled graph can carry) resolves for ``site``; under a parallel layout that splits the sequence
-    (by ``Parallelized.index``) its communication wraps the kernel. ``placement``: the q, k and v given are
-    where ``input_placement`` asked them to be written."""
+    """Attention over BSHD tensors through the provider the forward's selector resolves for ``site``;
+    ``split``: over the sequence the forward's layout splits (its communication wraps the kernel), else
+    over what this rank holds. ``placement``: the q, k and v given are where ``input_placement`` asked
+    them to be written."""
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
     if torch.compiler.is_dynamo_compiling():
-        return _routed_attention(
-            query, key, value, selector, layout, site.role, site.category, scale, attn_mask
-        )
-    args = (selector, layout, site.role, site.category, scale, query, key, value, attn_mask)
+        return _routed_attention(query, key, value, split, site.role, site.category, scale, attn_mask)
+    args = (split, site.role, site.category, scale, query, key, value, attn_mask)
     return _attend_in_layout(*args, placement=placement)[0]
 
 
-def places_inputs(layout: int) -> bool:
-    """Whether attention under ``layout`` takes q, k and v written where its exchange wants them
+def places_inputs() -> bool:
+    """Whether attention under the forward's layout takes q, k and v written where its exchange wants them
     (``input_placement`` gives a placement: between the GPUs of one machine, a ring or Ulysses alone).
     There it also hides work run beside it (``attention_beside``) behind its exchanges: a ring's K/V then
     meet one kernel, Ulysses' peers' heads travel by the copy engine. Decided eagerly (it may map the peer
     buffers), so compiled code gets it as a constant."""
-    sp = current_sequence(layout)
+    sp = _sequence(True)
     return sp is not None and sp.places_inputs()
 
 
 def input_placement(
-    layout: int, batch: int, heads: int, head_dim: int, dtype: torch.dtype, beside: bool = False
+    batch: int, heads: int, head_dim: int, dtype: torch.dtype, beside: bool = False
 ) -> Placement | None:
     """Where q, k and v (``[batch, this rank's tokens, heads, head_dim]``) should be written for attention
-    under ``layout`` to take them without a copy (``qkv_norm_rope(placement=...)``), or None: anywhere.
+    under the forward's layout to take them without a copy (``qkv_norm_rope(placement=...)``), or None: anywhere.
     ``beside``: they go to ``attention_beside`` with work to hide the exchanges behind."""
-    sp = None if torch.compiler.is_dynamo_compiling() else current_sequence(layout)
+    sp = None if torch.compiler.is_dynamo_compiling() else _sequence(True)
     if sp is None or sp.degree == 1:
         return None
     return sp.input_placement(batch, heads, head_dim, head_dim, dtype, beside)
@@ -174,24 +220,22 @@ def attention_beside(
     key: torch.Tensor,
     value: torch.Tensor,
     site: AttentionSite,
-    selector: int,
-    layout: int,
     work: Callable[[], T],
     placement: Placement | None = None,
     then: Callable[[T], U] | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, T | U]:
-    """``(attention(...), work())`` for ``work`` that does not depend on the attention: under a layout that
-    splits the sequence it runs once the exchanges are posted, while they travel (a ring's K/V blocks then
+    """``(attention(..., split=True), work())`` for ``work`` that does not depend on the attention: under a
+    layout that splits the sequence it runs once the exchanges are posted, while they travel (a ring's K/V blocks then
     meet one kernel over the whole sequence instead of two and a merge). ``then(work())``, when given, is
     work on its result that does not depend on the attention either: it runs after the kernel, while the
     outputs travel back (Ulysses by peer writes), and its result is returned instead. ``out``: where the
     output goes (``[B, tokens, heads, Dv]``, maybe columns of the next projection's input), written there by
     the exchange itself where it can. Compiled, the parts are traced apart and the compiler orders them."""
     if torch.compiler.is_dynamo_compiling():
-        return finish(attention(query, key, value, site, selector, layout), work(), then, out)
+        return finish(attention(query, key, value, site, split=True), work(), then, out)
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
-    args = (selector, layout, site.role, site.category, scale, query, key, value)
+    args = (True, site.role, site.category, scale, query, key, value)
     return _attend_in_layout(*args, beside=work, placement=placement, then=then, out=out)
 
 
@@ -202,29 +246,28 @@ def qkv_attention(
     eps: float | None,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     site: AttentionSite,
-    selector: int,
-    layout: int = -1,
     across_heads: bool = False,
     placed: bool = False,
     attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``attention(*qkv_norm_rope(segments, weights, ...), attn_mask=attn_mask)``. ``placed``
-    (``places_inputs(layout)``): q, k and v are written where the layout's exchange wants them; compiled,
-    the two are then one opaque op, since a compiled graph cannot hand the q/k kernel a peer's buffer."""
+    """``attention(*qkv_norm_rope(segments, weights, ...), site, split=True, attn_mask=attn_mask)``.
+    ``placed`` (``places_inputs()``): q, k and v are written where the layout's exchange wants them;
+    compiled, the two are then one opaque op, since a compiled graph cannot hand the q/k kernel a peer's
+    buffer."""
     scale = site.scale if site.scale is not None else 1 / math.sqrt(head_dim)
     placed = placed and attn_mask is None  # the exchanges that take placed inputs take no mask
     if placed and rope is not None and torch.compiler.is_dynamo_compiling():
         qs, ks, vs = (list(t) for t in zip(*segments, strict=True))
         q_weights, k_weights = (list(w) for w in zip(*weights, strict=True))
         args = (qs, ks, vs, q_weights, k_weights, head_dim, eps, *rope, across_heads)
-        return _placed_attention(*args, selector, layout, site.role, site.category, scale)
+        return _placed_attention(*args, site.role, site.category, scale)
     placement = None
     if placed:
         first = segments[0][0]
         heads = first.shape[-1] // head_dim
-        placement = input_placement(layout, first.shape[0], heads, head_dim, first.dtype)
+        placement = input_placement(first.shape[0], heads, head_dim, first.dtype)
     q, k, v = qkv_norm_rope(segments, weights, head_dim, eps, rope, across_heads, placement)
-    return attention(q, k, v, site, selector, layout, attn_mask, placement)
+    return attention(q, k, v, site, True, attn_mask, placement)
 
 
 @torch.library.custom_op("omni_accel::placed_attention", mutates_args=())
@@ -239,8 +282,6 @@ def _placed_attention(
     cos: torch.Tensor,
     sin: torch.Tensor,
     across_heads: bool,
-    selector: int,
-    layout: int,
     role: str,
     category: str,
     scale: float,
@@ -249,9 +290,7 @@ def _placed_attention(
     segments = list(zip(qs, ks, vs, strict=True))
     weights = list(zip(q_weights, k_weights, strict=True))
     site = AttentionSite(role, category, scale)
-    out = qkv_attention(
-        segments, weights, head_dim, eps, (cos, sin), site, selector, layout, across_heads, True
-    )
+    out = qkv_attention(segments, weights, head_dim, eps, (cos, sin), site, across_heads, True)
     return out.contiguous()  # as the fake promises
 
 

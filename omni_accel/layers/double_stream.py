@@ -28,8 +28,7 @@ class BlockConstants:
     eps: float  # of the LayerNorms before modulation
     qk_eps: float | None  # of the per-head QK RMSNorms
     site: AttentionSite
-    selector: int  # AttentionSelector.index
-    layout: int  # Parallelized.index, -1 on one rank
+    split: bool  # attention is over the sequence the forward's layout splits (False: what this rank holds)
     image_rows: Rows | None  # the image and text tokens this rank holds in its TP group (None: all)
     text_rows: Rows | None
     placed: bool  # q, k and v are written where the layout's exchange wants them (peer writes)
@@ -74,8 +73,6 @@ def double_block(
         c.qk_eps,
         rope,
         c.site,
-        c.selector,
-        c.layout,
         placed=c.placed,
         attn_mask=attn_mask,
     )

@@ -36,7 +36,7 @@ from omni_accel.patches import hook_chains
 from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
 from ..forward_hooks import hooked_submodule
-from ..layers.attention import AttentionSite
+from ..layers.attention import AttentionSite, forward_in_flight
 from ..layers.fp8 import Fp8Weights
 from ..layers.projection import (
     LinearWeights,
@@ -114,10 +114,6 @@ class NativeRuntime(CompiledSteps):
     def __post_init__(self) -> None:
         options = self.compile_options
         self.compiler = None if options is None else BlockCompiler(options, self.compile_in_background)
-
-    @property
-    def layout_index(self) -> int:
-        return -1 if self.layout is None else self.layout.index
 
     def rows(self, *streams: str) -> Rows | None:
         """How this rank's tokens of ``streams`` sit in its tensor-parallel group (None: not split)."""
@@ -269,6 +265,8 @@ class NativeBlock:
         return cache.project(f"{self.omni_name}.{name}", module, conditioning, compute)
 
     def _block_reason(self, inputs: Sequence[Any]) -> str | None:
+        if forward_in_flight() is not self.omni_runtime:
+            return "the block was called outside its accelerated transformer's forward"
         reason = diffusers_only_reason(self, inputs)
         if reason is not None:
             return reason

@@ -80,18 +80,18 @@ def single_block(
         qkv_weights, mlp_weights = split_packed(w["qkv_mlp"], 3)
         q, k, v = apply_linear(h, qkv_weights)
         heads = q.shape[-1] // c.head_dim
-        placement = input_placement(c.layout, x.shape[0], heads, c.head_dim, x.dtype, beside=True)
+        placement = input_placement(x.shape[0], heads, c.head_dim, x.dtype, beside=True)
         q, k, v = qkv_norm_rope([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, placement=placement)
         width = heads * c.head_dim
         joined = h.new_empty(*h.shape[:2], width + sum(mlp_weights.sizes))  # [attention, GELU(mlp)]
         attended, activated = joined.split([width, joined.shape[-1] - width], dim=-1)
         attention_beside(
-            q, k, v, c.site, c.selector, c.layout, lambda: apply_one(h, mlp_weights), placement,
+            q, k, v, c.site, lambda: apply_one(h, mlp_weights), placement,
             then=lambda mlp: gelu_tanh(mlp, out=activated), out=attended.unflatten(-1, (heads, c.head_dim)),
         )  # fmt: skip
     else:
         q, k, v, mlp = apply_linear(h, w["qkv_mlp"], gather)
-        args = (c.head_dim, c.qk_eps, rope, c.site, c.selector, c.layout)
+        args = (c.head_dim, c.qk_eps, rope, c.site)
         out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
         fp8 = takes_fp8_rows(w["out"]) and rows is None
         joined = (concat_gelu_fp8 if fp8 else concat_gelu)(out.flatten(2, 3).to(q.dtype), mlp)
@@ -173,15 +173,13 @@ class _FluxNative(NativeBlock):
             return None
         runtime = self.omni_runtime
         modulation = [self.modulate(name, temb, weights) for name in self.modulations]
-        layout = runtime.layout_index
-        placed = places_inputs(layout)  # decided here, eagerly: it may map the peer buffers
+        placed = places_inputs()  # decided here, eagerly: it may map the peer buffers
         constants = BlockConstants(
             self.attn.head_dim,
             self._layer_norm_eps(),
             self.attn.norm_q.eps,
             type(self).site,
-            runtime.selector.index,
-            layout,
+            True,
             runtime.rows("image"),
             runtime.rows("text"),
             placed,

@@ -74,7 +74,7 @@ def flux2_single_block(
     rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
     h, gather = norm_modulate_gathered(x, shift, scale, c.eps, rows, takes_fp8_rows(w["qkv_mlp"]))
     q, k, v, mlp_gate, mlp_linear = apply_linear(h, w["qkv_mlp"], gather)
-    args = (c.head_dim, c.qk_eps, rope, c.site, c.selector, c.layout)
+    args = (c.head_dim, c.qk_eps, rope, c.site)
     out = qkv_attention([(q, k, v)], [(norms["q"], norms["k"])], *args, placed=c.placed)
     joined = concat_swiglu(out.flatten(2, 3).to(q.dtype), mlp_gate, mlp_linear)
     x = gated_residual(x, gate, apply_one(joined, w["out"], rows))
@@ -107,17 +107,15 @@ class _Flux2Native(NativeBlock):
         if weights is None:
             return None
         runtime = self.omni_runtime
-        layout = runtime.layout_index
         constants = BlockConstants(
             self.attn.head_dim,
             self._layer_norm_eps(),
             self.attn.norm_q.eps,
             type(self).site,
-            runtime.selector.index,
-            layout,
+            True,
             runtime.rows("image"),
             runtime.rows("text"),
-            places_inputs(layout),
+            places_inputs(),
             False,
         )
         return weights, self._norms(), constants

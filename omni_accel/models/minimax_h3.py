@@ -52,7 +52,7 @@ def _attend(h: torch.Tensor, rope: Rope, w: dict[str, LinearWeights], norms: dic
     q, k, v = qkv_norm_rope([(q, k, v)], [(norms["q"], norms["k"])], c.head_dim, c.qk_eps, None)
     if rope is not None:
         q, k = _rotate_half(q, *rope), _rotate_half(k, *rope)
-    out = attention(q, k, v, c.site, c.selector, c.layout)
+    out = attention(q, k, v, c.site, c.split)
     return apply_one(out.flatten(2, 3).to(h.dtype), w["out"])
 
 
@@ -108,15 +108,13 @@ class _MiniMaxNative(NativeBlock):
             reason = "an attention mask (MiniMax-H3 packs one unmasked document)"
         return reason
 
-    def _constants(self, layout: int | None = None) -> BlockConstants:
-        runtime = self.omni_runtime
+    def _constants(self, split: bool = True) -> BlockConstants:
         return BlockConstants(
             self.attn.head_dim,
             self.norm1.eps,
             self.attn.norm_q.eps,
             type(self).site,
-            runtime.selector.index,
-            runtime.layout_index if layout is None else layout,
+            split,
             None,
             None,
             False,
@@ -187,7 +185,7 @@ class NativeMiniMaxH3TokenRefinerBlock(_MiniMaxNative, MiniMaxH3TokenRefinerBloc
         math = self.omni_runtime.math(type(self).math, self.omni_name)
         # the text rows, before they are packed: whole on every rank under a sequence split (its attention
         # is not the packed sequence's; under tp its heads are split all the same)
-        return math(hidden_states, weights, self._norms(), self._constants(layout=-1))
+        return math(hidden_states, weights, self._norms(), self._constants(split=False))
 
     @torch.compiler.disable
     def _weights(self, inputs: tuple):

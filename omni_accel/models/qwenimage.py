@@ -200,17 +200,15 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
             rows = runtime.rows("image")  # tokens split over the TP ranks: attention sees them gathered
             tokens = hidden_states.shape[1] if rows is None else sum(rows.sizes[0])
             mask = self._masks.get((text_mask,), tokens, lambda: _joint_mask(text_mask, tokens))
-        layout = runtime.layout_index
         constants = BlockConstants(
             self.attention_head_dim,
             self.img_norm1.eps,
             self.attn.norm_q.eps,
             type(self).site,
-            runtime.selector.index,
-            layout,
+            True,
             runtime.rows("image"),
             runtime.rows("text"),
-            mask is None and places_inputs(layout),
+            mask is None and places_inputs(),
             False,
         )
         norms = {name: getattr(self.attn, f"norm_{name}").weight for name in ("q", "k", "added_q", "added_k")}

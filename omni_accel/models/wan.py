@@ -38,8 +38,6 @@ class BlockConstants:
     head_dim: int
     eps: float  # of the float32 LayerNorms
     qk_eps: float | None  # of the RMSNorms across all heads
-    selector: int
-    layout: int
     tp_group: Any = None  # the heads are split over this group: the QK norms reduce across it
     inner_dim: int = 0  # all heads' width (the QK norms' size)
     rows: Rows | None = None  # the video tokens this rank holds in its TP group (None: all)
@@ -81,12 +79,12 @@ def wan_block(
     q, k, v = apply_linear(h, w["qkv"], gather)
     if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
         qk_norms = [(norms["q"], norms["k"])]
-        args = (c.head_dim, c.qk_eps, rope, SELF, c.selector, c.layout, True)
+        args = (c.head_dim, c.qk_eps, rope, SELF, True)
         out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
     else:
         q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
         k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
-        out = attention(q, k, _heads(v, c.head_dim), SELF, c.selector, c.layout)
+        out = attention(q, k, _heads(v, c.head_dim), SELF, split=True)
     out = out.flatten(2, 3).type_as(q)
     x = gated_residual(x, gate, apply_one(out, w["out"], c.rows))
 
@@ -99,11 +97,11 @@ def wan_block(
         image, context = context[:, : context.shape[1] - _TEXT_TOKENS], context[:, -_TEXT_TOKENS:]
     k, v = apply_linear(context, w["kv2"])
     k = _heads(_qk_norm(k, norms["k2"], c), c.head_dim)
-    out = attention(q, k, _heads(v, c.head_dim), CROSS, c.selector).flatten(2, 3).type_as(q)
+    out = attention(q, k, _heads(v, c.head_dim), CROSS).flatten(2, 3).type_as(q)
     if image is not None:
         k_img, v_img = apply_linear(image, w["added_kv"])
         k_img = _heads(_qk_norm(k_img, norms["added_k"], c), c.head_dim)
-        image_out = attention(q, k_img, _heads(v_img, c.head_dim), CROSS, c.selector).flatten(2, 3).type_as(q)
+        image_out = attention(q, k_img, _heads(v_img, c.head_dim), CROSS).flatten(2, 3).type_as(q)
         out = out + image_out
     x = x + apply_one(out, w["out2"], c.rows)
 
@@ -206,12 +204,10 @@ class _WanNative(NativeBlock):
             attn1.inner_dim // attn1.heads,
             eps,
             attn1.norm_q.eps,
-            runtime.selector.index,
-            runtime.layout_index,
             None if shard is None else shard.group,
             attn1.inner_dim,
             runtime.rows("video"),
-            shard is None and places_inputs(runtime.layout_index),  # eagerly: it may map the peer buffers
+            shard is None and places_inputs(),  # eagerly: it may map the peer buffers
         )
         return weights, norms, constants
 

@@ -56,7 +56,7 @@ def zimage_block(
         scale_msa, scale_mlp = (1.0 + scale_msa).unsqueeze(1), (1.0 + scale_mlp).unsqueeze(1)
     h = _rms(x, norms["attention_norm1"], c.eps)
     q, k, v = apply_linear(h if mod is None else h * scale_msa, w["qkv"])
-    args = (c.head_dim, c.qk_eps, rope, c.site, c.selector, c.layout)
+    args = (c.head_dim, c.qk_eps, rope, c.site)
     out = qkv_attention([(q, k, v)], [(norms["q"], norms["k"])], *args, attn_mask=mask)
     attended = _rms(apply_one(out.flatten(2, 3).to(q.dtype), w["out"]), norms["attention_norm2"], c.eps)
     x = x + attended if mod is None else gated_residual(x, gate_msa, attended)
@@ -144,7 +144,6 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
         weights = self.native_weights(noise_mask, freqs_cis, inputs=inputs)
         if weights is None:
             return None
-        runtime = self.omni_runtime
         mod = self.modulate("mod", adaln_input, weights) if self.modulation else None
         freqs_cis = self.own_share(freqs_cis, "unified", 1, x.shape[1])
         rope = self._ropes.get((freqs_cis,), None, lambda: _rope(freqs_cis))
@@ -157,8 +156,7 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
             self.attention_norm1.eps,
             self.attention.norm_q.eps,
             type(self).site,
-            runtime.selector.index,
-            runtime.layout_index,
+            True,
             None,
             None,
             False,

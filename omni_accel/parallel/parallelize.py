@@ -13,7 +13,6 @@ A model declares what these steps need as data (``ParallelPlan``); parallel/ nev
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,6 @@ from torch import nn
 from .cfg import GuidanceBranches, SplitGuidance
 from .hooks import SubmoduleHooks, register
 from .mesh import ParallelState
-from .sequence import SequenceParallel
 from .sequence_hooks import (
     GatherSequence,
     SequencePlan,
@@ -67,23 +65,16 @@ class ParallelPlan:
     per_sample_inputs: tuple[str, ...] = ()
 
 
-_LAYOUTS: list[weakref.ref] = []
-
-
 @dataclass(eq=False)
 class Parallelized:
-    """One applied layout. ``index`` lets compiled attention find it (and its sequence plan) at run time."""
+    """One applied layout: the sequence state its forwards split by (read by attention through the runtime
+    of the forward in flight), its CFG branches, and how to undo it."""
 
     description: str
     splits_blocks: bool  # tp or sp > 1: a block's own Diffusers forward would be wrong here
     sequence: SequenceState | None = None
     cfg: GuidanceBranches | None = None
     undo: list[Callable[[], None]] = field(default_factory=list)
-    index: int = -1
-
-    def __post_init__(self) -> None:
-        self.index = len(_LAYOUTS)
-        _LAYOUTS.append(weakref.ref(self))
 
     def rows(self, *streams: str) -> Rows | None:
         """How this rank's tokens of ``streams`` sit in its TP group (None: not split over one)."""
@@ -93,14 +84,6 @@ class Parallelized:
         for step in reversed(self.undo):
             step()
         self.undo.clear()
-
-
-def current_sequence(index: int) -> SequenceParallel | None:
-    """The sequence layout of the forward in flight under layout ``index`` (-1: none)."""
-    if index < 0:
-        return None
-    layout = _LAYOUTS[index]()
-    return None if layout is None or layout.sequence is None else layout.sequence.joint
 
 
 def check_parallel(transformer: nn.Module, plan: ParallelPlan, state: ParallelState) -> None:
