@@ -9,6 +9,7 @@ process and timed in interleaved rounds (``harness.timing.interleaved``), CUDA e
     omni            ``omni_accel.accelerate(pipe, compile_in_background=True)``: on CUDA the repeated
                     blocks compile in the background and the steps replay from CUDA graphs
     omni_generic    for a model with native blocks, the generic tier (``native=False``) as well
+                    (``--no-generic``: not, where four copies would not fit, as Wan 14B's)
 
 ``--extra`` adds variants: ``fp8`` (ours with ``quantize="fp8"``), ``torchao`` ((c): Diffusers' FP8
 recipe, torchao's float8 on (b)), ``no_graphs`` (ours with ``cuda_graphs=False``), ``fused_qkv`` (ours
@@ -23,7 +24,7 @@ A model that fails (an OOM, a compile error) is recorded with its traceback and 
 the JSON is written after every model.
 
     python benchmarks/step.py --models flux qwenimage zimage flux2 minimax_h3 --rounds 3 --calls 3
-    python benchmarks/step.py --models wan14b --rounds 2 --calls 2 --extra fp8 provider=sage
+    python benchmarks/step.py --models wan14b --rounds 2 --calls 2 --no-generic --extra provider=sage
     python benchmarks/step.py --models flux --extra fp8 torchao first_block_cache
     python benchmarks/step.py --tiny --rounds 1 --calls 1     # CPU, fp32, tiny configs: a smoke run
 """
@@ -160,7 +161,7 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
     else:
         options = dict(compile_in_background=True)
     ours: dict[str, dict[str, Any]] = {"omni": {}}
-    if spec_for(models["diffusers"]).native is not None:
+    if spec_for(models["diffusers"]).native is not None and not args.no_generic:
         ours["omni_generic"] = dict(native=False)
     if "fp8" in extras:
         ours["omni_fp8"] = dict(quantize="fp8")
@@ -303,6 +304,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--lora", type=int, default=0, metavar="RANK", help="a LoRA of this rank on every copy"
+    )
+    parser.add_argument(
+        "--no-generic", action="store_true", help="no generic-tier copy of a native model (one copy less)"
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=3, help="timed calls per variant per round")

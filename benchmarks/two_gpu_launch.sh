@@ -10,14 +10,14 @@
 #     bash benchmarks/two_gpu_launch.sh flux-compiled   # issue 9's compiled comparison, Diffusers' included
 #     bash benchmarks/two_gpu_launch.sh wan             # Wan 14B with CFG: placed inputs, head stages, ring
 #
-# A variant (`+name`, benchmarks/layout_variants.py) is a LayoutTuning choice changed: where it wins, the
+# A variant (`+name`, benchmarks/harness/layouts.py) is a LayoutTuning choice changed: where it wins, the
 # default changes. Changes with no config to undo them compare against the launch from e357fac.
 set -euo pipefail
 part=${1:?"which part: tests, flux, flux-before, flux-compiled or wan"}
 out=$(realpath -m "${OUT:-out}")
 mkdir -p "$out"
 cd "$(dirname "$0")"
-flux=(torchrun --nproc-per-node 2 flux_parallel.py --steps 8 --repeats 2)
+flux=(torchrun --nproc-per-node 2 layouts.py --steps 8 --repeats 2)
 case $part in
 tests)
     (cd .. && python3 -m pytest -q -p no:logging -m gpu tests/test_cuda_graphs.py -k parallel_replays) ;;
@@ -34,7 +34,8 @@ flux-compiled)
     "${flux[@]}" --compile --out "$out/flux_compiled.json" --layouts 1gpu ulysses2 ulysses2+packed_inputs \
         ring2 tp2 ;;
 wan)
-    torchrun --nproc-per-node 2 wan_parallel.py --steps 2 --out "$out/wan.json" --layouts 1gpu \
+    torchrun --nproc-per-node 2 layouts.py --model wan14b --steps 2 --repeats 1 --no-diffusers \
+        --out "$out/wan.json" --layouts 1gpu \
         ulysses2+unstacked ulysses2+unstacked+packed_inputs ulysses2+unstacked+one_placed_stage ulysses2 ring2 ;;
 *)
     echo "unknown part $part: tests, flux, flux-before, flux-compiled or wan" >&2

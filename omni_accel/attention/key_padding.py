@@ -5,7 +5,7 @@ padded text prompt joined with image tokens) gives every padded key a weight of 
 over the kept keys alone is the same function, and unmasked it runs the fastest kernel for the shape
 (Qwen-Image's shape at 1024x1024 with 212 of 512 text tokens padded, one H200: cuDNN 0.54-0.61 ms over the
 kept keys, gathers included, against 0.69-0.81 ms for the dense mask, the kernel plain Diffusers runs;
-``benchmarks/masked_attention.py``).
+``benchmarks/kernel_bench.py masked-attention``).
 
 Which keys a mask keeps must be read on the host, and that synchronisation costs more than the kernel
 saves when it happens at every call (Qwen-Image, which builds a new mask in every block: 213.6 against

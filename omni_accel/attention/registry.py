@@ -23,7 +23,7 @@ _PLATFORM_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "sdpa_math"),
 }
 _DEFAULT_PREFERENCE = ("sdpa", "sdpa_math")
-# FlashInfer goes first where it is installed and beats cuDNN on an H200 (``benchmarks/attention_shapes.py``,
+# FlashInfer goes first where it is installed and beats cuDNN on an H200 (``benchmarks/kernel_bench.py attention-shapes``,
 # docs/archive/performance-history.md): long sequences (Wan 14B's 32760 tokens: fa3 648 TFLOP/s against cuDNN's 567;
 # HunyuanVideo 1.5's 35375: 15.7 against 18.0 ms) and head size 64 (SD3.5-large's 4429 tokens x 38 heads:
 # 0.47 against 0.61 ms). At head size 128 and 4352-6144 tokens (FLUX, Qwen-Image, Z-Image, FLUX.2, LTX-2)
@@ -35,7 +35,7 @@ _FLASHINFER = "flashinfer"
 # A masked call goes to PyTorch's own SDPA dispatch first: it picks the kernel plain Diffusers gets for the
 # same mask (on an H200, Qwen-Image's padded text mask ran 1.4x faster there than pinned to the efficient
 # kernel; cuDNN given the mask made the compiled Qwen-Image forward 90.1 ms against 84.3 with SDPA's choice,
-# benchmarks/generic_step.py), so a routed model is never slower than in Diffusers.
+# benchmarks/step.py), so a routed model is never slower than in Diffusers.
 _MASKED_FIRST = "sdpa"
 
 _INSTANCES: dict[str, AttentionProvider] = {}
