@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.merge import merge_partials
+from .comm import all_gather_sizes
 from .config import LayoutTuning
 from .copies import copy_rows_
 from .peer_exchange import (
@@ -117,16 +118,10 @@ def gather(
     x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | None, sizes: Sequence[int]
 ) -> torch.Tensor:
     """The full tensor from every rank's slice along ``dim``; slices may differ in size (``sizes``, known to
-    every rank). Pads to the largest slice because ``all_gather`` (gloo's at least) needs equal shapes, then
-    trims: the padding never reaches the result."""
+    every rank)."""
     if _size(group) == 1:
         return x_local
-    longest = max(sizes)
-    padded = x_local.new_zeros(*x_local.shape[:dim], longest, *x_local.shape[dim + 1 :])
-    padded.narrow(dim, 0, x_local.shape[dim]).copy_(x_local)
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes, strict=True)], dim=dim)
+    return all_gather_sizes(x_local, dim, list(sizes), group)
 
 
 class _Exchange:
