@@ -192,7 +192,7 @@ def accelerate(
             f"{type(pipe).__name__} is a modular pipeline (its calls are blocks); run it on one device "
             "(without `parallel`), or use the standard pipeline of the model."
         )
-    deferred = layout == _FIRST_CALL
+    deferred = layout is _AT_FIRST_CALL
     parallel = init_parallel(layout) if layout is not None and not deferred else None
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
     distributed = parallel is not None and parallel.mesh is not None
@@ -200,7 +200,7 @@ def accelerate(
     if auto_reason is not None:
         for component in components:
             if component.runtime is not None:
-                component.report.detail += f"; parallel='auto': {auto_reason}"
+                component.report.layout = f"parallel='auto': {auto_reason}"
     undo = _commit_all(pipe, components, vae_coders, parallel if distributed else None)
     if deferred:
         undo.append(pipeline_calls.on_first_call(pipe, lambda arguments: _apply_auto_layout(pipe, arguments)))
@@ -439,8 +439,6 @@ def _plan_swap(
             "; cuda_graphs=True, but no step can run on CUDA here (this machine has no CUDA device): every "
             "step runs eagerly, none is captured"
         )
-    if parallel is not None:
-        detail += f"; {parallel.config} on {dist.get_world_size()} ranks"
     report = ComponentReport(
         name,
         type(module).__name__,
@@ -456,6 +454,7 @@ def _plan_swap(
     report.graphs = graphs
     if parallel is not None:
         report.tuning = parallel.config.tuning
+        report.layout = f"{parallel.config} on {dist.get_world_size()} ranks"
     if parallel is not None and parallel.config.ulysses > 1:
         report.ulysses_group = parallel.group("ulysses")
     if parallel is not None and parallel.config.ring > 1:
@@ -885,13 +884,13 @@ def _role_of(spec: ModelSpec, module_name: str, module: nn.Module) -> tuple[str,
 # Parallel layouts: chosen (parallel="auto" waits for the first pipeline call), checked before anything
 # changes, then applied: the transformers, CFG call pairing, the VAE, each rank's device.
 
-_FIRST_CALL = "decided at the first pipeline call"
+_AT_FIRST_CALL = object()  # parallel="auto": the layout waits for the first call's arguments
 
 
 def _parallel_config(
     pipe: Pipeline, names: list[str], config: AccelConfig
-) -> tuple[ParallelConfig | str | None, str | None]:
-    """The layout to apply now, or ``_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
+) -> tuple[ParallelConfig | object | None, str | None]:
+    """The layout to apply now, or ``_AT_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
     call's arguments (whether it runs both guidance branches); and a note for the report."""
     if config.parallel != "auto":
         return config.parallel, None
@@ -904,7 +903,7 @@ def _parallel_config(
             f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
             f"none; natives exist for {', '.join(registered_natives())}. Run it on one rank."
         )
-    return _FIRST_CALL, _FIRST_CALL
+    return _AT_FIRST_CALL, "decided at the first pipeline call"
 
 
 def _world_size() -> int:
@@ -941,9 +940,9 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
     for component in natives:
         component.parallel = parallel
         _parallelize(component)
-        component.report.detail = component.report.detail.replace(
-            _FIRST_CALL,
-            f"{chosen.config} on {dist.get_world_size()} ranks, chosen at the first call: {chosen.reason}",
+        ranks = dist.get_world_size()
+        component.report.layout = (
+            f"parallel='auto': {chosen.config} on {ranks} ranks, chosen at the first call: {chosen.reason}"
         )
     state.undo += _spread_the_rest(pipe, state.components, vae_coders, parallel)
     logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)

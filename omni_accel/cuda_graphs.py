@@ -1,5 +1,5 @@
 """Whole-step CUDA graphs for an accelerated transformer: one graph launch per denoising step instead of
-about two thousand kernel launches, eager or compiled.
+one launch per kernel, eager or compiled.
 
 A graph replays the kernels it recorded, with the pointers and host-side values of that moment. So a graph
 is keyed by everything the host decides a step with: the arguments' structure, shapes, dtypes and
@@ -21,10 +21,10 @@ capture and replay the same steps and their collectives stay paired. Outputs are
 memory, so a caller may keep them across calls (pipelines hold the conditional result while the
 unconditional one runs).
 
-Reading the module's state is one walk over every module (4.6 ms of host time for SD3.5-large's 1456
-modules on this project's CPU), which would leave the GPU idle before each replay. So on one GPU the graph
-last replayed for the same arguments is launched first, once every tensor it was keyed on is checked to be
-alive at its address (the replay then reads valid memory whatever changed), and its result is returned only
+Reading the module's state is one walk over every module (milliseconds of host time on a large model:
+docs/archive/performance-history.md), which would leave the GPU idle before each replay. So on one GPU the
+graph last replayed for the same arguments is launched first, once every tensor it was keyed on is checked to
+be alive at its address (the replay then reads valid memory whatever changed), and its result is returned only
 if the state read meanwhile is the one it was captured with; otherwise it is dropped, counted, and the call
 goes on as without it. Under a layout (whose collectives every rank must launch alike) it never is.
 """

@@ -35,13 +35,15 @@ class ComponentReport:
     ring_group: Any = None  # the process group of a ring layout's K/V transfers
     tp_group: Any = None  # the TP group of a model whose tokens may be split over it between projections
     tuning: LayoutTuning | None = None  # how the layout's exchanges run
+    layout: str = ""  # the parallel layout it runs under, and how it was chosen (empty: none)
     planned_attention: list[tuple[str, str, str, str]] = field(default_factory=list)
     not_accelerated: list[str] = field(default_factory=list)
     falls_back_on: str = ""  # what makes a native block run Diffusers' forward (shown once one did)
     adapted: list[str] = field(default_factory=list)  # where the model's own code was replaced, and how
 
     def lines(self) -> list[str]:
-        out = [f"{self.name} ({self.diffusers_class}): {self.mode} - {self.detail}"]
+        layout = f"; {self.layout}" if self.layout else ""
+        out = [f"{self.name} ({self.diffusers_class}): {self.mode} - {self.detail}{layout}"]
         if self.selector is not None:
             config = self.selector.config
             out.append(f"  attention config: default={config.default!r}, per_role={dict(config.per_role)}")

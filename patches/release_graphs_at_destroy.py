@@ -4,8 +4,8 @@
 An NCCL operation captured in a CUDA graph stays pending on its communicator for as long as the graph
 lives, and destroying the group waits for pending operations: a script that ends with
 ``dist.destroy_process_group()`` while an accelerated pipeline still holds graphs of its parallel steps
-would hang there (seen on two H200s). Target: ``torch.distributed``'s ``destroy_process_group`` (the name
-scripts call). ``revert`` puts the original back.
+would hang there (docs/PARALLELISM.md, "CUDA graphs under a layout"). Target: ``torch.distributed``'s
+``destroy_process_group`` (the name scripts call). ``revert`` puts the original back.
 """
 
 from __future__ import annotations

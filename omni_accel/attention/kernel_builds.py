@@ -1,12 +1,12 @@
 """Kernels ``auto`` would pick that are compiled on their first use, built in the background meanwhile.
 
-FlashInfer JIT-compiles a kernel the first time a process plans it (73-95 s on an H200 with a cold disk
-cache; Wan 14B's first forward took 94 s against 2.4 s warm), so a first call that waited for it broke the
-rule that a first call costs at most two warm ones. Instead the first call asking for such a kernel starts
-its build in a background thread and is served by the next provider in ``auto``'s order (cuDNN); once the
-build is done, ``generation()`` moves on, which every cached resolution and CUDA graph key reads, so the
-calls after it resolve (and capture) anew with the built kernel. A step during which a build finishes runs
-both kernels; each is lossless, so it agrees with either to rounding, not bitwise.
+FlashInfer JIT-compiles a kernel the first time a process plans it (over a minute with a cold disk cache:
+docs/PERFORMANCE.md, "First call"), so a first call that waited for it would break the rule that a first call
+costs at most two warm ones. Instead the first call asking for such a kernel starts its build in a background
+thread and is served by the next provider in ``auto``'s order (cuDNN); once the build is done,
+``generation()`` moves on, which every cached resolution and CUDA graph key reads, so the calls after it
+resolve (and capture) anew with the built kernel. A step during which a build finishes runs both kernels; each
+is lossless, so it agrees with either to rounding, not bitwise.
 
 Under a parallel layout (a process group of more than one rank) the caller builds it instead and waits:
 every rank must pick the same kernel at the same call, or ranks that compute the same tokens (the tokens a

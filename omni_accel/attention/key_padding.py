@@ -2,20 +2,18 @@
 
 A boolean mask that only says which keys exist (``[B, 1, 1, S_k]``, the same for every head and query: a
 padded text prompt joined with image tokens) gives every padded key a weight of exactly zero, so attention
-over the kept keys alone is the same function, and unmasked it runs the fastest kernel for the shape
-(Qwen-Image's shape at 1024x1024 with 212 of 512 text tokens padded, one H200: cuDNN 0.54-0.61 ms over the
-kept keys, gathers included, against 0.69-0.81 ms for the dense mask, the kernel plain Diffusers runs;
-``benchmarks/kernel_bench.py masked-attention``).
+over the kept keys alone is the same function, and unmasked it runs the fastest kernel for the shape,
+faster than the dense mask plain Diffusers runs, gathers included (``benchmarks/kernel_bench.py
+masked-attention``; docs/archive/performance-history.md).
 
-Which keys a mask keeps must be read on the host, and that synchronisation costs more than the kernel
-saves when it happens at every call (Qwen-Image, which builds a new mask in every block: 213.6 against
-200.1 ms per forward). No kernel that takes the count on the device beats the dense mask (PyTorch's ragged
-cuDNN call: 38-66 ms; FlashAttention-2's varlen call 1.05 ms; nvidia-cudnn-frontend's padded-batch call
-0.98 ms, 0.94x Diffusers when routed through Qwen-Image). So a
-mask is read only when the same tensor comes back unchanged (models that build it once per forward and pass
-it to every block): the first call runs with the dense mask, the mask is read at the second, and the rest
-drop the padded keys, one synchronisation per forward. Never where the host may not wait (compilation, CUDA
-graph capture).
+Which keys a mask keeps must be read on the host, and that synchronisation costs more than the kernel saves
+when it happens at every call (Qwen-Image builds a new mask in every block, and reading each made it slower
+than Diffusers). No kernel that takes the count on the device beats the dense mask (PyTorch's ragged cuDNN
+call, FlashAttention-2's varlen call, nvidia-cudnn-frontend's padded-batch call: the figures are in
+docs/archive/performance-history.md). So a mask is read only when the same tensor comes back unchanged (models
+that build it once per forward and pass it to every block): the first call runs with the dense mask, the mask
+is read at the second, and the rest drop the padded keys, one synchronisation per forward. Never where the
+host may not wait (compilation, CUDA graph capture).
 """
 
 from __future__ import annotations

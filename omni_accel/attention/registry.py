@@ -16,26 +16,25 @@ _TARGETS: dict[str, str] = {
     "sage": "omni_accel.attention.providers.sage:SageProvider",
 }
 
-# Lossless providers tried in order under "auto". cuDNN leads on CUDA: on an H200 it ties FlashInfer's fa3
-# at FLUX's 4608 tokens and beats PyTorch's flash kernel by 1.6x (docs/archive/performance-history.md). Lossy providers
-# (sage) are never automatic.
+# Lossless providers tried in order under "auto". cuDNN leads on CUDA: at FLUX's 4608 tokens it ties
+# FlashInfer and beats PyTorch's flash kernel (docs/archive/performance-history.md). Lossy providers (sage)
+# are never automatic.
 _PLATFORM_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "sdpa_math"),
 }
 _DEFAULT_PREFERENCE = ("sdpa", "sdpa_math")
-# FlashInfer goes first where it is installed and beats cuDNN on an H200 (``benchmarks/kernel_bench.py attention-shapes``,
-# docs/archive/performance-history.md): long sequences (Wan 14B's 32760 tokens: fa3 648 TFLOP/s against cuDNN's 567;
-# HunyuanVideo 1.5's 35375: 15.7 against 18.0 ms) and head size 64 (SD3.5-large's 4429 tokens x 38 heads:
-# 0.47 against 0.61 ms). At head size 128 and 4352-6144 tokens (FLUX, Qwen-Image, Z-Image, FLUX.2, LTX-2)
-# cuDNN ties or wins, so it keeps those. Its kernel is JIT-compiled on first use; until it is built in the
-# background (``kernel_builds``) the next provider serves. Where it is not installed nothing changes.
+# FlashInfer goes first where it is installed and faster than cuDNN (``benchmarks/kernel_bench.py
+# attention-shapes``, docs/archive/performance-history.md): long sequences (Wan 14B's 32760 tokens,
+# HunyuanVideo 1.5's 35375) and head size 64 (SD3.5-large's 4429 tokens x 38 heads). At head size 128 and
+# 4352-6144 tokens (FLUX, Qwen-Image, Z-Image, FLUX.2, LTX-2) cuDNN ties or wins, so it keeps those. Its
+# kernel is JIT-compiled on first use; until it is built in the background (``kernel_builds``) the next
+# provider serves. Where it is not installed nothing changes.
 _LONG_SEQUENCE = 16384
 _SMALL_HEAD_DIM, _SMALL_HEADS_FROM = 64, 4096  # head size 64, from this many keys
 _FLASHINFER = "flashinfer"
 # A masked call goes to PyTorch's own SDPA dispatch first: it picks the kernel plain Diffusers gets for the
-# same mask (on an H200, Qwen-Image's padded text mask ran 1.4x faster there than pinned to the efficient
-# kernel; cuDNN given the mask made the compiled Qwen-Image forward 90.1 ms against 84.3 with SDPA's choice,
-# benchmarks/step.py), so a routed model is never slower than in Diffusers.
+# same mask, which measured faster on Qwen-Image's padded text mask than the pinned efficient kernel or cuDNN
+# given the mask (docs/archive/performance-history.md), so a routed model is never slower than in Diffusers.
 _MASKED_FIRST = "sdpa"
 
 _INSTANCES: dict[str, AttentionProvider] = {}

@@ -52,9 +52,10 @@ def _activated_up(
 ) -> torch.Tensor | Fp8Rows:
     """``activation(up(x))``. The tanh-GELU of a plain projection on CUDA runs in the GEMM's epilogue
     (cuBLASLt, from the float32 accumulator): the MLP's widest activation is written once instead of
-    written, read and written again. Wan 14B's MLP up at 32760 tokens: 6.86 ms against 7.44 for the GEMM
-    and our GELU kernel (``benchmarks/kernel_bench.py gemm-gelu``, one H200). Left to the GELU kernel: adapters (added
-    before the activation), a gather inside the projection, float32, and traced graphs. Under FP8 the
+    written, read and written again, which is faster than the GEMM then our GELU kernel
+    (``benchmarks/kernel_bench.py gemm-gelu``; docs/archive/performance-history.md). Left to the GELU
+    kernel: adapters (added before the activation), a gather inside the projection, float32, and traced
+    graphs. Under FP8 the
     activation is written quantized for ``down`` where nothing else reads it (``gelu_tanh_fp8``)."""
     if activation is gelu_tanh and takes_fp8_rows(down) and rows is None:
         return gelu_tanh_fp8(apply_one(x, up))

@@ -5,10 +5,10 @@ Each writes a GEMM's input straight in e4m3 with its row scales, from the bf16 v
 would have stored: ``layers.fp8._quantize_rows_reference`` of the unquantized output. The kernels round to
 the activations' dtype before quantizing, but Triton's compiler may fold that round trip (as
 ``fused_kernels`` notes): the norm-modulate kernel then quantizes the float32 value, and a rare element
-(under 1 % on an H200 with bf16 modulation) lands one e4m3 step from the reference's, closer to the exact
-value. The row pass and the GELU kernels were bitwise the reference on an H200. A value is divided by its
-scale as the reference does it, times the scale's IEEE reciprocal; the cast to e4m3 rounds to nearest even
-and saturates.
+(under 1 % with bf16 modulation, tests/test_gpu_fp8.py) lands one e4m3 step from the reference's, closer
+to the exact value. The row pass and the GELU kernels are bitwise the reference (tested). A value is
+divided by its scale as the reference does it, times the scale's IEEE reciprocal; the cast to e4m3 rounds
+to nearest even and saturates.
 """
 
 from __future__ import annotations

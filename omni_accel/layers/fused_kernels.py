@@ -2,8 +2,8 @@
 
 Every kernel computes in float32 and rounds once, when it stores; the unfused reference rounds after each
 op, so a bf16 result may sit one rounding step from the reference's (closer to the fp32 result, not
-farther). An explicit round trip to bf16 between two steps does not survive Triton's compiler (it was
-folded away on an H200), so the kernels do not pretend to round in between.
+farther). An explicit round trip to bf16 between two steps does not survive Triton's compiler (it folds
+it away), so the kernels do not pretend to round in between.
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ def _gated_residual_kernel(X, GATE, Y, OUT, seq, dim, stride_gb, numel, BLOCK: t
 def _concat_gelu_kernel(A, B, OUT, dim_a, dim_b, stride_a, stride_b, stride_out, BLOCK: tl.constexpr):
     """One block of one row of ``cat([a, gelu_tanh(b)], -1)`` (rows of every sample ``stride_*`` apart).
     GELU as ``x * sigmoid(2u)``, which is ``0.5 x (1 + tanh(u))`` exactly: one exponential instead of
-    CUDA's ``tanhf``, whose arithmetic made the kernel compute-bound (3.0 TB/s against 3.7 at FLUX's shapes
-    on an H200). The result is PyTorch's rounded value but for ~1 % of bf16 elements that sit one rounding
-    step away, no farther from the float64 GELU (tested)."""
+    CUDA's ``tanhf``, whose arithmetic made the kernel compute-bound (docs/archive/performance-history.md).
+    The result is PyTorch's rounded value but for ~1 % of bf16 elements that sit one rounding step away, no
+    farther from the float64 GELU (tested)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dim = dim_a + dim_b
@@ -284,7 +284,7 @@ def _(a, b):
 
 
 # A head per program leaves too little in flight, a whole padded row (FLUX's 24 heads as 32) wastes lanes:
-# eight heads measured best at FLUX's shapes (2: 1.9 TB/s, 4: 3.0, 8: 3.3, 32: 2.9 on an H200).
+# eight heads measured fastest at FLUX's shapes (docs/archive/performance-history.md).
 _HEADS_PER_PROGRAM = 8
 
 

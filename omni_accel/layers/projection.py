@@ -403,8 +403,7 @@ def _gemm(x: torch.Tensor | Fp8Rows, weights: LinearWeights) -> torch.Tensor:
 def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights, rows: Rows | None) -> torch.Tensor:
     """An input-split projection: the partial products (base and low-rank alike, both linear in ``x``) are
     summed over the ranks by one all-reduce, or for this rank's ``rows`` only. (Summing row chunks, each
-    chunk's all-reduce beside the next chunk's GEMM, was slower on two H200s: 84.3-85.6 against 80.4-80.9 ms
-    per FLUX step for two chunks.)"""
+    chunk's all-reduce beside the next chunk's GEMM, measured slower: docs/PARALLELISM.md.)"""
     if rows is not None:
         return finish_projections([start_projection(x, weights, rows)])[0]
     return _with_adapter_biases(all_reduce_sum(_partial_products(x, weights), weights.reduce), weights)

@@ -1,12 +1,12 @@
 """AdaLN modulation of every block at once, split over the ranks of a parallel layout.
 
 Each block of a DiT projects the same per-sample vector (the timestep embedding, after its SiLU) through a
-large weight of its own: FLUX.1's 57 blocks read 3.2 G parameters for it, 2.1 ms of a one-GPU step,
-bound by memory. Block by block, a tensor-parallel rank would compute its slice of the outputs and
+large weight of its own: FLUX.1's 57 blocks read 3.2 G parameters for it, bound by memory (its share of a
+step: docs/PARALLELISM.md). Block by block, a tensor-parallel rank would compute its slice of the outputs and
 all-gather each small output (76 collectives per FLUX step), and a sequence-parallel rank would read every
-weight whole. ``SplitModulation`` instead computes, at the first block of a forward, every block's
-projection: each rank its share of each output (its tensor-parallel slice, or the same rows of a weight it
-holds whole), then one all-gather gives every rank all of them. The blocks take theirs from it.
+weight whole. ``SplitModulation`` instead computes, at the first block of a forward, every block's projection:
+each rank its share of each output (its tensor-parallel slice, or the same rows of a weight it holds whole),
+then one all-gather gives every rank all of them. The blocks take theirs from it.
 """
 
 from __future__ import annotations

@@ -154,8 +154,9 @@ class NativeBlock:
 
     ``packed``: name -> Diffusers paths of linears that read one input (one GEMM). ``linears``: name ->
     path of the other linears the math reads (``output_parts``: those whose outputs pack several).
-    Subclasses implement ``forward`` with Diffusers' signature: ``self.native_weights(...)`` gives the
-    weights or None, in which case they return ``super().forward(...)``.
+    Subclasses implement ``forward`` with Diffusers' signature as one ``native_call`` (the sequence every
+    native forward follows); their host-side ``prepare`` starts with ``self.native_weights(...)``, which
+    gives the weights or None (Diffusers' forward then runs).
     """
 
     packed: ClassVar[Mapping[str, tuple[str, ...]]] = {}
@@ -167,6 +168,7 @@ class NativeBlock:
     sites: ClassVar[tuple[AttentionSite, ...]] = ()  # the block's attention call sites (roles)
     # The names in ``linears`` of its AdaLN projections (``modulate``).
     modulations: ClassVar[tuple[str, ...]] = ()
+    math: ClassVar[Callable[..., Any]]  # the block's pure math over tensors, weights and constants
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
 
@@ -187,6 +189,21 @@ class NativeBlock:
     def linear_projections(self) -> Mapping[str, str]:
         """``linears``, plus any linear only some blocks of a class have (override to add them)."""
         return self.linears
+
+    def native_call(
+        self,
+        diffusers_forward: Callable[[], Any],
+        prepare: Callable[[], Any],
+        run: Callable[[Callable[..., Any], Any], Any],
+    ) -> Any:
+        """The forward of every native block, in this order: Diffusers' forward while a compiler traces the
+        block (``run_as_diffusers``) or where ``prepare()`` (host-side, never traced: the weights read, the
+        projection cache, the constants) returns None (its reason counted); else ``run(math, prepared)``,
+        ``math`` being the class's math, compiled where the runtime compiles."""
+        prepared = None if self.run_as_diffusers() else prepare()
+        if prepared is None:
+            return diffusers_forward()
+        return run(self.omni_runtime.math(type(self).math, self.omni_name), prepared)
 
     def unsupported_reason(self, *args: Any, **kwargs: Any) -> str | None:
         """A model-specific reason this call must run Diffusers' forward (a custom processor...), or None."""

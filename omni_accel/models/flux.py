@@ -8,6 +8,7 @@ call fall back to Diffusers' forward.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -146,22 +147,16 @@ class _FluxNative(NativeBlock):
         joint_attention_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
-        prepared = None if self.run_as_diffusers() else self._prepare(temb, joint_attention_kwargs, inputs)
-        if prepared is None:
-            return super().forward(
-                hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs
-            )
-        modulation, weights, norms, constants = prepared
-        math = self.omni_runtime.math(type(self).math, self.omni_name)
-        return self._run(
-            math,
-            hidden_states,
-            encoder_hidden_states,
-            *modulation,
-            image_rotary_emb,
-            weights,
-            norms,
-            constants,
+
+        def run(math, prepared):
+            modulation, weights, norms, constants = prepared
+            args = (*modulation, image_rotary_emb, weights, norms, constants)
+            return self._run(math, hidden_states, encoder_hidden_states, *args)
+
+        return self.native_call(
+            functools.partial(super().forward, *inputs, joint_attention_kwargs),
+            lambda: self._prepare(temb, joint_attention_kwargs, inputs),
+            run,
         )
 
     @torch.compiler.disable

@@ -11,6 +11,7 @@ cache of Flux2KleinKVPipeline, whose processors run in Diffusers).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -156,21 +157,12 @@ class NativeFlux2TransformerBlock(_Flux2Native, Flux2TransformerBlock):
         joint_attention_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = (hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb)
-        prepared = None
-        if not self.run_as_diffusers() and temb_mod_img.ndim == 2:  # per-token (KV extract): Diffusers'
-            prepared = self._prepare(joint_attention_kwargs, inputs)
-        if prepared is None:
-            return super().forward(
-                hidden_states,
-                encoder_hidden_states,
-                temb_mod_img,
-                temb_mod_txt,
-                image_rotary_emb,
-                joint_attention_kwargs,
-            )
-        math = self.omni_runtime.math(type(self).math, self.omni_name)
-        return math(hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb,
-                    *prepared)  # fmt: skip
+        per_sample = temb_mod_img.ndim == 2  # per token (the KV extract): Diffusers'
+        return self.native_call(
+            functools.partial(super().forward, *inputs, joint_attention_kwargs),
+            lambda: self._prepare(joint_attention_kwargs, inputs) if per_sample else None,
+            lambda math, prepared: math(*inputs, *prepared),
+        )
 
 
 class NativeFlux2SingleTransformerBlock(_Flux2Native, Flux2SingleTransformerBlock):
@@ -199,27 +191,21 @@ class NativeFlux2SingleTransformerBlock(_Flux2Native, Flux2SingleTransformerBloc
         text_seq_len: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         inputs = (hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb)
-        prepared = None
-        if not self.run_as_diffusers() and temb_mod.ndim == 2:
-            prepared = self._prepare(joint_attention_kwargs, inputs)
-        if prepared is None:
-            return super().forward(
-                hidden_states,
-                encoder_hidden_states,
-                temb_mod,
-                image_rotary_emb,
-                joint_attention_kwargs,
-                split_hidden_states,
-                text_seq_len,
-            )
-        if encoder_hidden_states is not None:
-            text_seq_len = encoder_hidden_states.shape[1]
-            hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-        math = self.omni_runtime.math(type(self).math, self.omni_name)
-        x = math(hidden_states, temb_mod, image_rotary_emb, *prepared)
-        if split_hidden_states:
-            return x[:, :text_seq_len], x[:, text_seq_len:]
-        return x
+
+        def run(math, prepared):
+            x, text = hidden_states, text_seq_len
+            if encoder_hidden_states is not None:
+                text = encoder_hidden_states.shape[1]
+                x = torch.cat([encoder_hidden_states, x], dim=1)
+            x = math(x, temb_mod, image_rotary_emb, *prepared)
+            return (x[:, :text], x[:, text:]) if split_hidden_states else x
+
+        diffusers_args = (*inputs, joint_attention_kwargs, split_hidden_states, text_seq_len)
+        return self.native_call(
+            functools.partial(super().forward, *diffusers_args),
+            lambda: self._prepare(joint_attention_kwargs, inputs) if temb_mod.ndim == 2 else None,
+            run,
+        )
 
 
 def cfg_pairs(arguments: dict[str, Any]) -> bool:

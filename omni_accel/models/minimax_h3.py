@@ -10,6 +10,7 @@ channels of every head, and what makes a call fall back to Diffusers' forward.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -153,14 +154,16 @@ class NativeMiniMaxH3TransformerBlock(_MiniMaxNative, MiniMaxH3TransformerBlock)
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inputs = (hidden_states, temb, adaln_indices, rotary_emb, attention_mask)
-        prepared = (
-            None if self.run_as_diffusers() else self._prepare(hidden_states, temb, adaln_indices, inputs)
+
+        def run(math, prepared):
+            mod, rows, weights = prepared
+            return math(hidden_states, mod, rows, rotary_emb, weights, self._norms(), self._constants())
+
+        return self.native_call(
+            functools.partial(super().forward, *inputs),
+            lambda: self._prepare(hidden_states, temb, adaln_indices, inputs),
+            run,
         )
-        if prepared is None:
-            return super().forward(hidden_states, temb, adaln_indices, rotary_emb, attention_mask)
-        mod, rows, weights = prepared
-        math = self.omni_runtime.math(type(self).math, self.omni_name)
-        return math(hidden_states, mod, rows, rotary_emb, weights, self._norms(), self._constants())
 
     @torch.compiler.disable
     def _prepare(self, hidden_states, temb, adaln_indices, inputs):
@@ -179,13 +182,13 @@ class NativeMiniMaxH3TokenRefinerBlock(_MiniMaxNative, MiniMaxH3TokenRefinerBloc
     math = staticmethod(refiner_block)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weights = None if self.run_as_diffusers() else self._weights((hidden_states,))
-        if weights is None:
-            return super().forward(hidden_states)
-        math = self.omni_runtime.math(type(self).math, self.omni_name)
         # the text rows, before they are packed: whole on every rank under a sequence split (its attention
         # is not the packed sequence's; under tp its heads are split all the same)
-        return math(hidden_states, weights, self._norms(), self._constants(split=False))
+        return self.native_call(
+            functools.partial(super().forward, hidden_states),
+            lambda: self._weights((hidden_states,)),
+            lambda math, weights: math(hidden_states, weights, self._norms(), self._constants(split=False)),
+        )
 
     @torch.compiler.disable
     def _weights(self, inputs: tuple):

@@ -9,6 +9,7 @@ the cos/sin pairs our q/k kernel takes, the joint key mask, and what makes a cal
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -146,23 +147,17 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         modulate_index: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = (hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb)
-        prepared = None
-        if not self.run_as_diffusers():
-            prepared = self._prepare(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                                     image_rotary_emb, joint_attention_kwargs, modulate_index, inputs)  # fmt: skip
-        if prepared is None:
-            return super().forward(
-                hidden_states,
-                encoder_hidden_states,
-                encoder_hidden_states_mask,
-                temb,
-                image_rotary_emb,
-                joint_attention_kwargs,
-                modulate_index,
-            )
-        modulation, rope, weights, norms, constants, mask = prepared
-        math = self.omni_runtime.math(type(self).math, self.omni_name)
-        return math(hidden_states, encoder_hidden_states, *modulation, rope, weights, norms, constants, mask)
+
+        def run(math, prepared):
+            modulation, rope, weights, norms, constants, mask = prepared
+            args = (*modulation, rope, weights, norms, constants, mask)
+            return math(hidden_states, encoder_hidden_states, *args)
+
+        return self.native_call(
+            functools.partial(super().forward, *inputs, joint_attention_kwargs, modulate_index),
+            lambda: self._prepare(*inputs, joint_attention_kwargs, modulate_index, inputs),
+            run,
+        )
 
     @torch.compiler.disable
     def _prepare(

@@ -9,6 +9,7 @@ heads, the I2V image branch), the table of packed projections and what makes a c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +214,8 @@ class _WanNative(NativeBlock):
 
 
 class NativeWanTransformerBlock(_WanNative, WanTransformerBlock):
+    math = staticmethod(wan_block)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -221,18 +224,21 @@ class NativeWanTransformerBlock(_WanNative, WanTransformerBlock):
         rotary_emb: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         inputs = (hidden_states, encoder_hidden_states, temb, rotary_emb)
-        prepared = None if self.run_as_diffusers() else self._prepare(inputs)
-        if prepared is None:
-            return super().forward(*inputs)
-        weights, norms, constants = prepared
-        math = self.omni_runtime.math(wan_block, self.omni_name)
-        table = self.scale_shift_table
-        return math(hidden_states, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants)
+
+        def run(math, prepared):
+            table = self.scale_shift_table
+            return math(hidden_states, encoder_hidden_states, temb, table, rotary_emb, *prepared)
+
+        return self.native_call(
+            functools.partial(super().forward, *inputs), lambda: self._prepare(inputs), run
+        )
 
 
 class NativeWanVACETransformerBlock(_WanNative, WanVACETransformerBlock):
     """VACE's control block: the Wan block on the control stream, with the first block's input projection
     and every block's output projection (the hint added to the main block of its layer)."""
+
+    math = staticmethod(wan_vace_block)
 
     def linear_projections(self) -> dict[str, str]:
         present = {name: name for name in ("proj_in", "proj_out") if getattr(self, name) is not None}
@@ -247,17 +253,18 @@ class NativeWanVACETransformerBlock(_WanNative, WanVACETransformerBlock):
         rotary_emb: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         inputs = (hidden_states, encoder_hidden_states, control_hidden_states, temb, rotary_emb)
-        prepared = None if self.run_as_diffusers() else self._prepare(inputs)
-        if prepared is None:
-            return super().forward(*inputs)
-        weights, norms, constants = prepared
-        if "proj_in" in weights:  # the first control block joins the video tokens, outside the math that
-            # every control block shares (compiled: one graph for all of them)
-            control_hidden_states = apply_one(control_hidden_states, weights["proj_in"]) + hidden_states
-        math = self.omni_runtime.math(wan_vace_block, self.omni_name)
-        table = self.scale_shift_table
-        return math(
-            control_hidden_states, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants
+
+        def run(math, prepared):
+            weights, norms, constants = prepared
+            control = control_hidden_states
+            if "proj_in" in weights:  # the first control block joins the video tokens, outside the math
+                # that every control block shares (compiled: one graph for all of them)
+                control = apply_one(control, weights["proj_in"]) + hidden_states
+            table = self.scale_shift_table
+            return math(control, encoder_hidden_states, temb, table, rotary_emb, weights, norms, constants)
+
+        return self.native_call(
+            functools.partial(super().forward, *inputs), lambda: self._prepare(inputs), run
         )
 
 

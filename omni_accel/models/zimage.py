@@ -10,6 +10,7 @@ and what makes a call fall back to Diffusers' forward (Z-Image Omni's per-token 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -129,13 +130,11 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
         adaln_clean: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inputs = (x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
-        prepared = None
-        if not self.run_as_diffusers():
-            prepared = self._prepare(x, attn_mask, freqs_cis, adaln_input, noise_mask, inputs)
-        if prepared is None:
-            return super().forward(x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
-        math = self.omni_runtime.math(type(self).math, self.omni_name)
-        return math(x, *prepared)
+        return self.native_call(
+            functools.partial(super().forward, *inputs),
+            lambda: self._prepare(x, attn_mask, freqs_cis, adaln_input, noise_mask, inputs),
+            lambda math, prepared: math(x, *prepared),
+        )
 
     @torch.compiler.disable
     def _prepare(self, x, attn_mask, freqs_cis, adaln_input, noise_mask, inputs):

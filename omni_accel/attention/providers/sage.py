@@ -36,8 +36,8 @@ CAPABILITIES_V1 = Capabilities(
     lossless=False,
     min_compute_capability=(8, 0),
     # 1.0.6 loads the keys past the end of the last 64-key block as zeros and gives them softmax weight
-    # (measured on H200: output norm 0.916x the reference at 333 keys); 2.x is held to the same rule
-    # until shown otherwise.
+    # (a wrong output: docs/archive/performance-history.md); 2.x is held to the same rule until shown
+    # otherwise.
     kv_len_multiple=64,
 )
 CAPABILITIES_V2 = dataclasses.replace(CAPABILITIES_V1, head_dims=None, max_head_dim=128)

@@ -1,18 +1,17 @@
 """PyTorch scaled_dot_product_attention: automatic dispatch, and each of its kernels pinned by name.
 
 Pinning matters because PyTorch's own choice on Hopper is the flash kernel, while cuDNN's fused attention
-ran FLUX-sized attention at 617 TFLOP/s against flash's 318 on an H200 in this workplace (the whole FLUX
-step: docs/archive/performance-history.md); pinning also makes a run reproducible.
+is faster at the models' shapes (docs/archive/performance-history.md); pinning also makes a run
+reproducible.
 
 A pinned kernel has limits the declared capabilities cannot hold (they depend on the call's tensors and on
 process-wide switches): on an H200 with torch 2.11 and cuDNN 9.19, cuDNN refuses any sequence of length 1
 and every call while deterministic algorithms are on (what Diffusers' own tests turn on), and PyTorch then
-raises "No available kernel". PyTorch's ``can_use_*`` checks agreed with what its three kernels ran in
-each of 510 dtype x head size x length x batch x layout combinations there (tests/test_gpu_sdpa_kernels.py
-keeps sweeping them), so a pinned provider asks its check in ``forward``, on the BHSD views the call makes
-anyway, and raises ``KernelRefusal`` instead of launching: 1.8-3.1 us on that host (the ``sdpa_kernel``
-context around the call costs 22 us), no more than a cache keyed by the tensors' geometry took to look up
-(1.8-2.4 us), which could not have seen the switches.
+raises "No available kernel". PyTorch's ``can_use_*`` checks agree with what its three kernels run
+(tests/test_gpu_sdpa_kernels.py sweeps dtypes, head sizes, lengths, batches and layouts), so a pinned
+provider asks its check in ``forward``, on the BHSD views the call makes anyway, and raises
+``KernelRefusal`` instead of launching. The check costs no more than a cache keyed by the tensors'
+geometry would, and such a cache could not see the switches (docs/archive/performance-history.md).
 """
 
 from __future__ import annotations
@@ -127,7 +126,7 @@ class SdpaProvider(AttentionProvider):
     def _checked_bhsd(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The BHSD views of a call, after the pinned kernel's check (one per call: 2-3 us)."""
+        """The BHSD views of a call, after the pinned kernel's check (one per call, cheap: see the module)."""
         q, k, v = _to_bhsd(query, key, value)
         refused = self._refusal(q, k, v, attn_mask)
         if refused is not None:
