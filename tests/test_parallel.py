@@ -531,7 +531,7 @@ def _layouts_by_peer_writes() -> None:
     assert made and ring_calls and ulysses_calls and gathers
     assert all(args[7] for args in default_ring), "the ring took K/V not written in place"  # placed
     # FLUX's single blocks: the GELU beside the outputs' return, which lands in the projection's input
-    assert any(args[6] is not None and args[7] is not None for args in ulysses_calls)
+    assert any(args[5].then is not None and args[5].out is not None for args in ulysses_calls)
     # FLUX's double blocks under tp: the image and text streams' exchanges end behind one barrier
     assert any(len(args[0]) == 2 for args in gathers_ended) and any(len(args[0]) == 2 for args in sums_ended)
     # compiled (no spy in the traced code: a list growing there recompiles), new buffers

@@ -25,6 +25,7 @@ from omni_accel.attention.providers.sdpa import SdpaMathProvider
 from omni_accel.parallel import sequence, token_rows
 from omni_accel.parallel.config import LayoutTuning, ParallelConfig
 from omni_accel.parallel.mesh import init_parallel
+from omni_accel.parallel.overlap import Overlap
 from omni_accel.parallel.peer_exchange import PeerBuffers
 from omni_accel.parallel.sequence import (
     SequenceParallel,
@@ -94,13 +95,12 @@ def check_attention(
         runs, width = [], heads * v_dim
         wide = torch.zeros(*local_q.shape[:2], width + 3)
         into = wide[..., :width].unflatten(-1, (heads, v_dim))
-        out, done = sp.attention_beside(
-            *local, attend, lambda: runs.append(1) or "done", placement, lambda d: f"{d}, then", into
-        )
+        work = Overlap(lambda: runs.append(1) or "done", lambda d: f"{d}, then", into, placement)
+        out, done = sp.attention_beside(*local, attend, work)
         assert (runs, done) == ([1], "done, then")
         assert out.data_ptr() == wide.data_ptr() and not wide[..., width:].any()
     else:
-        out = sp.attention_beside(*local, attend, None, placement)[0]
+        out = sp.attention_beside(*local, attend, Overlap(placement=placement))[0]
     assert out.shape == (*local_q.shape[:3], v_dim)
     err = rel_err(sp.gather(out), want)
     assert err <= TOLERANCE, f"relative error {err:.2e}"

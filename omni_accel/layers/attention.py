@@ -26,10 +26,11 @@ import torch
 
 from ..attention.key_padding import attend_kept, kept_keys
 from ..attention.selection import AttentionSelector
+from ..parallel.overlap import NOTHING, Overlap
 from ..parallel.parallelize import Parallelized
 from ..parallel.placement import Placement
 from ..parallel.routed_attention import with_mask_column
-from ..parallel.sequence import SequenceParallel, finish
+from ..parallel.sequence import SequenceParallel
 from .fused import Segment, qkv_norm_rope
 
 T = TypeVar("T")
@@ -103,14 +104,10 @@ def _attend_in_layout(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
-    beside: Callable[[], T] | None = None,
-    placement: Placement | None = None,
-    then: Callable[[T], U] | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, T | U | None]:
+    overlap: Overlap = NOTHING,
+) -> tuple[torch.Tensor, object]:
     """The kernel call, wrapped in the sequence-parallel communication when the layout splits the sequence,
-    and ``beside()``'s result (run while that communication travels; ``then`` on it: see
-    ``attention_beside``)."""
+    and ``overlap``'s work's result (run while that communication travels: see ``attention_beside``)."""
 
     selector = _runtime().selector
 
@@ -125,8 +122,8 @@ def _attend_in_layout(
                 return _attend(selector, role, category, scale, q, k, v, need_lse, mask)
 
             attended = with_mask_column(sp, attend_masked, query, key, value, attn_mask, scale)
-            return finish(attended, None if beside is None else beside(), then, out)
-        return sp.attention_beside(query, key, value, attend, beside, placement, then, out)
+            return overlap.finish(attended, overlap.run_beside())
+        return sp.attention_beside(query, key, value, attend, overlap)
     # A key-padding mask (native blocks pass one tensor per forward): the padded keys dropped, an unmasked
     # kernel; the dense mask while compiling or capturing, where the host cannot read it.
     kept = kept_keys(attn_mask, query.shape[0], key.shape[1], first_sight=True)
@@ -134,8 +131,8 @@ def _attend_in_layout(
         attended = attend_kept(query, key, value, kept, lambda q, k, v: _attend(
             selector, role, category, scale, q, k, v
         ))  # fmt: skip
-        return finish(attended, None if beside is None else beside(), then, out)
-    return finish(attend(query, key, value), None if beside is None else beside(), then, out)
+        return overlap.finish(attended, overlap.run_beside())
+    return overlap.finish(attend(query, key, value), overlap.run_beside())
 
 
 @torch.library.custom_op("omni_accel::routed_attention", mutates_args=())
@@ -190,7 +187,7 @@ def attention(
     if torch.compiler.is_dynamo_compiling():
         return _routed_attention(query, key, value, split, site.role, site.category, scale, attn_mask)
     args = (split, site.role, site.category, scale, query, key, value, attn_mask)
-    return _attend_in_layout(*args, placement=placement)[0]
+    return _attend_in_layout(*args, overlap=NOTHING if placement is None else Overlap(placement=placement))[0]
 
 
 def places_inputs() -> bool:
@@ -232,11 +229,12 @@ def attention_beside(
     outputs travel back (Ulysses by peer writes), and its result is returned instead. ``out``: where the
     output goes (``[B, tokens, heads, Dv]``, maybe columns of the next projection's input), written there by
     the exchange itself where it can. Compiled, the parts are traced apart and the compiler orders them."""
+    overlap = Overlap(work, then, out, placement)
     if torch.compiler.is_dynamo_compiling():
-        return finish(attention(query, key, value, site, split=True), work(), then, out)
+        return overlap.finish(attention(query, key, value, site, split=True), overlap.run_beside())
     scale = site.scale if site.scale is not None else 1 / math.sqrt(query.shape[-1])
     args = (True, site.role, site.category, scale, query, key, value)
-    return _attend_in_layout(*args, beside=work, placement=placement, then=then, out=out)
+    return _attend_in_layout(*args, overlap=overlap)
 
 
 def qkv_attention(

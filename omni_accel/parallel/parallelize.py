@@ -1,9 +1,11 @@
 """``parallelize``: spreads a Diffusers transformer whose blocks are native over the mesh, in ordered steps.
 
 1. tensor parallelism: shard the planned linears of every repeated block in place (``tensor.py``);
-2. sequence parallelism: split the sequence inputs and gather the output (hooks, ``sequence_hooks.py``);
+2. transports: each group's exchanges are peer writes into symmetric memory or its backend's collectives
+   (``peer_exchange.py``, as ``LayoutTuning.peer_writes`` allows), decided once for every rank;
+3. sequence parallelism: split the sequence inputs and gather the output (hooks, ``sequence_hooks.py``);
    under tensor parallelism the same hooks split the tokens over the TP group too (``token_rows.py``);
-3. CFG: split the guidance batch or pair the cond/uncond calls over a ``cfg`` group, or else stack the
+4. CFG: split the guidance batch or pair the cond/uncond calls over a ``cfg`` group, or else stack the
    paired calls in one batch (a hook, ``cfg.py``), outermost.
 
 A model declares what these steps need as data (``ParallelPlan``); parallel/ never imports models/.
@@ -23,6 +25,7 @@ from torch import nn
 from .cfg import GuidanceBranches, SplitGuidance
 from .hooks import SubmoduleHooks, register
 from .mesh import ParallelState
+from .peer_exchange import choose_transports
 from .sequence_hooks import (
     GatherSequence,
     SequencePlan,
@@ -134,6 +137,8 @@ def parallelize(
         tp is not None and plan.tokens_over_tp and plan.sequence is not None and tuning.split_tokens
     )
     with torch.cuda.device(state.device) if state.device.type == "cuda" else contextlib.nullcontext():
+        if tuning.peer_writes:  # each group's transport, decided here by every rank at the same point
+            choose_transports([state.group(dim) for dim in ("ulysses", "ring", "tp")])
         splits_tokens = splits_tokens and split_pays(tp, tuning.peer_writes)
     if config.sequence_parallel > 1 or splits_tokens:
         tp = tp if splits_tokens else None

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..utils.logging import get_logger
 from .copies import copy_rows_
+from .overlap import Overlap
 from .placement import Placement
 
 logger = get_logger(__name__)
@@ -142,6 +143,13 @@ def peer_buffers(group: dist.ProcessGroup | None) -> PeerBuffers | None:
     if name not in _BY_GROUP:
         _BY_GROUP[name] = _try_peer_buffers(group)
     return _BY_GROUP[name]
+
+
+def choose_transports(groups: Sequence[dist.ProcessGroup | None]) -> None:
+    """Decides for each group whether its exchanges are peer writes (mapping its buffers) or its backend's
+    collectives, once, when a layout is applied: every rank calls it at the same point."""
+    for group in groups:
+        peer_buffers(group)
 
 
 def ranks_write_each_other() -> bool:
@@ -281,20 +289,19 @@ def ulysses_in_place(
     sizes: Sequence[int],
     stages: Sequence[tuple[int, Sequence[int]]],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    beside: Callable[[], object] | None,
-    then: Callable[[object], object] | None = None,
-    out: torch.Tensor | None = None,
+    overlap: Overlap,
 ) -> tuple[torch.Tensor, object]:
     """Ulysses attention over this rank's heads of the whole sequence, stage by stage (as
-    ``ulysses_placement`` placed them), and ``beside()``'s result (or ``then``'s of it): the staged pieces
-    travel by the copy engine while ``beside`` runs (a later stage's, while the stage before's kernel runs),
-    and once a barrier passes every rank's are here; one kernel per stage, then each rank's tokens of its
-    output sent back as ``ulysses_by_peer_writes`` sends a stage's, the last stage's by the copy engine
-    while ``then`` runs. ``out``: where this rank's output goes."""
+    ``ulysses_placement`` placed them), and ``overlap.beside()``'s result (or ``then``'s of it): the staged
+    pieces travel by the copy engine while ``beside`` runs (a later stage's, while the stage before's kernel
+    runs), and once a barrier passes every rank's are here; one kernel per stage, then each rank's tokens of
+    its output sent back as ``ulysses_by_peer_writes`` sends a stage's, the last stage's by the copy engine
+    while ``then`` runs, into ``overlap.out`` where given."""
     gathered = [placement.attend_on, *(on for on, _ in placement.later)]
     sent = [peers.copy_beside(copies) if copies else None for copies in placement.all_sends()]
-    done = None if beside is None else beside()
+    done = overlap.run_beside()
     q, _, v = placement.attend_on
+    out, then = overlap.out, overlap.then
     if out is None:
         out = q.new_empty(q.shape[0], sizes[peers.rank], sum(sum(heads) for _, heads in stages), v.shape[-1])
     after = None if then is None else lambda: then(done)

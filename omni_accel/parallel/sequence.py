@@ -40,6 +40,7 @@ from ..attention.merge import merge_partials
 from .comm import all_gather_sizes
 from .config import LayoutTuning
 from .copies import copy_rows_
+from .overlap import NOTHING, Overlap
 from .peer_exchange import (
     describe_exchange,
     peer_buffers,
@@ -56,9 +57,6 @@ Attend = Callable[
 """``attend(q, k, v, need_lse)`` on BSHD tensors: the output, or ``(output, lse)`` when ``need_lse``."""
 Beside = Callable[[], object] | None
 """Work that does not depend on the attention, run while its exchanges travel (None: no such work)."""
-Then = Callable[[object], object] | None
-"""Work on ``beside``'s result that does not depend on the attention either, run once the kernel has run,
-while the outputs travel back (None: no such work)."""
 
 _SEQ, _HEADS = 1, 2
 
@@ -292,16 +290,6 @@ def _run(beside: Beside) -> object:
     return None if beside is None else beside()
 
 
-def finish(
-    o: torch.Tensor, done: object, then: Then, out: torch.Tensor | None
-) -> tuple[torch.Tensor, object]:
-    """Attention's output ``o`` written into ``out`` (if given), and ``then``'s result on ``done`` (``beside``'s),
-    where nothing travels back beside ``then``."""
-    if out is not None:
-        copy_rows_(out, o)
-    return (o if out is None else out), (done if then is None else then(done))
-
-
 @dataclass(frozen=True)
 class SequenceParallel:
     """How one sequence is spread over a Ulysses x ring grid of ranks, and attention over it.
@@ -414,7 +402,7 @@ class SequenceParallel:
         """Full attention of this rank's queries over the whole sequence; returns this rank's output slice.
         ``q``, ``k`` and ``v`` are this rank's BSHD slices. (Attention over K/V every rank holds whole, such
         as a cross-attention's text, needs no layout at all: each rank attends with its own queries.)"""
-        return self.attention_beside(q, k, v, attend, None)[0]
+        return self.attention_beside(q, k, v, attend)[0]
 
     def attention_beside(
         self,
@@ -422,17 +410,15 @@ class SequenceParallel:
         k: torch.Tensor,
         v: torch.Tensor,
         attend: Attend,
-        beside: Beside,
-        placement: Placement | None = None,
-        then: Then = None,
-        out: torch.Tensor | None = None,
+        overlap: Overlap = NOTHING,
     ) -> tuple[torch.Tensor, object]:
-        """``attention``, and ``beside()``'s result (or ``then``'s of it): under a ring the work runs once
-        the K/V blocks are posted, while they travel; under Ulysses with its inputs placed while the staged
-        heads travel, and ``then`` while the outputs travel back; otherwise first (beside the packed stages
-        it measured no gain). ``placement``: q, k and v are what ``input_placement`` gave, written there.
-        ``out``: where the output goes (``[B, tokens, heads, Dv]``, maybe columns of a wider tensor),
-        written there by the exchange itself where the outputs travel back by peer writes."""
+        """``attention``, and ``overlap.beside()``'s result (or ``then``'s of it): under a ring the work runs
+        once the K/V blocks are posted, while they travel; under Ulysses with its inputs placed while the
+        staged heads travel, and ``then`` while the outputs travel back; otherwise first (beside the packed
+        stages it does not pay). ``overlap.placement``: q, k and v are what ``input_placement`` gave, written
+        there; ``overlap.out``: where the output goes, written there by the exchange itself where the outputs
+        travel back by peer writes."""
+        placement = overlap.placement
         if placement is not None:
             if any(a is not b for a, b in zip(placement.written(q), (q, k, v), strict=True)):
                 raise ValueError("attention got q, k and v other than those its placement holds")
@@ -441,9 +427,10 @@ class SequenceParallel:
                 tokens = sum(self._sizes(kv=True))
                 stages = placed_stages(heads, _size(self.ulysses_group), tokens, self.tuning)
                 attend_here = partial(_attend_out, attend)
-                args = (self.sizes, stages, attend_here, beside, then, out)
+                args = (self.sizes, stages, attend_here, overlap)
                 return ulysses_in_place(self._peers(self.ulysses_group), placement, *args)
-        return finish(*self._attention_beside(q, k, v, attend, beside, placement is not None), then, out)
+        placed = placement is not None
+        return overlap.finish(*self._attention_beside(q, k, v, attend, overlap.beside, placed))
 
     def _attention_beside(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, beside: Beside, placed: bool
