@@ -1,8 +1,12 @@
 """The user-facing entry points: ``accelerate``, ``restore``, ``describe``.
 
-``accelerate`` works in two phases: plan (inspect every component and build every native module; any
-error leaves the pipeline untouched) and commit (swap modules, install hooks, patches and cache sites,
-each recording its own undo). ``restore`` runs the undos in reverse order.
+``accelerate`` works in two phases: plan (check every component and build what it will run with: its
+runtime, report, graphs and layout; any error leaves the pipeline untouched), then commit: each
+component's ordered steps (``_NATIVE_STEPS`` or ``_GENERIC_STEPS``: native blocks, the runtime bound to
+each forward, cache sites, graphs, the parallel layout with the patches it declares), then the
+pipeline's (CFG call pairing, the VAE split, each rank's device: ``_spread_the_rest``). Every step records
+its own undo; ``restore`` runs them in reverse order. ``parallel="auto"`` runs the layout steps at the first
+pipeline call instead.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from .models.registry import (
     registered_spec,
     spec_for,
 )
-from .parallel import check_parallel, parallelize
+from .parallel import Parallelized, check_parallel, parallelize
 from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
 from .parallel.config import LayoutTuning, ParallelConfig
@@ -535,9 +539,8 @@ def _plan_generic(
         check_parallel(module, generic_parallel_plan(module, parallel.config, routed=bool(routes)), parallel)
         if _generic_pairing(spec, parallel) is not None:
             patches.check_applicable("pair_cfg_calls")
-        if parallel.config.tp > 1:
-            for patch, _ in _tp_lora_patches():
-                patches.check_applicable(patch)
+        for patch in _layout_patches(parallel.config, graphs=False, splits_sequence=False):
+            patches.check_applicable(patch.name)
     blocks = repeated_blocks(module)
     if config.quantize is not None and not blocks:
         raise ValueError(
@@ -795,48 +798,102 @@ def _resolve_rows(
     return rows
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One step of committing a planned component, in the order of its table: it runs where
+    ``applies(component)``, and ``apply`` adds the undo of everything it changes to ``component.undo``
+    (a refused ``accelerate`` runs those undos, newest first)."""
+
+    name: str
+    applies: Callable[[_Component], bool]
+    apply: Callable[[_Component], None]
+
+
+def _always(component: _Component) -> bool:
+    return True
+
+
+def _swap_native_blocks(component: _Component) -> None:
+    model = component.spec.native_model()
+    component.undo.append(swap_blocks(component.original, model, component.runtime).undo)
+
+
+def _bind_forward_runtime(component: _Component) -> None:
+    """The blocks' attention reads its selector and layout from the forward in flight."""
+    enter = functools.partial(enter_forward, component.runtime)
+    component.undo += scoped_hooks(component.original, enter, leave_forward)
+
+
+def _wrap_cache_sites(component: _Component) -> None:
+    """Model-level modules whose outputs repeat from call to call go through the projection cache."""
+    spec = component.spec
+    sites = spec.native_model().conditioning_sites if component.runtime is not None else spec.cache_sites
+    component.undo += wrap_sites(component.original, sites, component.cache)
+
+
+def _install_step_graphs(component: _Component) -> None:
+    component.graphs.install()
+    component.undo.append(component.graphs.uninstall)
+
+
+def _install_block_graphs(component: _Component) -> None:
+    """Per-block graphs for steps a hook keeps from one graph (on one device: under a layout every rank
+    would have to capture alike)."""
+    blocks = native_blocks(component.original, component.spec.native_model())
+    block_graphs = cuda_graphs.install_block_graphs(blocks, component.runtime)
+    component.undo += [graphs.uninstall for graphs in block_graphs]
+    component.report.block_graphs = block_graphs
+
+
+def _adapt_model(component: _Component) -> None:
+    """Where the model's own code is replaced for the generic tier (``models/``), and how."""
+    adaptation = generic_adaptation(component.original)
+    if adaptation is not None:
+        note, undo = adaptation(component.original)
+        component.undo += undo
+        component.report.adapted.append(note)
+
+
+def _install_compiled_regions(component: _Component) -> None:
+    component.undo += install_regions(component.original, component.generic)
+
+
+def _install_fp8(component: _Component) -> None:
+    blocks = repeated_blocks(component.original)
+    component.undo += install_fp8_linears(component.original, blocks, component.generic.fp8)[1]
+
+
+_NATIVE_STEPS = (
+    _Step("native blocks", _always, _swap_native_blocks),
+    _Step("runtime bound to each forward", _always, _bind_forward_runtime),
+    _Step("projection cache sites", lambda c: c.cache is not None, _wrap_cache_sites),
+    _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
+    _Step("block graphs", lambda c: c.graphs is not None and c.parallel is None, _install_block_graphs),
+    _Step("parallel layout", lambda c: c.parallel is not None, lambda c: _parallelize(c)),
+)
+_GENERIC_STEPS = (
+    _Step("attention routed", _always, lambda c: _route_attention(c)),
+    _Step("model adaptation", _always, _adapt_model),
+    _Step("projection cache sites", lambda c: c.cache is not None, _wrap_cache_sites),
+    _Step(
+        "compiled regions",
+        lambda c: c.generic is not None and c.generic.compiler is not None,
+        _install_compiled_regions,
+    ),
+    _Step("fp8 linears", lambda c: c.generic is not None and c.generic.fp8 is not None, _install_fp8),
+    _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
+    # after the graphs, as for native blocks: the layout's hooks wrap them
+    _Step("parallel layout", lambda c: c.parallel is not None, lambda c: _parallelize_generic(c)),
+)
+
+
 def _commit(component: _Component) -> None:
+    """Runs the component's steps in order (a module another pipeline accelerated is that one's)."""
     if component.shared:
-        return  # the pipeline that accelerated the module owns its undo
-    if component.runtime is not None:
-        model = component.spec.native_model()
-        swapped = swap_blocks(component.original, model, component.runtime)
-        component.undo.append(swapped.undo)
-        # the blocks' attention reads its selector and layout from the forward in flight
-        enter = functools.partial(enter_forward, component.runtime)
-        component.undo += scoped_hooks(component.original, enter, leave_forward)
-        if component.cache is not None:
-            component.undo += wrap_sites(component.original, model.conditioning_sites, component.cache)
-        if component.graphs is not None:
-            component.graphs.install()
-            component.undo.append(component.graphs.uninstall)
-            if component.parallel is None:  # under a layout every rank would have to capture alike
-                blocks = native_blocks(component.original, model)
-                block_graphs = cuda_graphs.install_block_graphs(blocks, component.runtime)
-                component.undo += [graphs.uninstall for graphs in block_graphs]
-                component.report.block_graphs = block_graphs
-        if component.parallel is not None:
-            _parallelize(component)
-    else:
-        _route_attention(component)
-        adaptation = generic_adaptation(component.original)
-        if adaptation is not None:
-            note, undo = adaptation(component.original)
-            component.undo += undo
-            component.report.adapted.append(note)
-        if component.cache is not None:
-            component.undo += wrap_sites(component.original, component.spec.cache_sites, component.cache)
-        if component.generic is not None:
-            if component.generic.compiler is not None:
-                component.undo += install_regions(component.original, component.generic)
-            if component.generic.fp8 is not None:
-                blocks = repeated_blocks(component.original)
-                component.undo += install_fp8_linears(component.original, blocks, component.generic.fp8)[1]
-        if component.graphs is not None:
-            component.graphs.install()
-            component.undo.append(component.graphs.uninstall)
-        if component.parallel is not None:  # after the graphs, as for native blocks: its hooks wrap them
-            _parallelize_generic(component)
+        return
+    for step in _NATIVE_STEPS if component.runtime is not None else _GENERIC_STEPS:
+        if step.applies(component):
+            step.apply(component)
 
 
 def _route_attention(component: _Component) -> None:
@@ -952,13 +1009,43 @@ def _check_layout(module: nn.Module, model, parallel: ParallelState, graphs: boo
     """Raises, before anything changes, when ``parallel``'s layout cannot apply to ``module`` (with CUDA
     graphs of its steps when ``graphs``)."""
     check_parallel(module, model.parallel, parallel)
-    if graphs:
-        patches.check_applicable("release_graphs_at_destroy")
+    for patch in _layout_patches(parallel.config, graphs, splits_sequence=False):
+        patches.check_applicable(patch.name)
     if model.cfg_pairing is not None and (parallel.config.cfg > 1 or parallel.config.stacks_guidance):
         patches.check_applicable("pair_cfg_calls")
-    if parallel.config.tp > 1:
-        for patch, _ in _tp_lora_patches():
-            patches.check_applicable(patch)
+
+
+@dataclass(frozen=True)
+class _Patch:
+    """A patch of third-party code (``patches/``) and the module it patches. ``required=False``: applied
+    where the installed version is a checked one; elsewhere the feature it enables stays refused."""
+
+    name: str
+    target: str
+    required: bool = True
+
+
+def _layout_patches(config: ParallelConfig, graphs: bool, splits_sequence: bool) -> list[_Patch]:
+    """The patches a layout needs: step graphs holding collectives released before the group is destroyed;
+    under tp, LoRA loaded later (full shapes checked, this rank's slice of each delta merged); under a token
+    split, Diffusers' first-block cache deciding over every rank's tokens."""
+    needed = [_Patch("release_graphs_at_destroy", "torch.distributed")] if graphs else []
+    if config.tp > 1:
+        needed += [_Patch(*patch) for patch in _tp_lora_patches()]
+    if splits_sequence:
+        needed.append(_Patch(*_CACHE_OVER_RANKS, required=False))
+    return needed
+
+
+def _apply_layout_patches(component: _Component, layout: Parallelized) -> None:
+    """``_layout_patches`` of ``component``'s layout, applied; their reverts join its undo."""
+    needed = _layout_patches(
+        component.parallel.config, component.graphs is not None, layout.sequence is not None
+    )
+    for patch in needed:
+        if patch.required or patches.applicable(patch.name):
+            patches.apply(patch.name, patch.target)
+            component.undo.append(lambda patch=patch: patches.revert(patch.name, patch.target))
 
 
 def _parallelize_generic(component: _Component) -> None:
@@ -975,15 +1062,7 @@ def _parallelize_generic(component: _Component) -> None:
         component.undo.append(lambda: count_split(-1))
     if parallel.config.tp > 1:  # Diffusers' forward of a row-split linear: its partial sums reduced
         component.undo.append(sum_row_splits(module))
-        for patch in _tp_lora_patches():  # LoRA loaded later: full shapes checked, split adapters merged
-            patches.apply(*patch)
-            component.undo.append(lambda patch=patch: patches.revert(*patch))
-    if component.graphs is not None:  # graphs of parallel steps hold collectives
-        patches.apply("release_graphs_at_destroy", "torch.distributed")
-        component.undo.append(lambda: patches.revert("release_graphs_at_destroy", "torch.distributed"))
-    if layout.sequence is not None and patches.applicable(_CACHE_OVER_RANKS[0]):
-        patches.apply(*_CACHE_OVER_RANKS)
-        component.undo.append(lambda: patches.revert(*_CACHE_OVER_RANKS))
+    _apply_layout_patches(component, layout)
 
 
 def _parallelize(component: _Component) -> None:
@@ -1007,16 +1086,7 @@ def _parallelize(component: _Component) -> None:
     if group is not None and sites:
         component.runtime.modulation = SplitModulation(sites, group)
         component.undo.append(lambda: setattr(component.runtime, "modulation", None))
-    if component.graphs is not None:  # graphs of parallel steps hold NCCL operations
-        patches.apply("release_graphs_at_destroy", "torch.distributed")
-        component.undo.append(lambda: patches.revert("release_graphs_at_destroy", "torch.distributed"))
-    if component.parallel.config.tp > 1:
-        for patch in _tp_lora_patches():
-            patches.apply(*patch)
-            component.undo.append(lambda patch=patch: patches.revert(*patch))
-    if layout.sequence is not None and patches.applicable(_CACHE_OVER_RANKS[0]):
-        patches.apply(*_CACHE_OVER_RANKS)
-        component.undo.append(lambda: patches.revert(*_CACHE_OVER_RANKS))
+    _apply_layout_patches(component, layout)
 
 
 def _agree_on_cache_hits(component: _Component) -> None:

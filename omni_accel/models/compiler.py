@@ -1,8 +1,7 @@
 """``compile=True`` for the native blocks' math: compiled at the first call, or beside the running pipeline.
 
 A compiled first call traces and compiles each block function, and the first image waits for it: seconds
-of host work even with a warm on-disk cache (FLUX.1-dev on an H200: 8.6-10.7 s from ``accelerate`` to the
-first image against 3.5-3.8 s for a warm one, docs/archive/performance-history.md). In the background mode (``compile_in_background=True``, on
+of host work even with a warm on-disk cache (docs/archive/performance-history.md). In the background mode (``compile_in_background=True``, on
 one device) the first steps run the eager math, the same fused kernels, and a worker thread compiles each
 block function by calling it once with its first call's arguments (on the caller's stream, the result
 thrown away; block math never writes to its inputs). The compile starts after the first step (whose
@@ -76,7 +75,7 @@ class BlockCompiler:
     ) -> None:
         # Static code for every input shape unless the user says otherwise: torch.compile's automatic
         # dynamic shapes would compile the second shape it meets as a dynamic-shape graph, whose kernels
-        # measured slower (FLUX.1-dev on an H200: 160 against 134 ms per step).
+        # are slower (docs/archive/performance-history.md).
         self.options = _with_graph_passes({"dynamic": False, **options})
         self.background = background
         # False: a failed background compile is logged and its blocks run eagerly (compiles nobody asked for)

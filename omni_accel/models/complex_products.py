@@ -3,8 +3,8 @@
 Several Diffusers families rotate q and k by complex multiplication (Qwen-Image, Z-Image, Qwen-Image 2.1,
 NucleusMoE, AnyFlow, Wan-Animate 2, Bria FIBO 2, SANA-WM: ``view_as_real(view_as_complex(x) * freqs)``).
 Inductor generates no code for complex tensors, so each such product runs as a separate eager kernel
-between fused ones (the compiled Qwen-Image forward at 1024x1024 on an H200: 122 of them, 2.0 of 71 ms of
-kernel time, in Diffusers' own ``compile_repeated_blocks`` as in ours). This pass rewrites each
+between fused ones, in Diffusers' own ``compile_repeated_blocks`` as in ours (a compiled Qwen-Image forward
+runs over a hundred of them: docs/archive/performance-history.md). This pass rewrites each
 ``view_as_real(a * b)`` of complex ``a`` and ``b`` as ``stack((ar*br - ai*bi, ar*bi + ai*br), -1)`` over
 their real views, which inductor fuses with the norm before it and the cast after it. The same products in
 the same precision; only the rounding of the fused order can differ, as anywhere in compiled code.

@@ -283,7 +283,7 @@ FLUX = NativeModel(
                 "txt_ids": Split("text", -2, positions=True),
             },
             output=("proj_out", Split("image", 1)),
-            ring_first=True,  # its single blocks run the MLP's GEMM beside the K/V transfer: 72.4 vs 76.5 ms
+            ring_first=True,  # its single blocks run the MLP's GEMM beside the K/V transfer (docs/PERFORMANCE.md)
         ),
         batched_inputs=(
             "hidden_states",

@@ -3,16 +3,13 @@
 The rules are the measured ones (docs/PARALLELISM.md, docs/archive/performance-history.md), applied in this order:
 
 1. CFG first. When the call runs both guidance branches (Wan's default ``guidance_scale=5``, FLUX's true CFG),
-   ``cfg=2`` splits them over two ranks: one tensor exchanged per step (two H200s: 1.93x on FLUX true CFG,
-   2.00x on Wan 14B).
+   ``cfg=2`` splits them over two ranks: one tensor exchanged per step, the fastest layout on two GPUs
+   for such calls (docs/PERFORMANCE.md).
 2. The remaining ranks split the sequence: Ulysses up to the largest degree that divides the heads, ring
    for the rest; on two ranks whose K/V can travel by peer writes, ring for a model whose plan says
-   ``ring_first``. On two H200s that is the fastest measured for both models: FLUX 1024x1024 (one
-   launch, 8-step calls) ring 72.4 ms/step by peer writes, its single blocks' MLP GEMM beside the
-   transfer, tp 76.3, ulysses 76.5 (127.7 on one GPU); Wan 14B with CFG ulysses 1.77x, ring 1.65x by
-   NCCL (cuDNN, earlier: 1.84x, 1.83x, tp 1.59x; Ulysses is bitwise one GPU, ring's merge rounds
-   differently; Wan's ring by peer writes is not measured yet). Beyond two ranks not yet measured
-   (issue 12).
+   ``ring_first`` (FLUX: its single blocks' MLP GEMM runs beside the K/V transfer). On two GPUs these are
+   the fastest measured for FLUX and Wan (docs/PERFORMANCE.md, docs/PARALLELISM.md); beyond two ranks
+   the rule is not measured yet.
 3. A model without a sequence plan takes tensor parallelism, when its heads split.
 
 ``accelerate`` makes the native swap at once and decides the layout at the pipeline's first call, from that

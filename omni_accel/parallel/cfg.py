@@ -5,8 +5,8 @@ pipelines that batch both branches (or several prompts) get their batch split in
 gathered back. Without one, under a layout that splits the sequence or the heads (tp, ulysses, ring), the
 two calls of a step run as one call of both branches' inputs stacked along the batch (``batch_guidance``):
 each rank's GEMMs then see twice its tokens, and the layout's exchanges and barriers happen once per step
-instead of twice (two H200s: 1.05x per step for Wan 14B and FLUX under ulysses=2; on one GPU, where the
-GEMMs are large already, the stacked call measured slower, so it is not used there).
+instead of twice, which pays under a layout; on one GPU, where the GEMMs are large already, it does not,
+so it is not used there (docs/PARALLELISM.md).
 
 Pipelines that call the transformer twice per step (FLUX's true CFG, Wan) get the two calls paired: the
 conditional call returns a buffer at once and records its inputs; the unconditional call then computes both

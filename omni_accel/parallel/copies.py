@@ -2,8 +2,8 @@
 
 Packing a stage's heads rank by rank (and unpacking the output) permutes tensors whose innermost run (a
 rank's heads times the head size) is contiguous on both sides. PyTorch copies such permutations with its
-generic strided kernel, about a quarter of the bandwidth of a plain copy on an H200; the Triton kernel
-here moves whole rows instead. Elsewhere (CPU, no Triton, short rows) it is ``dst.copy_(src)``.
+generic strided kernel, far below a plain copy's bandwidth (docs/PARALLELISM.md); the Triton kernel here
+moves whole rows instead. Elsewhere (CPU, no Triton, short rows) it is ``dst.copy_(src)``.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from .config import LayoutTuning
 from .copies import copy_rows_
 from .overlap import NOTHING, Overlap
 from .peer_exchange import (
+    PeerBuffers,
     describe_exchange,
     peer_buffers,
     ulysses_by_peer_writes,
@@ -243,11 +244,11 @@ def ring_attention(
     kv_sizes: Sequence[int],
     beside: Beside = None,
     placed: bool = False,
-    peer_writes: bool = True,
+    peers: PeerBuffers | None = None,
 ) -> tuple[torch.Tensor, object]:
     """Attention of the local queries over the K/V blocks of every rank in ``group`` (``kv_sizes[i]`` tokens
     on rank ``i``), and ``beside()``'s result, run while the first blocks travel. Between the GPUs of one
-    machine the blocks are peer writes where ``peer_writes`` allows (``peer_ring``; ``placed``: K/V already
+    machine the blocks are peer writes into ``peers``, the group's buffers (``peer_ring``; ``placed``: K/V already
     in its buffers); elsewhere
     block ``i`` travels rank to rank, the transfer of the next block posted before the kernel runs on the
     current one, so communication overlaps compute."""
@@ -255,7 +256,6 @@ def ring_attention(
     if world == 1:
         done = _run(beside)
         return _attend_out(attend, q, k, v), done
-    peers = peer_buffers(group) if peer_writes else None
     if peers is not None:
         return ring_by_peer_writes(peers, q, k, v, kv_sizes, attend, beside, placed)
     rank = _rank(group)
@@ -372,12 +372,18 @@ class SequenceParallel:
             or self._peers(self.ulysses_group, self.ring_group) is not None
         )
 
-    def _peers(self, group: dist.ProcessGroup | None, other: dist.ProcessGroup | None = None):
-        """``group``'s peer buffers where the tuning allows peer writes and no ``other`` group has more
-        than one rank."""
-        if _size(other) > 1 or _size(group) == 1 or not self.tuning.peer_writes:
+    def _transport(self, group: dist.ProcessGroup | None) -> PeerBuffers | None:
+        """How ``group``'s exchanges travel: its peer buffers (peer writes) where the tuning allows them
+        and its ranks can write each other's memory, else None (its backend's collectives). The one place
+        a call of this layout chooses."""
+        if _size(group) == 1 or not self.tuning.peer_writes:
             return None
         return peer_buffers(group)
+
+    def _peers(self, group: dist.ProcessGroup | None, other: dist.ProcessGroup | None = None):
+        """``group``'s peer buffers where no ``other`` group has more than one rank (inputs are placed
+        only for a ring alone or Ulysses alone)."""
+        return None if _size(other) > 1 else self._transport(group)
 
     def input_placement(
         self, batch: int, heads: int, head_dim: int, v_dim: int, dtype: torch.dtype, beside: bool = False
@@ -445,15 +451,15 @@ class SequenceParallel:
         chunk = self._chunk(self.sizes)
         kv_sizes = self._sizes(kv=True)
         kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
-        peer_writes, stage_count = self.tuning.peer_writes, self.tuning.head_stages
+        stage_count, ring_peers = self.tuning.head_stages, self._transport(ring)
         if _size(group) == 1:
-            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placed, peer_writes)
+            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placed, ring_peers)
         done = _run(beside)
 
         def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return ring_attention(q, k, v, attend, ring, ring_blocks, peer_writes=peer_writes)[0]
+            return ring_attention(q, k, v, attend, ring, ring_blocks, peers=ring_peers)[0]
 
-        peers = peer_buffers(group) if peer_writes else None
+        peers = self._transport(group)
         if peers is not None:
             stages = [
                 (first, split_sizes(count, peers.world))
