@@ -12,7 +12,7 @@ from .parallel.config import ParallelConfig
 
 # The pipeline attributes that hold denoisers in Diffusers' pipelines (Wan 2.2 has two experts); the
 # default skips an absent one, a name given explicitly must be there (see ``api._denoiser_names``).
-DEFAULT_COMPONENTS = ("transformer", "transformer_2")
+DEFAULT_COMPONENTS = ("transformer", "transformer_2", "transformer_ref")
 # The lossy modes ``quantize`` takes (None: none).
 QUANTIZATIONS = (None, "fp8")
 # The exact projection cache's budget per transformer where the user names none.
@@ -43,7 +43,8 @@ class AccelConfig:
     replay it (see ``omni_accel.cuda_graphs``); None (the default) turns it on for any accelerated
     transformer whose steps run on CUDA, on one GPU or under a parallel layout. ``vae_parallel``: under a parallel layout,
     split the VAE decode over the ranks by latent rows (None, the default: when the VAE's layers allow it).
-    ``components``: the pipeline attributes treated as denoisers (Diffusers transformers or UNets).
+    ``components``: the pipeline attributes treated as denoisers (Diffusers transformers or UNets; by
+    default those of these names the pipeline holds: Wan 2.2's two experts, MiniMax-H3's ``ref2va`` model).
     ``quantize``: ``"fp8"`` runs the native blocks' projections as float8 e4m3 GEMMs (lossy, opt-in; see
     ``omni_accel.layers.fp8``); None (the default) keeps every computation lossless."""
 

@@ -11,11 +11,11 @@ from tiny_builders import tiny_flux2_dev_pipeline, tiny_minimax_h3_pipeline
 import omni_accel
 
 
-def _ran_natively(pipe) -> None:
-    """The accelerated transformer is native, its blocks ran (a native block resolved its attention) and no call
-    went back to Diffusers' forward."""
-    component = omni_accel.describe(pipe).components[0]
-    assert component.name == "transformer" and component.mode == "native", str(omni_accel.describe(pipe))
+def _ran_natively(pipe, name: str = "transformer") -> None:
+    """The accelerated transformer ``name`` is native, its blocks ran (a native block resolved its attention) and
+    no call went back to Diffusers' forward."""
+    component = next(c for c in omni_accel.describe(pipe).components if c.name == name)
+    assert component.mode == "native", str(omni_accel.describe(pipe))
     assert component.selector.decisions(), "no native block ran"
     assert component.runtime.fallbacks == {}
 
@@ -104,6 +104,33 @@ def test_tiny_minimax_h3_modular_pipeline_native_matches_diffusers():
     for name in _MINIMAX_OUTPUTS:
         assert rel_err(got[name], expected[name]) <= 1e-5, name
     _ran_natively(fast)
+
+
+def test_tiny_minimax_h3_reference_workflow_native_matches_diffusers():
+    """The ``ref2va`` workflow (chosen when ``references`` are given): its own checkpoint, ``transformer_ref``,
+    accelerated by default beside ``transformer``; one and two image references packed as reference blocks
+    ahead of the generated audio and video."""
+    from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3ImageReference
+
+    def pipeline():
+        pipe = tiny_minimax_h3_pipeline(seed=0)
+        # weights of its own, as the released checkpoint's transformer_ref/
+        pipe.update_components(transformer_ref=tiny_minimax_h3_pipeline(seed=1).transformer)
+        pipe.register_to_config(reference_image_short_edge=16)  # the references at the tiny canvas' size
+        return pipe
+
+    plain, fast = pipeline(), omni_accel.accelerate(pipeline())
+    unconditioned = _minimax_outputs(plain)
+    for count in (1, 2):
+        references = [MiniMaxH3ImageReference(image=_picture(16, 16, seed)) for seed in range(1, count + 1)]
+        expected = _minimax_outputs(plain, references=references)
+        got = _minimax_outputs(fast, references=references)
+        for name in _MINIMAX_OUTPUTS:
+            assert rel_err(got[name], expected[name]) <= 1e-5, (count, name)
+        assert (
+            rel_err(expected["latents"], unconditioned["latents"]) > 1e-3
+        )  # the references reach the output
+    _ran_natively(fast, "transformer_ref")
 
 
 def test_tiny_minimax_h3_keyframe_workflow_native_matches_diffusers():
