@@ -456,15 +456,9 @@ def _plan_swap(
     )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     report.graphs = graphs
+    _report_layout(report, parallel, tp_tokens=model.parallel.sequence is not None)
     if parallel is not None:
-        report.tuning = parallel.config.tuning
         report.layout = f"{parallel.config} on {dist.get_world_size()} ranks"
-    if parallel is not None and parallel.config.ulysses > 1:
-        report.ulysses_group = parallel.group("ulysses")
-    if parallel is not None and parallel.config.ring > 1:
-        report.ring_group = parallel.group("ring")
-    if parallel is not None and parallel.config.tp > 1 and model.parallel.sequence is not None:
-        report.tp_group = parallel.group("tp")
     return _Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
 
 
@@ -533,26 +527,9 @@ def _plan_generic(
     With ``parallel``, its sequence split as the model's ``_cp_plan`` declares (``models.generic``)."""
     cls_name = type(module).__name__
     routes = spec.attention_routes if spec is not None else ()
-    for patch_name in {name for name, _ in routes} | ({"attention_roles"} if routes else set()):
-        patches.check_applicable(patch_name)
-    if parallel is not None:
-        check_parallel(module, generic_parallel_plan(module, parallel.config, routed=bool(routes)), parallel)
-        if _generic_pairing(spec, parallel) is not None:
-            patches.check_applicable("pair_cfg_calls")
-        for patch in _layout_patches(parallel.config, graphs=False, splits_sequence=False):
-            patches.check_applicable(patch.name)
     blocks = repeated_blocks(module)
-    if config.quantize is not None and not blocks:
-        raise ValueError(
-            f"quantize={config.quantize!r} quantizes a transformer's repeated blocks, and pipe.{name} ({cls_name}) "
-            "declares none (no `_repeated_blocks`, no ModuleList of blocks of one class); run it without quantize."
-        )
+    _check_generic(name, module, spec, config, parallel, blocks)
     fp8 = _fp8_weights(name, module) if config.quantize == "fp8" else None
-    if config.compile_asked and not blocks:
-        raise ValueError(
-            f"compile=True compiles a transformer's repeated blocks, and pipe.{name} ({cls_name}) declares none "
-            "(no `_repeated_blocks`, no ModuleList of blocks of one class); leave compile unset for it."
-        )
     on_cuda = torch.cuda.is_available()
     compile_on = bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
     graphs_on = on_cuda if config.cuda_graphs is None else config.cuda_graphs
@@ -580,29 +557,9 @@ def _plan_generic(
     background = config.compile_in_background and parallel is None  # the ranks run the same code each step
     if compile_on:
         options = {} if not isinstance(config.compile, Mapping) else dict(config.compile)
-        listed = sorted({type(block).__name__ for _, block in blocks})
-        parts.append(
-            f"{len(blocks)} repeated blocks ({', '.join(listed)}) compiled"
-            + (
-                " in the background (eager blocks serve until the code is ready)"
-                if background
-                else " at the first call per input shape"
-                + (" (every rank alike: never in the background under a layout)" if parallel else "")
-            )
-            + (", on CUDA" if config.compile is None else "")
-        )
-    elif blocks:
-        not_accelerated.append(
-            "repeated blocks: not compiled ("
-            + (
-                "compile=False"
-                if config.compile is False
-                else "no CUDA device here; compile=True compiles on CPU"
-            )
-            + ")"
-        )
-    else:
-        not_accelerated.append("repeated blocks: none declared, nothing to compile")
+    compiled, not_compiled = _generic_compile_notes(config, blocks, compile_on, background, parallel)
+    parts += [compiled] if compiled else []
+    not_accelerated += [not_compiled] if not_compiled else []
     if graphs_on and on_cuda:
         parts.append("steps replayed from CUDA graphs where they run on one CUDA device (counts below)")
     elif graphs_on:
@@ -660,14 +617,80 @@ def _plan_generic(
         graphs=graphs,
         not_accelerated=not_accelerated,
     )
-    if parallel is not None:
-        report.tuning = parallel.config.tuning
-    if parallel is not None and parallel.config.ulysses > 1:
-        report.ulysses_group = parallel.group("ulysses")
-    if parallel is not None and parallel.config.ring > 1:
-        report.ring_group = parallel.group("ring")
+    _report_layout(report, parallel)
     generic = runtime if compile_on or fp8 is not None else None
     return _Component(name, module, spec, report, cache, parallel=parallel, graphs=graphs, generic=generic)
+
+
+def _check_generic(
+    name: str,
+    module: nn.Module,
+    spec: ModelSpec | None,
+    config: AccelConfig,
+    parallel: ParallelState | None,
+    blocks: list,
+) -> None:
+    """Raises, before anything changes, where the generic tier cannot take ``module`` as configured: a
+    patch its attention routes or layout need that this Diffusers does not allow, a layout its plans do not
+    fit, ``quantize`` or ``compile=True`` for a model with no repeated blocks."""
+    cls_name = type(module).__name__
+    routes = spec.attention_routes if spec is not None else ()
+    for patch_name in {name for name, _ in routes} | ({"attention_roles"} if routes else set()):
+        patches.check_applicable(patch_name)
+    if parallel is not None:
+        check_parallel(module, generic_parallel_plan(module, parallel.config, routed=bool(routes)), parallel)
+        if _generic_pairing(spec, parallel) is not None:
+            patches.check_applicable("pair_cfg_calls")
+        for patch in _layout_patches(parallel.config, graphs=False, splits_sequence=False):
+            patches.check_applicable(patch.name)
+    if config.quantize is not None and not blocks:
+        raise ValueError(
+            f"quantize={config.quantize!r} quantizes a transformer's repeated blocks, and pipe.{name} ({cls_name}) "
+            "declares none (no `_repeated_blocks`, no ModuleList of blocks of one class); run it without quantize."
+        )
+    if config.compile_asked and not blocks:
+        raise ValueError(
+            f"compile=True compiles a transformer's repeated blocks, and pipe.{name} ({cls_name}) declares none "
+            "(no `_repeated_blocks`, no ModuleList of blocks of one class); leave compile unset for it."
+        )
+
+
+def _generic_compile_notes(
+    config: AccelConfig, blocks: list, compile_on: bool, background: bool, parallel: ParallelState | None
+) -> tuple[str | None, str | None]:
+    """What the report says of the repeated blocks' compilation: what was done, or why not."""
+    if compile_on:
+        listed = sorted({type(block).__name__ for _, block in blocks})
+        when = (
+            " in the background (eager blocks serve until the code is ready)"
+            if background
+            else " at the first call per input shape"
+            + (" (every rank alike: never in the background under a layout)" if parallel else "")
+        )
+        on_cuda = ", on CUDA" if config.compile is None else ""
+        return f"{len(blocks)} repeated blocks ({', '.join(listed)}) compiled{when}{on_cuda}", None
+    if blocks:
+        why = (
+            "compile=False"
+            if config.compile is False
+            else "no CUDA device here; compile=True compiles on CPU"
+        )
+        return None, f"repeated blocks: not compiled ({why})"
+    return None, "repeated blocks: none declared, nothing to compile"
+
+
+def _report_layout(report: ComponentReport, parallel: ParallelState | None, tp_tokens: bool = False) -> None:
+    """The layout a component's report describes: its tuning and the groups whose exchanges it lists
+    (``tp_tokens``: the TP group's, where the model's tokens may be split over it)."""
+    if parallel is None:
+        return
+    report.tuning = parallel.config.tuning
+    if parallel.config.ulysses > 1:
+        report.ulysses_group = parallel.group("ulysses")
+    if parallel.config.ring > 1:
+        report.ring_group = parallel.group("ring")
+    if tp_tokens and parallel.config.tp > 1:
+        report.tp_group = parallel.group("tp")
 
 
 def _native_sites(module: nn.Module, model) -> list[tuple[str, str, int]]:
