@@ -48,8 +48,8 @@ from diffusers import (
     DiffusionPipeline,
     WanTransformer3DModel,
 )
-from harness.layouts import bare_pipeline, configured, with_lora
-from harness.models import MODELS, Spec, build, rel_err
+from harness.layouts import bare_pipeline, configured
+from harness.models import MODELS, Spec, build, rel_err, with_lora
 from harness.timing import timed, write_json
 
 import omni_accel

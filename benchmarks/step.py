@@ -42,7 +42,7 @@ from typing import Any
 import diffusers
 import torch
 from harness.baselines import best_switches, first_best_call, omni_ready, torchao_fp8
-from harness.models import MODELS, Holder, Spec, build, error, shapes, tensors
+from harness.models import MODELS, Holder, Spec, build, error, shapes, tensors, with_lora
 from harness.timing import interleaved, sustained, wall, write_json
 
 import omni_accel
@@ -51,30 +51,12 @@ from omni_accel.models.registry import spec_for
 
 EXTRAS = ("fp8", "torchao", "no_graphs", "fused_qkv", "projection_cache", "first_block_cache", "mag_cache")
 STEP_CACHES = ("first_block_cache", "mag_cache")
-ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj"]
 
 
 def _extra(value: str) -> str:
     if value in EXTRAS or value.startswith("provider="):
         return value
     raise argparse.ArgumentTypeError(f"{value!r}: one of {', '.join(EXTRAS)} or provider=NAME")
-
-
-def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
-    """The same random adapter on every copy (seeded), B nonzero so that it changes the output; on the
-    attention projections the model has."""
-    from peft import LoraConfig
-
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    targets = [t for t in ATTENTION_PROJECTIONS if t.split(".")[0] in names]
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False)
-    model.add_adapter(config, adapter_name="bench")
-    generator = torch.Generator(model.device).manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator, device=param.device) * 0.02)
-    return model
 
 
 class StepCache:

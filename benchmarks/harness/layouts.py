@@ -1,5 +1,5 @@
 """What the layout benchmarks build: Diffusers' pipelines around a random transformer (no text encoders, no
-VAE), the LoRA a ``_lora`` layout carries, and variants of a layout for A/B runs in one launch.
+VAE), and variants of a layout for A/B runs in one launch (a ``_lora`` layout's LoRA: ``models.with_lora``).
 
 A variant: ``ulysses2+one_stage`` is ``ulysses2`` with one of its ``LayoutTuning`` choices (or
 ``batch_guidance``) changed; suffixes combine. Each variant is a config, so both sides of an A/B are built
@@ -36,7 +36,6 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
-from peft import LoraConfig
 
 from omni_accel import ParallelConfig
 
@@ -49,9 +48,6 @@ VARIANTS = {
     "replicated_tokens": {"split_tokens": False},
     "unstacked": {"batch_guidance": False},
 }
-
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-"""FLUX's attention projections, image and text stream: where a LoRA (a style adapter) usually sits."""
 
 
 def configured(name: str, layouts: dict[str, ParallelConfig | None]) -> tuple[str, ParallelConfig | None]:
@@ -84,16 +80,3 @@ def bare_pipeline(transformer: torch.nn.Module) -> DiffusionPipeline:
         pipe = FluxPipeline(scheduler, None, None, None, None, None, transformer)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
-    """An unfused rank-``rank`` LoRA on every attention projection; seeded and with B nonzero, so every
-    copy gets the same adapter and the adapter changes the output."""
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS, init_lora_weights=False)
-    model.add_adapter(config, adapter_name="style")
-    generator = torch.Generator(model.device).manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator, device=param.device) * 0.02)
-    return model

@@ -560,3 +560,24 @@ def shapes(x: dict[str, Any]) -> dict[str, Any]:
         return v if isinstance(v, (int, float, str, bool)) or v is None else repr(v)
 
     return {k: shape(v) for k, v in x.items()}
+
+
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+"""The attention projections (image and text streams) a benchmark's LoRA goes on, where the model has them."""
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """The same random adapter on every copy (seeded), B nonzero so that it changes the output; on the
+    attention projections the model has."""
+    from peft import LoraConfig
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = [t for t in LORA_TARGETS if t.split(".")[0] in names]
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False)
+    model.add_adapter(config, adapter_name="bench")
+    generator = torch.Generator(model.device).manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator, device=param.device) * 0.02)
+    return model
