@@ -25,8 +25,12 @@ flux)
     "${flux[@]}" --no-diffusers --out "$out/flux.json" --layouts 1gpu ulysses2 ulysses2+packed_inputs \
         ulysses2+one_stage ulysses2+nccl_exchange ring2 tp2 tp2+replicated_tokens ;;
 flux-before)
-    (cd .. && git worktree add -f /tmp/before e357fac >/dev/null)
-    (cd /tmp/before/benchmarks && torchrun --nproc-per-node 2 flux_parallel.py --steps 8 --repeats 2 \
+    # that commit's tree, library included (its variants patch names this one no longer has): $BEFORE, or
+    # a worktree made here (where no .git travels, as to a lent machine, carry `git archive e357fac` unpacked)
+    before=${BEFORE:-/tmp/before}
+    [ -d "$before" ] || (cd .. && git worktree add -f "$before" e357fac >/dev/null)
+    (cd "$before/benchmarks" && PYTHONPATH="$before:${PYTHONPATH:-}" torchrun --nproc-per-node 2 \
+        flux_parallel.py --steps 8 --repeats 2 \
         --no-diffusers --out "$out/flux_before.json" --layouts 1gpu ulysses2 ulysses2+returned_apart \
         ulysses2+modulation_per_block ring2 ring2+modulation_per_block tp2 tp2+copied_gathers \
         tp2+streams_apart tp2+modulation_per_block) ;;
