@@ -69,7 +69,7 @@ from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
 from .parallel.config import LayoutTuning, ParallelConfig
 from .parallel.mesh import ParallelState, init_parallel
-from .parallel.peer_exchange import ranks_write_each_other
+from .parallel.peer_memory import ranks_write_each_other
 from .parallel.routed_attention import count_split
 from .parallel.tensor import sum_row_splits
 from .report import AccelerationReport, ComponentReport

@@ -20,7 +20,7 @@ _ORIGINAL = "_omni_accel_original_destroy_process_group"
 
 def apply(module: ModuleType) -> None:
     from omni_accel.cuda_graphs import release_all
-    from omni_accel.parallel.peer_exchange import forget_groups
+    from omni_accel.parallel.peer_memory import forget_groups
 
     original = module.destroy_process_group
 

@@ -15,7 +15,8 @@ from multirank import run_multirank
 
 import omni_accel
 from omni_accel import LayoutTuning, ParallelConfig
-from omni_accel.parallel import sequence
+from omni_accel.parallel.peer_exchange import PeerRing
+from omni_accel.parallel.sequence import SequenceParallel
 
 CALL = dict(prompt=["a cat", "a dog"], height=24, width=40, num_inference_steps=2, max_sequence_length=13)
 
@@ -494,8 +495,8 @@ def _layouts_by_peer_writes() -> None:
     ring_calls, ulysses_calls, gathers, gathers_ended, sums_ended = [], [], [], [], []
     with (
         peer_writes_over_files(directory[0]) as made,
-        _counted(sequence, "ring_by_peer_writes", ring_calls),
-        _counted(sequence, "ulysses_in_place", ulysses_calls),
+        _counted(PeerRing, "circulate", ring_calls),
+        _counted(SequenceParallel, "_ulysses_placed", ulysses_calls),
         _counted(fused, "gather_targets", gathers),
         _counted(fused, "gathered_together", gathers_ended),
         _counted(projection, "sum_together", sums_ended),
@@ -512,7 +513,7 @@ def _layouts_by_peer_writes() -> None:
         staged = LayoutTuning(placed_stages_from=1)
         wan = _wan_forward(torch.float32, ParallelConfig(ulysses=2, tuning=staged))
         assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5
-        assert any(len(args[3]) == 2 for args in ulysses_calls), "no call placed in two head stages"
+        assert any(args[1].later for args in ulysses_calls), "no call placed in two head stages"
         default_ring = list(ring_calls)
         # the tuning's other ways, each exact: packed inputs, one head stage, NCCL-style collectives
         for tuning in (
@@ -525,13 +526,13 @@ def _layouts_by_peer_writes() -> None:
                 wan = _wan_forward(torch.float32, layout)
                 assert ((wan - one).abs().max() / one.abs().max()).item() <= 1e-5, layout
             by_peers = ring_calls[ring_before:]
-            placed = len(ulysses_calls) - placed_before + sum(bool(args[7]) for args in by_peers)
+            placed = len(ulysses_calls) - placed_before + sum(bool(args[4]) for args in by_peers)
             assert (placed > 0) == (tuning.place_inputs and tuning.peer_writes), tuning
             assert bool(by_peers) == tuning.peer_writes, tuning
     assert made and ring_calls and ulysses_calls and gathers
-    assert all(args[7] for args in default_ring), "the ring took K/V not written in place"  # placed
+    assert all(args[4] for args in default_ring), "the ring took K/V not written in place"  # placed
     # FLUX's single blocks: the GELU beside the outputs' return, which lands in the projection's input
-    assert any(args[5].then is not None and args[5].out is not None for args in ulysses_calls)
+    assert any(args[3].then is not None and args[3].out is not None for args in ulysses_calls)
     # FLUX's double blocks under tp: the image and text streams' exchanges end behind one barrier
     assert any(len(args[0]) == 2 for args in gathers_ended) and any(len(args[0]) == 2 for args in sums_ended)
     # compiled (no spy in the traced code: a list growing there recompiles), new buffers
@@ -539,8 +540,8 @@ def _layouts_by_peer_writes() -> None:
     dist.broadcast_object_list(directory)
     with (
         peer_writes_over_files(directory[0]),
-        _counted(sequence, "ring_by_peer_writes", ring_calls),
-        _counted(sequence, "ulysses_in_place", ulysses_calls),
+        _counted(PeerRing, "circulate", ring_calls),
+        _counted(SequenceParallel, "_ulysses_placed", ulysses_calls),
     ):
         placed = _compiled_by_peer_writes(ulysses_calls, ring_calls)
     assert placed == [True, True], "compiled blocks did not place q, k and v"
@@ -565,7 +566,7 @@ def _compiled_by_peer_writes(ulysses_calls: list, ring_calls: list) -> list[bool
         assert ((got - oracle).abs().max() / oracle.abs().max()).item() <= 1e-5, f"{layout} compiled"
         graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
         assert graphs == 2 and not breaks, f"{layout}: {graphs} graphs, {breaks}"
-        calls = ulysses_calls if layout.ulysses > 1 else [args for args in ring_calls if args[7]]
+        calls = ulysses_calls if layout.ulysses > 1 else [args for args in ring_calls if args[4]]
         placed.append(bool(calls))
     return placed
 
@@ -735,7 +736,7 @@ def _hybrids_by_peer_writes() -> None:
     placed, gathers = [], []
     with (
         peer_writes_over_files(directory[0]) as made,
-        _counted(sequence, "ulysses_in_place", placed),
+        _counted(SequenceParallel, "_ulysses_placed", placed),
         _counted(fused, "gather_targets", gathers),
     ):
         for layout in (ParallelConfig(tp=2, ulysses=2), ParallelConfig(ulysses=4)):

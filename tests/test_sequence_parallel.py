@@ -22,11 +22,11 @@ import torch.multiprocessing as mp
 
 from omni_accel.attention.merge import merge_partials
 from omni_accel.attention.providers.sdpa import SdpaMathProvider
-from omni_accel.parallel import sequence, token_rows
+from omni_accel.parallel import peer_memory
 from omni_accel.parallel.config import LayoutTuning, ParallelConfig
 from omni_accel.parallel.mesh import init_parallel
 from omni_accel.parallel.overlap import Overlap
-from omni_accel.parallel.peer_exchange import PeerBuffers
+from omni_accel.parallel.peer_memory import PeerBuffers
 from omni_accel.parallel.sequence import (
     SequenceParallel,
     gather,
@@ -108,25 +108,23 @@ def check_attention(
 
 @contextlib.contextmanager
 def peer_writes_over_files(directory: str):
-    """Ulysses' exchanges by peer writes, each rank's buffers shared files every rank maps: on CPU, the same
-    writes into peers' memory and barriers the GPUs' symmetric memory carries."""
-    users = (sequence, token_rows)
-    originals, made = [module.peer_buffers for module in users], {}
+    """Exchanges by peer writes, each rank's buffers shared files every rank maps: on CPU, the same writes
+    into peers' memory and barriers the GPUs' symmetric memory carries. Every group's transport is decided
+    anew inside (and again after)."""
+    made, original = {}, peer_memory._try_peer_buffers
 
-    def peer_buffers(group):
-        if group is None or dist.get_world_size(group) == 1:
-            return None
+    def file_backed(group):
         if group.group_name not in made:
             made[group.group_name] = _file_backed_peers(group, directory)
         return made[group.group_name]
 
-    for module in users:
-        module.peer_buffers = peer_buffers
+    peer_memory.forget_groups()
+    peer_memory._try_peer_buffers = file_backed
     try:
         yield made
     finally:
-        for module, original in zip(users, originals, strict=True):
-            module.peer_buffers = original
+        peer_memory._try_peer_buffers = original
+        peer_memory.forget_groups()
 
 
 def _file_backed_peers(group, directory: str) -> PeerBuffers:
@@ -432,13 +430,12 @@ def test_peer_writes_follow_their_tuning_and_environment_switch(monkeypatch):
     that has peer buffers back to the all-to-all."""
     from types import SimpleNamespace
 
-    from omni_accel.parallel import peer_exchange
     from omni_accel.parallel.config import PEER_WRITES_SWITCH
 
     group, made = SimpleNamespace(group_name="two GPUs"), object()
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(peer_exchange, "_try_peer_buffers", lambda group: made)
-    monkeypatch.setattr(peer_exchange, "_BY_GROUP", {})
+    monkeypatch.setattr(peer_memory, "_try_peer_buffers", lambda group: made)
+    monkeypatch.setattr(peer_memory, "_BY_GROUP", {})
     assert SequenceParallel((1, 1), ulysses_group=group)._peers(group) is made
     off = SequenceParallel((1, 1), ulysses_group=group, tuning=LayoutTuning(peer_writes=False))
     assert off._peers(group) is None and not off.places_inputs()

@@ -20,7 +20,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..cuda_graphs import release_all
 from .config import ParallelConfig
-from .peer_exchange import forget_groups
+from .peer_memory import forget_groups
 
 _DIMS = ("cfg", "ring", "ulysses", "tp")
 

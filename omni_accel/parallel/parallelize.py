@@ -2,7 +2,7 @@
 
 1. tensor parallelism: shard the planned linears of every repeated block in place (``tensor.py``);
 2. transports: each group's exchanges are peer writes into symmetric memory or its backend's collectives
-   (``peer_exchange.py``, as ``LayoutTuning.peer_writes`` allows), decided once for every rank;
+   (``peer_memory.py``, as ``LayoutTuning.peer_writes`` allows), decided once for every rank;
 3. sequence parallelism: split the sequence inputs and gather the output (hooks, ``sequence_hooks.py``);
    under tensor parallelism the same hooks split the tokens over the TP group too (``token_rows.py``);
 4. CFG: split the guidance batch or pair the cond/uncond calls over a ``cfg`` group, or else stack the
@@ -25,7 +25,7 @@ from torch import nn
 from .cfg import GuidanceBranches, SplitGuidance
 from .hooks import SubmoduleHooks, register
 from .mesh import ParallelState
-from .peer_exchange import choose_transports
+from .peer_memory import choose_transports
 from .sequence_hooks import (
     GatherSequence,
     SequencePlan,

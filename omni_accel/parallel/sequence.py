@@ -16,19 +16,19 @@ adjacent slices, so after their all-to-all each holds one contiguous chunk of th
 the ring rotates those chunks. Put the Ulysses group on the fastest links (inside a node), since its
 all-to-all is the bandwidth-heavy exchange.
 
-Between the GPUs of one machine Ulysses' exchanges are peer writes into symmetric memory (``peer_exchange``),
-and so are the ring's K/V blocks (``peer_ring``); elsewhere (other backends, CPU) they are the group's
-all-to-all, in two head stages so one stage's transfers run beside the other's kernel, and send/recv
-around the ring.
+Both are written once here (``ulysses_attention``, ``ring_attention``) against the exchange interface of
+``exchange.py``; how the pieces travel is the group's transport, chosen per group when the layout is
+applied: between the GPUs of one machine peer writes into symmetric memory (``peer_exchange``), elsewhere
+(other backends, CPU) the group's all-to-all and send/recv. Ulysses runs in head stages, so one stage's
+transfers travel beside the other's kernel.
 
 Everything is exact for non-causal attention without a mask: shards may be uneven or empty, and the head
-count need not divide the Ulysses degree (heads are split unevenly, see ``_exchange``). This is inference
+count need not divide the Ulysses degree (heads are split unevenly, see ``exchange``). This is inference
 code: the collectives are not differentiable.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,17 +39,10 @@ import torch.distributed as dist
 from ..attention.merge import merge_partials
 from .comm import all_gather_sizes
 from .config import LayoutTuning
-from .copies import copy_rows_
+from .exchange import CollectiveHeads, HeadExchange, HeadsInFlight, KVExchange, OutputsBack, PassedAround
 from .overlap import NOTHING, Overlap
-from .peer_exchange import (
-    PeerBuffers,
-    describe_exchange,
-    peer_buffers,
-    ulysses_by_peer_writes,
-    ulysses_in_place,
-    ulysses_placement,
-)
-from .peer_ring import ring_by_peer_writes, ring_placement
+from .peer_exchange import PeerHeads, PeerRing
+from .peer_memory import PeerBuffers, describe_exchange, peer_buffers
 from .placement import Placement
 
 Attend = Callable[
@@ -123,92 +116,6 @@ def gather(
     return all_gather_sizes(x_local, dim, list(sizes), group)
 
 
-class _Exchange:
-    """An all-to-all in flight: piece ``j`` of ``x`` along ``scatter_dim`` goes to rank ``j``; what arrives
-    from rank ``i`` is ``gather_sizes[i]`` long along ``gather_dim`` and is joined there by ``wait``.
-
-    Flat buffers with per-peer element counts let both splits be uneven, which is why heads are split
-    unevenly rather than zero-padded: uneven sequence shards already need variable splits, so uneven heads
-    cost nothing more, while padding would move and attend zeros that are thrown away. Where every dim
-    before the split one has size 1 (a batch of one), the pieces are consecutive in memory: the send
-    buffer is ``x`` itself, or the received buffer is the joined result, with no copy.
-    """
-
-    def __init__(
-        self,
-        x: torch.Tensor,
-        group: dist.ProcessGroup | None,
-        scatter_dim: int,
-        scatter_sizes: Sequence[int],
-        gather_dim: int,
-        gather_sizes: Sequence[int],
-    ) -> None:
-        self.x, self.gather_dim, self.work = x, gather_dim, None
-        if _size(group) == 1:
-            return
-        if math.prod(x.shape[:scatter_dim]) == 1:
-            send = _contiguous(x).view(-1)
-        else:
-            send = _pieces_in_a_row(x, scatter_dim, scatter_sizes)
-        mine = scatter_sizes[_rank(group)]
-        self.shapes = []
-        for size in gather_sizes:
-            shape = list(x.shape)
-            shape[scatter_dim], shape[gather_dim] = mine, size
-            self.shapes.append(shape)
-        self.counts = [math.prod(shape) for shape in self.shapes]
-        self.recv = x.new_empty(sum(self.counts))
-        sent = [math.prod(x.shape) // max(x.shape[scatter_dim], 1) * size for size in scatter_sizes]
-        self.send = send  # kept until the transfer is waited for
-        self.work = dist.all_to_all_single(self.recv, send, self.counts, sent, group=group, async_op=True)
-
-    def wait(self, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The joined result, written into ``into`` when given (a slice of a larger output)."""
-        if self.work is None:
-            return self.x if into is None else into.copy_(self.x)
-        self.work.wait()
-        dim = self.gather_dim
-        sizes = [shape[dim] for shape in self.shapes]
-        if into is None and math.prod(self.shapes[0][:dim]) == 1:
-            joined = list(self.shapes[0])
-            joined[dim] = sum(sizes)
-            return self.recv.view(joined)
-        if into is not None and len(set(sizes)) == 1:
-            # One copy: the received pieces side by side are ``into`` split per rank.
-            per_rank = into.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0)
-            copy_rows_(per_rank, self.recv.view(len(sizes), *self.shapes[0]))
-            return into
-        parts = [
-            part.view(shape) for part, shape in zip(self.recv.split(self.counts), self.shapes, strict=True)
-        ]
-        if into is None:
-            return torch.cat(parts, dim=dim)
-        for part, piece in zip(parts, into.split(sizes, dim=dim), strict=True):
-            copy_rows_(piece, part)
-        return into
-
-
-def _contiguous(x: torch.Tensor) -> torch.Tensor:
-    if x.is_contiguous():
-        return x
-    return copy_rows_(torch.empty_like(x, memory_format=torch.contiguous_format), x)
-
-
-def _pieces_in_a_row(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
-    """``cat([piece.flatten() for piece in x.split(sizes, dim)])`` written in one pass: a copy per piece,
-    or a single one when the pieces are equal (a view of ``x`` with the ranks moved outermost)."""
-    send = x.new_empty(x.numel())
-    if len(set(sizes)) == 1:
-        per_rank = x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0)
-        copy_rows_(send.view(per_rank.shape), per_rank)
-        return send
-    start = 0
-    for piece in x.split(list(sizes), dim=dim):
-        copy_rows_(send[start : start + piece.numel()].view(piece.shape), piece)
-        start += piece.numel()
-    return send
-
-
 def head_stages(heads: int, degree: int, stages: int) -> list[tuple[int, int]]:
     """``(first head, count)`` of each pipeline stage of Ulysses attention: up to ``stages`` stages, as many
     as give every rank a head in each, so one stage's exchanges run while the kernel works on another."""
@@ -235,52 +142,54 @@ def _attend_out(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return attend(q, k, v, False)
 
 
+def ulysses_attention(
+    exchange: HeadExchange,
+    inputs: Sequence[HeadsInFlight],
+    stages: Sequence[tuple[int, Sequence[int]]],
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    outputs: OutputsBack,
+    after: Callable[[], object] | None = None,
+) -> tuple[torch.Tensor, object]:
+    """Ulysses attention in head stages (``(first head, heads of each rank)``), its inputs already on
+    their way (``inputs``, one per stage): each stage's kernel over this rank's heads of the whole sequence
+    once they have landed, its output sent back as the next kernel runs; ``after()`` runs once the last
+    kernel has, while the last outputs travel. Returns this rank's tokens of every head and ``after``'s
+    result."""
+    for index, (first, heads) in enumerate(stages):
+        o = attend(*inputs[index].arrived())
+        outputs.send(o, first, heads, beside=index < len(stages) - 1 or after is not None)
+    done = None if after is None else after()
+    return outputs.joined(), done
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     attend: Attend,
-    group: dist.ProcessGroup | None,
+    ring: KVExchange | None,
     kv_sizes: Sequence[int],
     beside: Beside = None,
     placed: bool = False,
-    peers: PeerBuffers | None = None,
 ) -> tuple[torch.Tensor, object]:
-    """Attention of the local queries over the K/V blocks of every rank in ``group`` (``kv_sizes[i]`` tokens
-    on rank ``i``), and ``beside()``'s result, run while the first blocks travel. Between the GPUs of one
-    machine the blocks are peer writes into ``peers``, the group's buffers (``peer_ring``; ``placed``: K/V already
-    in its buffers); elsewhere
-    block ``i`` travels rank to rank, the transfer of the next block posted before the kernel runs on the
-    current one, so communication overlaps compute."""
-    world = _size(group)
-    if world == 1:
+    """Attention of the local queries over the K/V blocks of every rank of the ring (``kv_sizes[i]``
+    tokens on rank ``i``; ``ring`` None: one rank), and ``beside()``'s result, run while the first blocks
+    travel. Each block's partial result is merged into the others' through the log-sum-exp; where the
+    transport gathers every block at once and there is work beside, one kernel runs over the whole
+    sequence once it has landed. ``placed``: k and v are where ``ring``'s placement put them."""
+    if ring is None:
         done = _run(beside)
         return _attend_out(attend, q, k, v), done
-    if peers is not None:
-        return ring_by_peer_writes(peers, q, k, v, kv_sizes, attend, beside, placed)
-    rank = _rank(group)
-    k, v = k.contiguous(), v.contiguous()  # sent as they are
-    send_to = dist.get_global_rank(group, (rank + 1) % world)
-    recv_from = dist.get_global_rank(group, (rank - 1) % world)
+    flight = ring.circulate(k, v, kv_sizes, placed, beside is not None)  # whole: with work beside
+    done = _run(beside)
+    whole = None if beside is None else flight.whole()
+    if whole is not None:
+        return _attend_out(attend, q, *whole), done
     out = lse = None
-    block = rank
-    for step in range(world):
-        last = step == world - 1
-        if not last:
-            block = (block - 1) % world  # the block the previous rank holds now
-            next_k = k.new_empty(k.shape[0], kv_sizes[block], *k.shape[2:])
-            next_v = v.new_empty(v.shape[0], kv_sizes[block], *v.shape[2:])
-            ops = [dist.P2POp(dist.isend, t, send_to, group) for t in (k, v)]
-            ops += [dist.P2POp(dist.irecv, t, recv_from, group) for t in (next_k, next_v)]
-            requests = dist.batch_isend_irecv(ops)
-            if step == 0:
-                done = _run(beside)
-        if q.numel() and k.shape[_SEQ]:
-            out, lse = merge_partials(out, lse, *attend(q, k, v, True), q.dtype if last else None)
-        if not last:
-            for request in requests:
-                request.wait()
-            k, v = next_k, next_v
+    for k_block, v_block, last in flight.blocks():
+        if q.numel() and k_block.shape[_SEQ]:
+            partial_out = attend(q, k_block, v_block, True)
+            out, lse = merge_partials(out, lse, *partial_out, q.dtype if last else None)
     if out is None:  # no queries or no heads here
         return q.new_empty(*q.shape[:3], v.shape[-1]), done
     return out.to(q.dtype), done
@@ -367,23 +276,35 @@ class SequenceParallel:
         """Whether ``input_placement`` gives a placement: between the GPUs of one machine, a ring alone or
         Ulysses alone, where the tuning places inputs. ``attention_beside`` then hides its work behind the
         exchanges."""
-        return self.tuning.place_inputs and (
-            self._peers(self.ring_group, self.ulysses_group) is not None
-            or self._peers(self.ulysses_group, self.ring_group) is not None
-        )
+        return self.tuning.place_inputs and self._placing() is not None
 
-    def _transport(self, group: dist.ProcessGroup | None) -> PeerBuffers | None:
-        """How ``group``'s exchanges travel: its peer buffers (peer writes) where the tuning allows them
-        and its ranks can write each other's memory, else None (its backend's collectives). The one place
-        a call of this layout chooses."""
+    def _peers(self, group: dist.ProcessGroup | None) -> PeerBuffers | None:
+        """``group``'s peer buffers where the tuning allows peer writes and its ranks can write each
+        other's memory (decided when the layout was applied), else None: its backend's collectives. The
+        one place a call of this layout chooses its transport."""
         if _size(group) == 1 or not self.tuning.peer_writes:
             return None
         return peer_buffers(group)
 
-    def _peers(self, group: dist.ProcessGroup | None, other: dist.ProcessGroup | None = None):
-        """``group``'s peer buffers where no ``other`` group has more than one rank (inputs are placed
-        only for a ring alone or Ulysses alone)."""
-        return None if _size(other) > 1 else self._transport(group)
+    def _heads(self) -> HeadExchange:
+        """Ulysses' transport."""
+        peers = self._peers(self.ulysses_group)
+        return CollectiveHeads(self.ulysses_group) if peers is None else PeerHeads(peers)
+
+    def _ring(self) -> KVExchange | None:
+        """The ring's transport (None: one rank)."""
+        if _size(self.ring_group) == 1:
+            return None
+        peers = self._peers(self.ring_group)
+        return PassedAround(self.ring_group) if peers is None else PeerRing(peers)
+
+    def _placing(self) -> PeerHeads | PeerRing | None:
+        """The transport that can take inputs written in place: peer writes of a ring alone or of Ulysses
+        alone."""
+        if _size(self.ulysses_group) > 1 and _size(self.ring_group) > 1:
+            return None
+        transport = self._heads() if _size(self.ulysses_group) > 1 else self._ring()
+        return transport if isinstance(transport, PeerHeads | PeerRing) else None
 
     def input_placement(
         self, batch: int, heads: int, head_dim: int, v_dim: int, dtype: torch.dtype, beside: bool = False
@@ -392,16 +313,14 @@ class SequenceParallel:
         the GPUs of one machine: the ring's own K/V block, or Ulysses' buffers of the ranks that attend
         over each head), or None. ``beside``: attention will run work beside its exchanges
         (``attention_beside``), which Ulysses' copy engine then sends the peers' heads behind."""
-        if not self.tuning.place_inputs:
-            return None
-        ring = self._peers(self.ring_group, self.ulysses_group)
-        if ring is not None:
-            return ring_placement(ring, self._sizes(kv=True), batch, heads, head_dim, v_dim, dtype)
-        ulysses = self._peers(self.ulysses_group, self.ring_group)
-        if ulysses is not None:
-            stages = placed_stages(heads, ulysses.world, sum(self._sizes(kv=True)), self.tuning)
-            args = (self.sizes, self._sizes(kv=True), stages, batch, (head_dim, v_dim), dtype, beside)
-            return ulysses_placement(ulysses, *args)
+        transport = self._placing() if self.tuning.place_inputs else None
+        kv_sizes = self._sizes(kv=True)
+        if isinstance(transport, PeerRing):
+            return transport.placement(kv_sizes, batch, heads, head_dim, v_dim, dtype)
+        if isinstance(transport, PeerHeads):
+            stages = placed_stages(heads, transport.peers.world, sum(kv_sizes), self.tuning)
+            dims = (head_dim, v_dim)
+            return transport.placement(self.sizes, kv_sizes, stages, batch, dims, dtype, beside)
         return None
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -429,63 +348,61 @@ class SequenceParallel:
             if any(a is not b for a, b in zip(placement.written(q), (q, k, v), strict=True)):
                 raise ValueError("attention got q, k and v other than those its placement holds")
             if _size(self.ulysses_group) > 1:
-                heads = sum(dst.shape[_HEADS] for _, dst in placement.k)
-                tokens = sum(self._sizes(kv=True))
-                stages = placed_stages(heads, _size(self.ulysses_group), tokens, self.tuning)
-                attend_here = partial(_attend_out, attend)
-                args = (self.sizes, stages, attend_here, overlap)
-                return ulysses_in_place(self._peers(self.ulysses_group), placement, *args)
+                return self._ulysses_placed(placement, attend, overlap)
         placed = placement is not None
         return overlap.finish(*self._attention_beside(q, k, v, attend, overlap.beside, placed))
+
+    def _ulysses_placed(
+        self, placement: Placement, attend: Attend, overlap: Overlap
+    ) -> tuple[torch.Tensor, object]:
+        """Ulysses over inputs their producer wrote in place: ``beside`` runs while the staged pieces
+        travel, ``then`` while the last outputs travel back, into ``overlap.out`` where given."""
+        heads = PeerHeads(self._peers(self.ulysses_group))
+        head_count = sum(dst.shape[_HEADS] for _, dst in placement.k)
+        stages = placed_stages(head_count, heads.peers.world, sum(self._sizes(kv=True)), self.tuning)
+        inputs = heads.placed(placement)
+        done = overlap.run_beside()
+        q, _, v = placement.attend_on
+        shape = (q.shape[0], self.sizes[heads.peers.rank], head_count, v.shape[-1])
+        outputs = heads.outputs(self.sizes, shape, q, overlap.out)
+        then = overlap.then
+        after = None if then is None else lambda: then(done)
+        out, then_done = ulysses_attention(
+            heads, inputs, stages, partial(_attend_out, attend), outputs, after
+        )
+        return out, (done if then is None else then_done)
 
     def _attention_beside(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend, beside: Beside, placed: bool
     ) -> tuple[torch.Tensor, object]:
-        group, ring = self.ulysses_group, self.ring_group
         self._check(q, self.sizes, "query")
         self._check(k, self._sizes(kv=True), "key")
         if k.shape[_HEADS] != q.shape[_HEADS]:
             raise ValueError(
                 f"query has {q.shape[_HEADS]} heads but key {k.shape[_HEADS]}; expand K/V heads first"
             )
-        chunk = self._chunk(self.sizes)
         kv_sizes = self._sizes(kv=True)
-        kv_chunk, ring_blocks = self._chunk(kv_sizes), self._ring_blocks(kv_sizes)
-        stage_count, ring_peers = self.tuning.head_stages, self._transport(ring)
-        if _size(group) == 1:
-            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placed, ring_peers)
+        ring, ring_blocks = self._ring(), self._ring_blocks(kv_sizes)
+        if _size(self.ulysses_group) == 1:
+            return ring_attention(q, k, v, attend, ring, ring_blocks, beside, placed)
         done = _run(beside)
 
         def around_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return ring_attention(q, k, v, attend, ring, ring_blocks, peers=ring_peers)[0]
+            return ring_attention(q, k, v, attend, ring, ring_blocks)[0]
 
-        peers = self._transport(group)
-        if peers is not None:
-            stages = [
-                (first, split_sizes(count, peers.world))
-                for first, count in head_stages(q.shape[_HEADS], peers.world, stage_count)
-            ]
-            return ulysses_by_peer_writes(peers, q, k, v, chunk, kv_chunk, stages, around_ring), done
-        # Every stage's inputs are posted first: the communication stream runs them back to back while the
-        # kernel works on earlier stages, and each stage's output travels back during the next one's kernel.
-        stages = []
-        for first, count in head_stages(q.shape[_HEADS], _size(group), stage_count):
-            heads = split_sizes(count, _size(group))
-
-            def send(t: torch.Tensor, sizes: Sequence[int], first=first, count=count, heads=heads):
-                return _Exchange(t.narrow(_HEADS, first, count), group, _HEADS, heads, _SEQ, sizes)
-
-            stages.append((first, count, heads, send(q, chunk), [send(k, kv_chunk), send(v, kv_chunk)]))
-        back = []
-        for first, count, heads, q_sent, kv in stages:
-            o = around_ring(q_sent.wait(), *(t.wait() for t in kv))
-            back.append((_Exchange(o, group, _SEQ, chunk, _HEADS, heads), first, count))
-        if len(back) == 1:
-            return back[0][0].wait(), done
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
-        for sent, first, count in back:
-            sent.wait(into=out.narrow(_HEADS, first, count))
-        return out, done
+        heads, degree = self._heads(), _size(self.ulysses_group)
+        chunk, kv_chunk = self._chunk(self.sizes), self._chunk(kv_sizes)
+        stages = [
+            (first, split_sizes(count, degree))
+            for first, count in head_stages(q.shape[_HEADS], degree, self.tuning.head_stages)
+        ]
+        inputs = [
+            heads.send_heads(index, (q, k, v), first, counts, chunk, kv_chunk)
+            for index, (first, counts) in enumerate(stages)
+        ]
+        shape = (*q.shape[:3], v.shape[-1])
+        outputs = heads.outputs(chunk, shape, q, None)
+        return ulysses_attention(heads, inputs, stages, around_ring, outputs)[0], done
 
     def _check(self, x: torch.Tensor, sizes: Sequence[int], name: str) -> None:
         if x.shape[_SEQ] != sizes[self.index]:

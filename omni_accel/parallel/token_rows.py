@@ -10,7 +10,7 @@ all-reduce is a reduce-scatter and an all-gather), the elementwise work is halve
 A tensor's tokens may be several streams one after another (FLUX's single blocks: text, then image); a rank
 holds its slice of each, in the same order, and the full tensor holds each stream whole (``Rows``).
 
-Between the GPUs of one machine both are peer writes into symmetric memory (``peer_exchange.PeerBuffers``):
+Between the GPUs of one machine both are peer writes into symmetric memory (``peer_memory.PeerBuffers``):
 each rank writes its rows into its peers' buffers and a barrier says they landed, with no NCCL kernel.
 Elsewhere (gloo, CPU, several hosts) they are an all-to-all. Exchanges of independent streams (FLUX's
 double blocks: image and text) may end together, behind one barrier (``gathered_together``,
@@ -33,7 +33,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .config import LayoutTuning
 from .copies import copy_rows_
-from .peer_exchange import PeerBuffers, describe_exchange, peer_buffers
+from .peer_memory import PeerBuffers, describe_exchange, peer_buffers
 
 _SEQ = 1
 
