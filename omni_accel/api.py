@@ -1,12 +1,17 @@
 """The user-facing entry points: ``accelerate``, ``restore``, ``describe``.
 
-``accelerate`` works in two phases: plan (check every component and build what it will run with: its
-runtime, report, graphs and layout; any error leaves the pipeline untouched), then commit: each
-component's ordered steps (``_NATIVE_STEPS`` or ``_GENERIC_STEPS``: native blocks, the runtime bound to
-each forward, cache sites, graphs, the parallel layout with the patches it declares), then the
-pipeline's (CFG call pairing, the VAE split, each rank's device: ``_spread_the_rest``). Every step records
-its own undo; ``restore`` runs them in reverse order. ``parallel="auto"`` runs the layout steps at the first
-pipeline call instead.
+``accelerate`` reads top to bottom as three phases:
+
+1. plan: check every component and build what it will run with (its runtime, report, graphs, and the
+   checks of a layout); any error leaves the pipeline untouched;
+2. commit: each component's ordered steps (``_NATIVE_STEPS`` or ``_GENERIC_STEPS``: native blocks, the
+   runtime bound to each forward, cache sites, compiled regions, graphs);
+3. spread, under a layout (``_spread``): each component over the ranks with the patches its layout
+   declares, the CFG calls paired, the VAE split, each rank's shards on its device. ``parallel="auto"``
+   runs this phase at the first pipeline call, once the layout is chosen and checked.
+
+Every step records its own undo (an error in phase 2 or 3 runs those done so far); ``restore`` runs them
+in reverse order.
 """
 
 from __future__ import annotations
@@ -219,12 +224,13 @@ def _commit_all(
     vae_coders: list[nn.Module],
     parallel: ParallelState | None,
 ) -> list[Callable[[], None]]:
-    """Commits every planned component (and, under a layout, the rest); an error on the way undoes what was
-    done, so that a refused ``accelerate`` leaves the pipeline as Diffusers made it. Returns the undos."""
+    """Commits every planned component, then under a layout spreads the pipeline over the ranks; an error
+    on the way undoes what was done, so that a refused ``accelerate`` leaves the pipeline as Diffusers made
+    it. Returns the pipeline-level undos."""
     try:
         for component in components:
             _commit(component)
-        return _spread_the_rest(pipe, components, vae_coders, parallel) if parallel is not None else []
+        return _spread(pipe, components, vae_coders, parallel) if parallel is not None else []
     except BaseException:
         for component in reversed(components):
             for undo in reversed(component.undo):
@@ -892,7 +898,6 @@ _NATIVE_STEPS = (
     _Step("projection cache sites", lambda c: c.cache is not None, _wrap_cache_sites),
     _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
     _Step("block graphs", lambda c: c.graphs is not None and c.parallel is None, _install_block_graphs),
-    _Step("parallel layout", lambda c: c.parallel is not None, lambda c: _parallelize(c)),
 )
 _GENERIC_STEPS = (
     _Step("attention routed", _always, lambda c: _route_attention(c)),
@@ -905,8 +910,6 @@ _GENERIC_STEPS = (
     ),
     _Step("fp8 linears", lambda c: c.generic is not None and c.generic.fp8 is not None, _install_fp8),
     _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
-    # after the graphs, as for native blocks: the layout's hooks wrap them
-    _Step("parallel layout", lambda c: c.parallel is not None, lambda c: _parallelize_generic(c)),
 )
 
 
@@ -992,7 +995,7 @@ def _world_size() -> int:
 
 def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> None:
     """``parallel="auto"`` at the first pipeline call: the layout for these arguments, checked on every
-    native component before any is spread, then applied as ``accelerate`` would have."""
+    native component, then spread as ``accelerate`` spreads a layout it was given."""
     state = _state(pipe)
     natives = [c for c in state.components if c.runtime is not None and c.report.mode == "native"]
     if not natives:  # the transformers belong to another accelerated pipeline (from_pipe)
@@ -1016,15 +1019,19 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
         _check_layout(
             component.original, component.spec.native_model(), parallel, component.graphs is not None
         )
-    vae_coders, state.others = _plan_vae(pipe, state.config)
+    vae_coders, others = _plan_vae(pipe, state.config)
     for component in natives:
         component.parallel = parallel
-        _parallelize(component)
-        ranks = dist.get_world_size()
-        component.report.layout = (
-            f"parallel='auto': {chosen.config} on {ranks} ranks, chosen at the first call: {chosen.reason}"
-        )
-    state.undo += _spread_the_rest(pipe, state.components, vae_coders, parallel)
+    try:
+        state.undo += _spread(pipe, natives, vae_coders, parallel)
+    except BaseException:
+        for component in natives:
+            component.parallel = None
+        raise
+    state.others = others
+    where = f"{chosen.config} on {dist.get_world_size()} ranks"
+    for component in natives:
+        component.report.layout = f"parallel='auto': {where}, chosen at the first call: {chosen.reason}"
     logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
 
 
@@ -1171,20 +1178,44 @@ def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> li
     return [lambda: pair_cfg_calls.revert(pipe)]
 
 
-def _spread_the_rest(
+def _split_vae(pipe: DiffusionPipeline, vae_coders: list[nn.Module]) -> list[Callable[[], None]]:
+    undo = []
+    for coder in vae_coders:
+        row_split = vae_split.RowSplit(coder, dist.group.WORLD)
+        row_split.install()
+        undo.append(row_split.uninstall)
+    return undo
+
+
+def _spread(
     pipe: DiffusionPipeline,
     components: list[_Component],
     vae_coders: list[nn.Module],
     parallel: ParallelState,
 ) -> list[Callable[[], None]]:
-    """After the transformers are spread: CFG call pairing, the VAE's row split, each rank's shards moved
-    to its device. Returns the undos."""
-    undo = _pair_cfg_calls(pipe, components)
-    for coder in vae_coders:
-        row_split = vae_split.RowSplit(coder, dist.group.WORLD)
-        row_split.install()
-        undo.append(row_split.uninstall)
-    pipe.to(parallel.device)  # after sharding: each rank moves only its own shards
+    """A checked layout applied, in order: each committed component spread over the ranks (its undo joins
+    the component's), the cond/uncond calls paired, the VAE split by rows, and each rank's shards moved to
+    its device (after sharding: each rank moves only its own). An error on the way undoes what this did.
+    Returns the pipeline-level undos."""
+    spread, undo = [], []
+    try:
+        for component in components:
+            if component.shared or component.parallel is None:
+                continue
+            before = len(component.undo)
+            spread.append((component, before))
+            (_parallelize if component.runtime is not None else _parallelize_generic)(component)
+        undo += _pair_cfg_calls(pipe, components)
+        undo += _split_vae(pipe, vae_coders)
+        pipe.to(parallel.device)
+    except BaseException:
+        for revert in reversed(undo):
+            revert()
+        for component, before in reversed(spread):
+            for revert in reversed(component.undo[before:]):
+                revert()
+            del component.undo[before:]
+        raise
     return undo
 
 

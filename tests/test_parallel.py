@@ -592,6 +592,35 @@ def _training_mode_under_a_layout(oracle: torch.Tensor) -> None:
         pipe.transformer(**inputs)
 
 
+def _a_failed_spread_is_undone() -> None:
+    """An error in the layout's last steps (here the VAE's split) undoes the steps before it, the
+    transformer's spread and the cond/uncond pairing included: the pipeline is Diffusers' again, and
+    accelerates afterwards."""
+    from omni_accel import api
+
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    want = {name: p.clone() for name, p in pipe.transformer.state_dict().items()}
+    call, original = type(pipe).__call__, api._split_vae
+
+    def failing(*args):
+        raise RuntimeError("split refused")
+
+    api._split_vae = failing
+    try:
+        with pytest.raises(RuntimeError, match="split refused"):
+            omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2))
+    finally:
+        api._split_vae = original
+    assert type(pipe.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+    assert type(pipe).__call__ is call and not pipe.transformer._forward_hooks
+    registry = getattr(pipe.transformer, "_diffusers_hook", None)
+    assert registry is None or not registry._hook_order, "hooks left behind"
+    got = pipe.transformer.state_dict()
+    assert all(torch.equal(got[name], p) for name, p in want.items()), "weights left sharded"
+    omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2))
+    omni_accel.restore(pipe)
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _layouts_by_peer_writes()
@@ -600,6 +629,7 @@ def _two_ranks(rank: int, world: int) -> None:
     )
     _bf16_as_accurate_as_one_rank(_wan_guided_latents, ParallelConfig(ulysses=2), ParallelConfig(tp=2))
     _vae_checks()
+    _a_failed_spread_is_undone()
     _graph_keys_under_a_layout()
     _modulation_split_over_the_ranks()
     oracle = _oracle()
