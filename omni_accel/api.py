@@ -442,13 +442,8 @@ def _plan_swap(
         detail += "; repeated blocks compiled"
         if config.compile_in_background:
             detail += " (in the background on one device: eager steps until the code is ready)"
-    if graphs_on and torch.cuda.is_available():
-        detail += "; steps replayed from CUDA graphs where they run on one CUDA device (counts below)"
-    elif graphs_on:
-        detail += (
-            "; cuda_graphs=True, but no step can run on CUDA here (this machine has no CUDA device): every "
-            "step runs eagerly, none is captured"
-        )
+    if graphs_on:
+        detail += f"; {_graphs_note(torch.cuda.is_available())}"
     report = ComponentReport(
         name,
         type(module).__name__,
@@ -566,13 +561,8 @@ def _plan_generic(
     compiled, not_compiled = _generic_compile_notes(config, blocks, compile_on, background, parallel)
     parts += [compiled] if compiled else []
     not_accelerated += [not_compiled] if not_compiled else []
-    if graphs_on and on_cuda:
-        parts.append("steps replayed from CUDA graphs where they run on one CUDA device (counts below)")
-    elif graphs_on:
-        parts.append(
-            "cuda_graphs=True, but no step can run on CUDA here (this machine has no CUDA device): every step "
-            "runs eagerly, none is captured"
-        )
+    if graphs_on:
+        parts.append(_graphs_note(on_cuda))
     else:
         not_accelerated.append(
             "CUDA graphs: off" + (" (cuda_graphs=False)" if config.cuda_graphs is False else "")
@@ -602,16 +592,7 @@ def _plan_generic(
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     tier = "generic" if compile_on or graphs_on or fp8 is not None else "routed"
     if parallel is not None:
-        parts.append(
-            f"{parallel.config} on {dist.get_world_size()} ranks"
-            + (
-                ", the sequence split as its _cp_plan declares"
-                if parallel.config.sequence_parallel > 1
-                else ""
-            )
-            + (", the guidance branches over the cfg ranks" if parallel.config.cfg > 1 else "")
-            + (", its linears split as its _tp_plan declares" if parallel.config.tp > 1 else "")
-        )
+        parts.append(_generic_layout_note(parallel.config))
     report = ComponentReport(
         name,
         cls_name,
@@ -626,6 +607,28 @@ def _plan_generic(
     _report_layout(report, parallel)
     generic = runtime if compile_on or fp8 is not None else None
     return _Component(name, module, spec, report, cache, parallel=parallel, graphs=graphs, generic=generic)
+
+
+def _graphs_note(on_cuda: bool) -> str:
+    """What CUDA graphs of the steps do here, where they are on."""
+    if on_cuda:
+        return "steps replayed from CUDA graphs where they run on one CUDA device (counts below)"
+    return (
+        "cuda_graphs=True, but no step can run on CUDA here (this machine has no CUDA device): every step "
+        "runs eagerly, none is captured"
+    )
+
+
+def _generic_layout_note(config: ParallelConfig) -> str:
+    """How a layout spreads a model without native blocks: by the plans Diffusers declares for it."""
+    note = f"{config} on {dist.get_world_size()} ranks"
+    if config.sequence_parallel > 1:
+        note += ", the sequence split as its _cp_plan declares"
+    if config.cfg > 1:
+        note += ", the guidance branches over the cfg ranks"
+    if config.tp > 1:
+        note += ", its linears split as its _tp_plan declares"
+    return note
 
 
 def _check_generic(

@@ -55,10 +55,20 @@ def test_norm_modulate_fp8_kernel_is_the_quantized_norm_modulate(modulation_dtyp
     )
 
 
-def test_concat_gelu_fp8_kernel_is_the_quantized_concat_gelu():
+@pytest.mark.parametrize(
+    "batch, dim_a, dim_b",
+    [
+        (1, 3072, 12288),  # FLUX's single blocks: attention output beside the MLP's GELU
+        (2, 0, 12288),  # FLUX's double blocks' MLP
+        (1, 0, 13824),  # Wan 14B's MLP
+        (2, 3000, 5000),  # tiles with masked tails in both parts
+        (1, 0, 20000),  # wider than a program holds: GELU then the row pass
+    ],
+)
+def test_concat_gelu_fp8_kernel_is_the_quantized_concat_gelu(batch, dim_a, dim_b):
     g = torch.Generator("cuda").manual_seed(2)
-    packed = torch.randn(1, 600, 3072 * 4, device="cuda", generator=g).bfloat16()  # columns of a GEMM
-    a = torch.randn(1, 600, 3072, device="cuda", generator=g).bfloat16()
+    packed = torch.randn(batch, 600, dim_b + 3072, device="cuda", generator=g).bfloat16()  # a GEMM's columns
+    a = torch.randn(batch, 600, dim_a, device="cuda", generator=g).bfloat16() * 4
     b = packed[..., 3072:]
     _bitwise(fused.concat_gelu_fp8(a, b), fp8.quantize_rows(fused.concat_gelu(a, b)))
     _bitwise(fused.gelu_tanh_fp8(b), fp8.quantize_rows(fused.gelu_tanh(b)))
