@@ -102,7 +102,15 @@ class CollectiveHeads:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
-    def send_heads(self, stage, qkv, first, heads, sizes, kv_sizes) -> HeadsInFlight:
+    def send_heads(
+        self,
+        stage: int,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        first: int,
+        heads: Sequence[int],
+        sizes: Sequence[int],
+        kv_sizes: Sequence[int],
+    ) -> HeadsInFlight:
         count = sum(heads)
         return _AllArrive(
             [
@@ -111,7 +119,9 @@ class CollectiveHeads:
             ]
         )
 
-    def outputs(self, sizes, shape, like, out) -> OutputsBack:
+    def outputs(
+        self, sizes: Sequence[int], shape: Sequence[int], like: torch.Tensor, out: torch.Tensor | None
+    ) -> OutputsBack:
         return _CollectiveOutputs(self.group, sizes, shape, like, out)
 
 
@@ -129,7 +139,7 @@ class _CollectiveOutputs:
         self.group, self.sizes, self.shape, self.like, self.out = group, sizes, shape, like, out
         self.sent: list[tuple[_AllToAll, int, int]] = []
 
-    def send(self, o, first, heads, beside) -> None:
+    def send(self, o: torch.Tensor, first: int, heads: Sequence[int], beside: bool) -> None:
         self.sent.append((_AllToAll(o, self.group, _SEQ, self.sizes, _HEADS, heads), first, sum(heads)))
 
     def joined(self) -> torch.Tensor:
@@ -230,7 +240,9 @@ class PassedAround:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
-    def circulate(self, k, v, kv_sizes, placed, whole) -> KVInFlight:
+    def circulate(
+        self, k: torch.Tensor, v: torch.Tensor, kv_sizes: Sequence[int], placed: bool, whole: bool
+    ) -> KVInFlight:
         return _Passing(self.group, k.contiguous(), v.contiguous(), kv_sizes)  # sent as they are
 
 

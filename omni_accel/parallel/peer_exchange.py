@@ -48,7 +48,15 @@ class PeerHeads:
     def __init__(self, peers: PeerBuffers) -> None:
         self.peers = peers
 
-    def send_heads(self, stage, qkv, first, heads, sizes, kv_sizes) -> HeadsInFlight:
+    def send_heads(
+        self,
+        stage: int,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        first: int,
+        heads: Sequence[int],
+        sizes: Sequence[int],
+        kv_sizes: Sequence[int],
+    ) -> HeadsInFlight:
         """The first stage's pieces written into the peers' buffers by the packing copy; a later stage's
         packed here and sent by the copy engine, beside the kernel of the stage before."""
         copies, gathered = [], []
@@ -63,7 +71,9 @@ class PeerHeads:
         sends = [self.peers.copy_beside(copies) if copies else None for copies in placement.all_sends()]
         return [_Landing(self.peers, on, sent) for on, sent in zip(gathered, sends, strict=True)]
 
-    def outputs(self, sizes, shape, like, out) -> OutputsBack:
+    def outputs(
+        self, sizes: Sequence[int], shape: Sequence[int], like: torch.Tensor, out: torch.Tensor | None
+    ) -> OutputsBack:
         return _PeerOutputs(self.peers, sizes, like.new_empty(shape) if out is None else out)
 
     def placement(
@@ -139,7 +149,7 @@ class _PeerOutputs:
         self.stages: list[tuple[int, Sequence[int]]] = []
         self.sent: list[object] = []
 
-    def send(self, o, first, heads, beside) -> None:
+    def send(self, o: torch.Tensor, first: int, heads: Sequence[int], beside: bool) -> None:
         slot = f"out{len(self.stages)}"
         self.sent.append(_scatter_tokens(self.peers, slot, o, self.out, first, heads, self.sizes, beside))
         self.stages.append((first, heads))
@@ -236,7 +246,9 @@ class PeerRing:
     def __init__(self, peers: PeerBuffers) -> None:
         self.peers = peers
 
-    def circulate(self, k, v, kv_sizes, placed, whole) -> KVInFlight:
+    def circulate(
+        self, k: torch.Tensor, v: torch.Tensor, kv_sizes: Sequence[int], placed: bool, whole: bool
+    ) -> KVInFlight:
         peers = self.peers
         me, world = peers.rank, peers.world
         mine = kv_sizes[me]

@@ -143,7 +143,6 @@ def _attend_out(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def ulysses_attention(
-    exchange: HeadExchange,
     inputs: Sequence[HeadsInFlight],
     stages: Sequence[tuple[int, Sequence[int]]],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -151,7 +150,7 @@ def ulysses_attention(
     after: Callable[[], object] | None = None,
 ) -> tuple[torch.Tensor, object]:
     """Ulysses attention in head stages (``(first head, heads of each rank)``), its inputs already on
-    their way (``inputs``, one per stage): each stage's kernel over this rank's heads of the whole sequence
+    their way (``inputs``, one per stage, from a ``HeadExchange``, which gave ``outputs`` too): each stage's kernel over this rank's heads of the whole sequence
     once they have landed, its output sent back as the next kernel runs; ``after()`` runs once the last
     kernel has, while the last outputs travel. Returns this rank's tokens of every head and ``after``'s
     result."""
@@ -367,9 +366,7 @@ class SequenceParallel:
         outputs = heads.outputs(self.sizes, shape, q, overlap.out)
         then = overlap.then
         after = None if then is None else lambda: then(done)
-        out, then_done = ulysses_attention(
-            heads, inputs, stages, partial(_attend_out, attend), outputs, after
-        )
+        out, then_done = ulysses_attention(inputs, stages, partial(_attend_out, attend), outputs, after)
         return out, (done if then is None else then_done)
 
     def _attention_beside(
@@ -402,7 +399,7 @@ class SequenceParallel:
         ]
         shape = (*q.shape[:3], v.shape[-1])
         outputs = heads.outputs(chunk, shape, q, None)
-        return ulysses_attention(heads, inputs, stages, around_ring, outputs)[0], done
+        return ulysses_attention(inputs, stages, around_ring, outputs)[0], done
 
     def _check(self, x: torch.Tensor, sizes: Sequence[int], name: str) -> None:
         if x.shape[_SEQ] != sizes[self.index]:
