@@ -98,18 +98,8 @@ def gather_targets(x: torch.Tensor, rows: Rows) -> GatherTargets | None:
     to need no copy: between the GPUs of one machine, every rank's buffer of the gather; else None."""
     if torch.compiler.is_dynamo_compiling():
         return None
-    group = _resolve_process_group(rows.group)
-    peers = peer_buffers(group)
-    if peers is None:
-        return None
-    shape = _shape(x, sum(map(sum, rows.sizes)))
-    joined = peers.views(f"gather:{rows.name}", [shape] * peers.world, x.dtype)
-    segments = tuple(
-        (start, length, tuple(buffer.narrow(_SEQ, at, length) for buffer in joined))
-        for at, start, length in _pieces(rows.sizes, peers.rank)
-        if length
-    )
-    return GatherTargets(segments, joined[peers.rank], peers)
+    transport = _transport(rows)
+    return transport.targets(x, rows) if isinstance(transport, _PeerWrites) else None
 
 
 def linear_of_gathered(
@@ -130,13 +120,13 @@ def sum_rows(partial: torch.Tensor, rows: Rows) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SumInFlight:
-    """A ``sum_rows`` started: by peer writes, this rank's partial sums of each peer's tokens on their way
-    into that peer's buffer (``sent``: copy-engine transfers still travelling) and this rank's buffer, where
-    the peers' land (``inbox[r]``: rank ``r``'s); ``sum_together`` ends it."""
+    """A ``sum_rows`` started over ``transport``: by peer writes, this rank's partial sums of each peer's
+    tokens on their way into that peer's buffer (``sent``: copy-engine transfers still travelling) and this
+    rank's buffer, where the peers' land (``inbox[r]``: rank ``r``'s); ``sum_together`` ends it."""
 
     partial: torch.Tensor
     rows: Rows
-    peers: PeerBuffers | None = None
+    transport: _PeerWrites | _Collective | None = None  # None: while compiling
     inbox: torch.Tensor | None = None
     sent: object = None
 
@@ -145,25 +135,9 @@ def start_sum(partial: torch.Tensor, rows: Rows, beside: bool = False) -> SumInF
     """Starts ``sum_rows(partial, rows)``: between the GPUs of one machine its sends to the peers go out
     now, by the copy engine when ``beside`` (work enqueued next runs while they travel), else by the SM copy;
     elsewhere the whole exchange waits for ``sum_together``."""
-    peers = None if torch.compiler.is_dynamo_compiling() else peer_buffers(_resolve_process_group(rows.group))
-    if peers is None:
+    if torch.compiler.is_dynamo_compiling():
         return SumInFlight(partial, rows)
-    me, world = peers.rank, peers.world
-    shapes = [(world, *_shape(partial, _local(rows.sizes, r))) for r in range(world)]
-    inbox = peers.views(f"sum:{rows.name}", shapes, partial.dtype)
-    copies = []
-    for rank in range(world):
-        if rank == me:
-            continue
-        if not beside:
-            _take(inbox[rank][me], partial, rows.sizes, rank)
-            continue
-        for at, start, length in _pieces(rows.sizes, rank):
-            if length:  # the copy engine moves contiguous pairs: a sample's rows
-                dst, src = inbox[rank][me].narrow(_SEQ, start, length), partial.narrow(_SEQ, at, length)
-                copies += zip(dst.unbind(0), src.unbind(0), strict=True)
-    sent = peers.copy_beside(copies) if copies else None
-    return SumInFlight(partial, rows, peers, inbox[me], sent)
+    return _transport(rows).start_sum(partial, rows, beside)
 
 
 def sum_together(sums: Sequence[SumInFlight]) -> list[torch.Tensor]:
@@ -177,13 +151,97 @@ def sum_together(sums: Sequence[SumInFlight]) -> list[torch.Tensor]:
             _sum_op(s.partial, s.rows.name, s.rows.group, _flat(s.rows.sizes), len(s.rows.sizes))
             for s in sums
         ]
-    peers = sums[0].peers
-    if peers is None:
-        return [_sum(s.partial, s.rows.group, s.rows.sizes) for s in sums]
-    for s in sums:
-        peers.wait(s.sent)
-    peers.barrier()
-    return [_add_in_rank_order(s.partial, list(s.inbox), s.rows.sizes, peers.rank) for s in sums]
+    return sums[0].transport.end_sums(sums)
+
+
+def _transport(rows: Rows) -> _PeerWrites | _Collective:
+    """How the exchanges of ``rows``' TP group travel: peer writes where its ranks write each other's
+    memory (decided once per group, when the layout was applied), else the group's all-to-all. The one
+    place an exchange chooses."""
+    group = _resolve_process_group(rows.group)
+    peers = peer_buffers(group)
+    return _Collective(group) if peers is None else _PeerWrites(peers)
+
+
+class _PeerWrites:
+    """Each rank writes its rows into its peers' buffers; a barrier says they landed."""
+
+    def __init__(self, peers: PeerBuffers) -> None:
+        self.peers = peers
+
+    def targets(self, x: torch.Tensor, rows: Rows) -> GatherTargets:
+        peers = self.peers
+        shape = _shape(x, sum(map(sum, rows.sizes)))
+        joined = peers.views(f"gather:{rows.name}", [shape] * peers.world, x.dtype)
+        segments = tuple(
+            (start, length, tuple(buffer.narrow(_SEQ, at, length) for buffer in joined))
+            for at, start, length in _pieces(rows.sizes, peers.rank)
+            if length
+        )
+        return GatherTargets(segments, joined[peers.rank], peers)
+
+    def gather(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+        targets = self.targets(x, rows)
+        targets.write(x)
+        return targets.done()
+
+    def start_sum(self, partial: torch.Tensor, rows: Rows, beside: bool) -> SumInFlight:
+        peers = self.peers
+        me, world = peers.rank, peers.world
+        shapes = [(world, *_shape(partial, _local(rows.sizes, r))) for r in range(world)]
+        inbox = peers.views(f"sum:{rows.name}", shapes, partial.dtype)
+        copies = []
+        for rank in range(world):
+            if rank == me:
+                continue
+            if not beside:
+                _take(inbox[rank][me], partial, rows.sizes, rank)
+                continue
+            for at, start, length in _pieces(rows.sizes, rank):
+                if length:  # the copy engine moves contiguous pairs: a sample's rows
+                    dst, src = inbox[rank][me].narrow(_SEQ, start, length), partial.narrow(_SEQ, at, length)
+                    copies += zip(dst.unbind(0), src.unbind(0), strict=True)
+        sent = peers.copy_beside(copies) if copies else None
+        return SumInFlight(partial, rows, self, inbox[me], sent)
+
+    def end_sums(self, sums: Sequence[SumInFlight]) -> list[torch.Tensor]:
+        for s in sums:
+            self.peers.wait(s.sent)
+        self.peers.barrier()
+        return [_add_in_rank_order(s.partial, list(s.inbox), s.rows.sizes, self.peers.rank) for s in sums]
+
+
+class _Collective:
+    """The TP group's all-to-all (gloo, several hosts, NCCL without peer writes); a sum waits for
+    ``sum_together`` as a whole."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def gather(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+        world = dist.get_world_size(self.group)
+        shapes = [_shape(x, _local(rows.sizes, r)) for r in range(world)]
+        received = _all_to_all([x.contiguous()] * world, shapes, self.group)
+        full = x.new_empty(_shape(x, sum(map(sum, rows.sizes))))
+        for rank, piece in enumerate(received):
+            _place(full, piece, rows.sizes, rank)
+        return full
+
+    def start_sum(self, partial: torch.Tensor, rows: Rows, beside: bool) -> SumInFlight:
+        return SumInFlight(partial, rows, self)
+
+    def end_sums(self, sums: Sequence[SumInFlight]) -> list[torch.Tensor]:
+        return [self._sum(s.partial, s.rows.sizes) for s in sums]
+
+    def _sum(self, partial: torch.Tensor, sizes) -> torch.Tensor:
+        me, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        sends = []
+        for rank in range(world):
+            piece = partial.new_empty(_shape(partial, _local(sizes, rank)))
+            _take(piece, partial, sizes, rank)
+            sends.append(piece)
+        received = _all_to_all(sends, [_shape(partial, _local(sizes, me))] * world, self.group)
+        return _add_in_rank_order(partial, received, sizes, me)
 
 
 def split_pays(group: dist.ProcessGroup, peer_writes: bool) -> bool:
@@ -256,33 +314,8 @@ def _shape(x: torch.Tensor, tokens: int) -> tuple[int, ...]:
 
 
 def _gather(x: torch.Tensor, name: str, group_name: str, sizes) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
-    world = dist.get_world_size(group)
-    shape = _shape(x, sum(map(sum, sizes)))
-    targets = gather_targets(x, Rows(name, group_name, sizes))
-    if targets is not None:
-        targets.write(x)
-        return targets.done()
-    received = _all_to_all(
-        [x.contiguous()] * world, [_shape(x, _local(sizes, r)) for r in range(world)], group
-    )
-    full = x.new_empty(shape)
-    for rank, piece in enumerate(received):
-        _place(full, piece, sizes, rank)
-    return full
-
-
-def _sum(partial: torch.Tensor, group_name: str, sizes) -> torch.Tensor:
-    """``sum_rows`` by the group's all-to-all (no peer writes)."""
-    group = _resolve_process_group(group_name)
-    me, world = dist.get_rank(group), dist.get_world_size(group)
-    sends = []
-    for rank in range(world):
-        piece = partial.new_empty(_shape(partial, _local(sizes, rank)))
-        _take(piece, partial, sizes, rank)
-        sends.append(piece)
-    received = _all_to_all(sends, [_shape(partial, _local(sizes, me))] * world, group)
-    return _add_in_rank_order(partial, received, sizes, me)
+    rows = Rows(name, group_name, sizes)
+    return _transport(rows).gather(x, rows)
 
 
 def _add_in_rank_order(
