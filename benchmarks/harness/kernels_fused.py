@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_accel.layers import fused
+from omni_accel.layers.projection import apply_one, read_linear
 from omni_accel.parallel.copies import copy_rows_
 from omni_accel.parallel.placement import Placement
 from omni_accel.utils.kernels import HAS_TRITON
@@ -22,7 +23,8 @@ TINY = (72, 8, 64, 256, 32)
 def fused_kernels(run: Run, args: argparse.Namespace) -> None:
     """Bandwidth of our fused kernels at FLUX.1-dev's 1024x1024 shapes against a plain device copy.
 
-    A device copy is their ceiling: each kernel reads and writes its tensors once. Each timed from
+    A device copy is their ceiling: each kernel reads and writes its tensors once (the modulation: reads
+    its weight once). Each timed from
     CUDA-graph replays (no launch cost): us per call and GB/s of the bytes it reads and writes."""
     tokens, text, dim, mlp_dim, head_dim = TINY if run.tiny else FLUX_1024
     torch.manual_seed(0)
@@ -99,6 +101,31 @@ def fused_kernels(run: Run, args: argparse.Namespace) -> None:
             f"need CUDA and Triton: fused's calls run their PyTorch references on {run.device}",
         )
     cases["gated_residual"] = (lambda: fused.gated_residual(x, mod, y), 3 * act)
+    # quantize="fp8": the same kernels writing e4m3 (one byte an element) for the next GEMM
+    image_mlp = contiguous_mlp[:, text:]
+    cases["concat_gelu_fp8 (single block)"] = (
+        lambda: fused.concat_gelu_fp8(x, mlp),
+        tokens * (dim + mlp_dim) * (size + 1),
+    )
+    cases["gelu_tanh_fp8 (double block's image MLP)"] = (
+        lambda: fused.gelu_tanh_fp8(image_mlp),
+        image_mlp.numel() * (size + 1),
+    )
+    cases["norm_modulate_fp8"] = (
+        lambda: fused.norm_modulate_fp8(x, mod, mod, 1e-6),
+        tokens * dim * (size + 1),
+    )
+    # a double block's AdaLN modulation: one row through a 6 x width weight, read whole
+    adaln = torch.nn.Linear(dim, 6 * dim, device=run.device, dtype=run.dtype)
+    adaln_weights, conditioning = read_linear(adaln, "norm1.linear"), run.randn(1, dim)
+    cases["AdaLN modulation, one row (ours)"] = (
+        lambda: apply_one(conditioning, adaln_weights),
+        adaln.weight.numel() * size,
+    )
+    cases["AdaLN modulation, one row (F.linear)"] = (
+        lambda: F.linear(conditioning, adaln.weight, adaln.bias),
+        adaln.weight.numel() * size,
+    )
     for name, (call, nbytes) in cases.items():
         ms = run.replayed_ms(call, args.calls, args.replays)
         run.results[name] = {"us": ms * 1000, "gb_s": nbytes / ms / 1e6}

@@ -20,7 +20,6 @@ import triton.language as tl
 from .fp8 import _AMAX_FLOOR, E4M3, E4M3_MAX
 from .fused_kernels import _GELU_BETA, _GELU_KAPPA, norm_modulate_row
 
-_MAX = tl.constexpr(E4M3_MAX)
 _INVERSE_MAX = tl.constexpr(1 / E4M3_MAX)
 _FLOOR = tl.constexpr(_AMAX_FLOOR)
 _TILE = 2048  # columns per step of the kernels that read a row twice (FLUX's 15360-wide GELU rows)
@@ -33,7 +32,9 @@ def _scale_of(amax):
 
 @triton.jit
 def _quantized(values, inverse):
-    return tl.clamp(values * inverse, -_MAX, _MAX)
+    # No clamp: |value| <= amax, so |value * inverse| is 448 within float32 rounding, which the cast rounds
+    # to 448 (the reference's clamp never acts).
+    return values * inverse
 
 
 @triton.jit
@@ -95,36 +96,88 @@ def _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE: 
 
 
 @triton.jit
-def _concat_gelu_fp8_kernel(
-    A, B, Q, S, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.constexpr, DTYPE: tl.constexpr, WHOLE: tl.constexpr
+def _gelu_tile(B, row, start, dim_b, stride_b, TILE: tl.constexpr, DTYPE: tl.constexpr):
+    """GELU of columns ``start + arange(TILE)`` of row ``row`` of ``b``, rounded to ``DTYPE``, in float32
+    (0 past ``dim_b``)."""
+    cols = start + tl.arange(0, TILE)
+    x = tl.load(B + row * stride_b + cols, mask=cols < dim_b, other=0.0).to(tl.float32)
+    u = _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
+    return (x / (1.0 + tl.exp(-2.0 * u))).to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _store_tile(Q, row_out, start, limit, values, inverse, TILE: tl.constexpr):
+    cols = start + tl.arange(0, TILE)
+    tl.store(row_out + cols, _quantized(values, inverse).to(Q.dtype.element_ty), mask=cols < limit)
+
+
+@triton.jit
+def _concat_gelu_fp8_held_kernel(
+    A, B, Q, S, dim_a, dim_b, stride_a, stride_b,
+    TA: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """One row. ``WHOLE``: the row in one tile, read and activated once (FLUX's 15360 columns: 16 warps
-    of 32 values a thread); else tile by tile, twice (amax, then the values)."""
+    """One row held in registers, read and activated once: ``a``'s columns in one tile of ``TA`` (0: none),
+    the GELU's in power-of-two tiles of ``T1``, ``T2``, ``T3`` (0: absent), so that only the last tile has
+    padded lanes (a 12288-wide GELU padded to 16384 spent a third of its arithmetic on nothing)."""
+    row = tl.program_id(0).to(tl.int64)
+    out = Q + row * (dim_a + dim_b)
+    g1 = _gelu_tile(B, row, 0, dim_b, stride_b, T1, DTYPE)
+    amax = tl.max(tl.abs(g1), 0)
+    if TA > 0:
+        cols = tl.arange(0, TA)
+        a = tl.load(A + row * stride_a + cols, mask=cols < dim_a, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(a), 0))
+    if T2 > 0:
+        g2 = _gelu_tile(B, row, T1, dim_b, stride_b, T2, DTYPE)
+        amax = tl.maximum(amax, tl.max(tl.abs(g2), 0))
+    if T3 > 0:
+        g3 = _gelu_tile(B, row, T1 + T2, dim_b, stride_b, T3, DTYPE)
+        amax = tl.maximum(amax, tl.max(tl.abs(g3), 0))
+    scale = _scale_of(amax)
+    tl.store(S + row, scale)
+    inverse = _inverse(scale)
+    if TA > 0:
+        _store_tile(Q, out, 0, dim_a, a, inverse, TA)
+    _store_tile(Q, out + dim_a, 0, dim_b, g1, inverse, T1)
+    if T2 > 0:
+        _store_tile(Q, out + dim_a, T1, dim_b, g2, inverse, T2)
+    if T3 > 0:
+        _store_tile(Q, out + dim_a, T1 + T2, dim_b, g3, inverse, T3)
+
+
+@triton.jit
+def _concat_gelu_fp8_twice_kernel(
+    A, B, Q, S, dim_a, dim_b, stride_a, stride_b, BLOCK: tl.constexpr, DTYPE: tl.constexpr
+):  # fmt: skip
+    """One row too wide to hold, tile by tile, twice: its amax, then its values."""
     row = tl.program_id(0).to(tl.int64)
     dim = dim_a + dim_b
-    if WHOLE:
-        cols = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, dim, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
         y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
-        scale = _scale_of(tl.max(tl.abs(y), 0))
-        tl.store(S + row, scale)
-        q = _quantized(y, _inverse(scale))
-        tl.store(Q + row * dim + cols, q.to(Q.dtype.element_ty), mask=cols < dim)
-    else:
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for start in range(0, dim, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
-            amax = tl.maximum(amax, tl.abs(y))
-        scale = _scale_of(tl.max(amax, 0))
-        tl.store(S + row, scale)
-        inverse = _inverse(scale)
-        for start in range(0, dim, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
-            tl.store(Q + row * dim + cols, _quantized(y, inverse).to(Q.dtype.element_ty), mask=cols < dim)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = _scale_of(tl.max(amax, 0))
+    tl.store(S + row, scale)
+    inverse = _inverse(scale)
+    for start in range(0, dim, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        y = _concat_gelu_tile(A, B, row, cols, dim_a, dim_b, stride_a, stride_b, DTYPE)
+        tl.store(Q + row * dim + cols, _quantized(y, inverse).to(Q.dtype.element_ty), mask=cols < dim)
 
 
-_WHOLE_ROW = 16384  # columns a program holds at once (16 warps, 32 float32 values a thread)
+_HELD = 16384  # lanes a program of 8 warps holds at once (64 float32 values a thread)
+
+
+def _power_of_two_tiles(dim: int, tiles: int) -> list[int]:
+    """``dim`` as at most ``tiles`` power-of-two tiles, largest first, the last one padded."""
+    sizes = []
+    while dim > 0 and len(sizes) < tiles - 1:
+        sizes.append(1 << (dim.bit_length() - 1))
+        dim -= sizes[-1]
+    if dim > 0:
+        sizes.append(triton.next_power_of_2(dim))
+    return sizes + [0] * (tiles - len(sizes))
 
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -182,13 +235,20 @@ def concat_gelu_fp8(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     dim_b = b.shape[2]
     dim = dim_a + dim_b
     q, s = _outputs(batch * seq, dim, b.device)
-    if batch * seq and dim:
-        whole = dim <= _WHOLE_ROW
-        block = triton.next_power_of_2(dim) if whole else _TILE
-        _concat_gelu_fp8_kernel[(batch * seq,)](
-            a, b, q, s, dim_a, dim_b, a.stride(1), b.stride(1),
-            BLOCK=block, DTYPE=_TRITON_DTYPES[b.dtype], WHOLE=whole, num_warps=max(4, min(16, block // 512)),
-        )  # fmt: skip
+    tile_a = triton.next_power_of_2(dim_a) if dim_a else 0
+    tiles_b = _power_of_two_tiles(dim_b, 3)
+    dtype = _TRITON_DTYPES[b.dtype]
+    if not batch * seq or not dim_b:
+        if batch * seq and dim_a:
+            q, s = quantize_rows(a.reshape(batch * seq, dim_a))
+    elif tile_a + sum(tiles_b) <= _HELD:
+        _concat_gelu_fp8_held_kernel[(batch * seq,)](
+            a, b, q, s, dim_a, dim_b, a.stride(1), b.stride(1), tile_a, *tiles_b, DTYPE=dtype, num_warps=8
+        )
+    else:
+        _concat_gelu_fp8_twice_kernel[(batch * seq,)](
+            a, b, q, s, dim_a, dim_b, a.stride(1), b.stride(1), BLOCK=_TILE, DTYPE=dtype, num_warps=4
+        )
     return q, s
 
 

@@ -36,6 +36,7 @@ from ..parallel.token_rows import (
     start_sum,
     sum_together,
 )
+from ..utils.kernels import HAS_TRITON, kernels_can_run
 from ..utils.storage import contiguous_run
 from .fp8 import Fp8Rows, Fp8Weight, Fp8Weights, fp8_linear, fp8_reason
 
@@ -395,9 +396,28 @@ def apply_linear(
 
 def _gemm(x: torch.Tensor | Fp8Rows, weights: LinearWeights) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, in FP8 where the projection has its e4m3 copy."""
+    if _few_rows(x, weights):
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.ops.omni_accel.few_rows_linear(flat, weights.weight, weights.bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if weights.fp8 is None:
         return F.linear(x, weights.weight, weights.bias)
     return fp8_linear(x, weights.fp8, weights.bias)
+
+
+_FEW_ROWS = 2  # rows up to which our GEMV kernel beats cuBLAS's (``layers.gemv_kernels``)
+
+
+def _few_rows(x: torch.Tensor | Fp8Rows, weights: LinearWeights) -> bool:
+    """Whether ``x``'s product goes through our GEMV kernel: a bf16 weight and at most ``_FEW_ROWS`` rows
+    (the per-sample AdaLN modulation)."""
+    return (
+        weights.fp8 is None
+        and isinstance(x, torch.Tensor)
+        and 0 < x.numel() <= _FEW_ROWS * x.shape[-1]
+        and kernels_can_run(x, weights.weight)
+        and gemv_kernels.serves(x, weights.weight)
+    )
 
 
 def _summed_over_ranks(x: torch.Tensor, weights: LinearWeights, rows: Rows | None) -> torch.Tensor:
@@ -500,8 +520,8 @@ def apply_one(x: torch.Tensor, weights: LinearWeights, rows: Rows | None = None)
 def project_into(x: torch.Tensor, weights: LinearWeights, out: torch.Tensor) -> torch.Tensor:
     """``apply_one(x, weights)`` of a 2-D ``x`` (one projection without a collective), computed into ``out``
     (F.linear's own product, in place)."""
-    if weights.fp8 is not None:
-        out.copy_(fp8_linear(x, weights.fp8, weights.bias))
+    if weights.fp8 is not None or _few_rows(x, weights):
+        out.copy_(_gemm(x, weights))
     elif weights.bias is None:
         torch.mm(x, weights.weight.t(), out=out)
     else:
@@ -509,3 +529,7 @@ def project_into(x: torch.Tensor, weights: LinearWeights, out: torch.Tensor) -> 
     (terms,) = weights.adapters
     result = _add_adapters(x, out, terms)
     return out if result is out else out.copy_(result)
+
+
+if HAS_TRITON:
+    from . import gemv_kernels  # registers the custom op
