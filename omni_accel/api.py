@@ -587,7 +587,7 @@ def _plan_generic(
     if fp8 is not None:
         parts.append(
             "LOSSY: quantize='fp8', the repeated blocks' linears run as float8 e4m3 GEMMs (calls of fewer than "
-            "16 rows, such as per-sample modulation, in bf16)"
+            "16 rows, such as per-sample modulation, with the weight alone in e4m3)"
         )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     tier = "generic" if compile_on or graphs_on or fp8 is not None else "routed"
@@ -1117,7 +1117,7 @@ def _parallelize(component: _Component) -> None:
     group = _modulation_group(component.parallel)
     sites = modulation_sites(component.original)
     if group is not None and sites:
-        component.runtime.modulation = SplitModulation(sites, group)
+        component.runtime.modulation = SplitModulation(sites, group, component.runtime.fp8)
         component.undo.append(lambda: setattr(component.runtime, "modulation", None))
     _apply_layout_patches(component, layout)
 

@@ -104,14 +104,14 @@ class ComponentReport:
                 out.append(f"  modulation: {self.runtime.modulation.describe()}")
             fp8 = getattr(self.runtime, "fp8", None)
             if fp8 is not None:
-                kept = (
+                weight_only = (
                     "the AdaLN modulation projections"
                     if isinstance(self.runtime, NativeRuntime)
                     else "calls of fewer than 16 rows (per-sample modulation)"
                 )
                 out.append(
                     f"  fp8 (lossy): {fp8.copies} projection weights in e4m3 ({fp8.bytes_used} bytes beside "
-                    f"the bf16 ones), {fp8.quantized} quantizations; {kept} stay bf16"
+                    f"the bf16 ones), {fp8.quantized} quantizations; {weight_only} multiply bf16 inputs"
                 )
                 for reason, count in sorted(fp8.declined.items()):
                     out.append(f"  fp8: {count} projection calls kept bf16 ({reason})")

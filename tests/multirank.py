@@ -4,7 +4,8 @@ with its traceback.
 The ranks are forked from a forkserver that imported torch, Diffusers, transformers, omni_accel and the
 tests' helpers once per session: a spawned rank spent ~6-13 s importing them, at each of the suite's ~35
 launches. The forkserver forks before any of that code has run a thread, and each rank takes the launching
-process's environment as it is at the launch (as a spawned one would)."""
+process's environment as it is at the launch (as a spawned one would). With a GPU the ranks are spawned:
+importing the helpers initialises CUDA, which a forked process cannot use."""
 
 from __future__ import annotations
 
@@ -73,8 +74,11 @@ def run_multirank(
     """Runs ``fn(rank, world, *args)`` in ``world`` processes; raises with the first traceback.
 
     With ``init=False`` the processes only get torchrun's environment and must join the group themselves."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the session's first launch
+    if torch.cuda.is_available():
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts: the session's first launch
     errors = ctx.SimpleQueue()
     port = _free_port()
     procs = [

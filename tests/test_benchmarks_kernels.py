@@ -71,7 +71,7 @@ def test_gemm_gelu(tmp_path):
 def test_fused_kernels():
     results = tiny("fused-kernels")
     cases = {k: v for k, v in results.items() if isinstance(v, dict) and "us" in v}
-    assert len(cases) == 16 and "gated_residual" in cases and "norm_modulate_fp8" in cases
+    assert len(cases) == 17 and "gated_residual" in cases and "norm_modulate_fp8" in cases
     for case in cases.values():
         positive(case["us"], case["gb_s"])
     assert "norm_modulate into two gather buffers" in results["skipped"]

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from omni_accel.layers import fused
-from omni_accel.layers.projection import apply_one, read_linear
+from omni_accel.layers.fp8 import Fp8Weights
+from omni_accel.layers.projection import apply_one, read_linear, with_fp8
 from omni_accel.parallel.copies import copy_rows_
 from omni_accel.parallel.placement import Placement
 from omni_accel.utils.kernels import HAS_TRITON
@@ -118,9 +119,14 @@ def fused_kernels(run: Run, args: argparse.Namespace) -> None:
     # a double block's AdaLN modulation: one row through a 6 x width weight, read whole
     adaln = torch.nn.Linear(dim, 6 * dim, device=run.device, dtype=run.dtype)
     adaln_weights, conditioning = read_linear(adaln, "norm1.linear"), run.randn(1, dim)
+    fp8_weights = with_fp8(adaln_weights, Fp8Weights(), weight_only=True)
     cases["AdaLN modulation, one row (ours)"] = (
         lambda: apply_one(conditioning, adaln_weights),
         adaln.weight.numel() * size,
+    )
+    cases["AdaLN modulation, one row, e4m3 weight (fp8)"] = (
+        lambda: apply_one(conditioning, fp8_weights),
+        adaln.weight.numel(),
     )
     cases["AdaLN modulation, one row (F.linear)"] = (
         lambda: F.linear(conditioning, adaln.weight, adaln.bias),

@@ -11,6 +11,8 @@
 * GEMM: ``torch._scaled_mm`` (cuBLASLt on CUDA, with fast accumulation), the bias added in its epilogue,
   the output in the activations' dtype. LoRA adapters that are not fused run in bf16 beside it, on the
   bf16 activations.
+* Per-sample projections (the AdaLN modulation: a row or two, the whole weight read for them): the weight
+  alone is quantized (``weight_only_linear``), the rows multiply it in their dtype, accumulated in float32.
 
 A scale is ``amax * (1 / 448)`` of its row (``amax`` at least ``_AMAX_FLOOR``, so a zero row stays zero;
 a product, as PyTorch computes a division by a scalar on CUDA) and a value ``x * (1 / scale)`` (one IEEE
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..utils.kernels import HAS_TRITON, kernels_can_run
 from ..utils.storage import contiguous_run
@@ -113,6 +116,19 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor 
         use_fast_accum=rows.data.is_cuda,
     )
     return out.reshape(*rows.lead, out.shape[-1])
+
+
+def weight_only_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the e4m3 weight dequantized and ``x`` as it is: a product of a few
+    rows takes as long as its weight's read, which e4m3 halves. On CUDA our GEMV kernel (compiled code
+    included: inductor would dequantize the whole weight first), else the float32 reference."""
+    rows = x.reshape(-1, x.shape[-1])
+    if kernels_can_run(rows, when_compiling=True) and gemv_kernels.serves(rows, weight.data, weight.scale):
+        out = torch.ops.omni_accel.few_rows_linear(rows, weight.data, weight.scale, bias)
+    else:
+        dequantized = weight.data.float() * weight.scale.t()
+        out = F.linear(rows.float(), dequantized, None if bias is None else bias.float()).to(x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def fp8_reason(weight: torch.Tensor) -> str | None:
@@ -220,4 +236,7 @@ def _same_sources(entry: _Entry, sources: Sequence[torch.Tensor]) -> bool:
 
 
 if HAS_TRITON:
-    from . import fp8_kernels  # noqa: F401  (registers the custom ops)
+    from . import (
+        fp8_kernels,  # noqa: F401  (registers the custom ops)
+        gemv_kernels,
+    )

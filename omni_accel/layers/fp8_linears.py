@@ -9,11 +9,10 @@ constructed without an FP8 GPU; here the bf16 parameters stay what they are, the
 ``Fp8Weights`` store, and the result is the same quantization the native blocks compute (tested on the CPU
 against Diffusers with quantized projections).
 
-Which calls stay bf16: those of fewer than ``_MIN_ROWS`` rows (per-sample conditioning projections, such as
-AdaLN modulation, whose every output scales every token; as native blocks keep their modulation in bf16),
-and linears the FP8 GEMM cannot take (``fp8_reason``), quantized or offloaded weights. (Which calls those
-are is known only at the call, inside compiled code: every plain linear of the blocks gets its copy, the
-modulation's too, which ``describe`` counts in the bytes.) A transformer pre-hook
+Calls of fewer than ``_MIN_ROWS`` rows (per-sample conditioning projections, such as the AdaLN modulation)
+quantize the weight alone (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3
+GEMM to pay, but the weight's read, their whole time, halves. Linears the FP8 GEMM cannot take
+(``fp8_reason``), quantized or offloaded weights stay as they are. A transformer pre-hook
 brings every copy up to date (in place where the weight was written in place) before each forward: before a
 CUDA graph replay too, and outside any compiled region.
 """
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from ..forward_hooks import InstanceForward, OurHook
-from .fp8 import Fp8Weight, Fp8Weights, fp8_linear, fp8_reason
+from .fp8 import Fp8Weight, Fp8Weights, fp8_linear, fp8_reason, weight_only_linear
 from .projection import _quantized_or_absent
 
 _MIN_ROWS = 16
@@ -67,8 +66,10 @@ class Fp8Linear(InstanceForward):
         self._made_of = (weakref.ref(weight), weight.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or self.weight8 is None or x.numel() < _MIN_ROWS * x.shape[-1]:
+        if not self.enabled or self.weight8 is None:
             return self._forward()(x)
+        if x.numel() < _MIN_ROWS * x.shape[-1]:
+            return weight_only_linear(x, self.weight8, self.module.bias)
         return fp8_linear(x, self.weight8, self.module.bias)
 
 

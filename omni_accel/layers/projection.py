@@ -38,7 +38,7 @@ from ..parallel.token_rows import (
 )
 from ..utils.kernels import HAS_TRITON, kernels_can_run
 from ..utils.storage import contiguous_run
-from .fp8 import Fp8Rows, Fp8Weight, Fp8Weights, fp8_linear, fp8_reason
+from .fp8 import Fp8Rows, Fp8Weight, Fp8Weights, fp8_linear, fp8_reason, weight_only_linear
 
 _PACK_LOCK = threading.Lock()
 
@@ -67,6 +67,7 @@ class LinearWeights:
     reduce: dist.ProcessGroup | None = None  # tensor-parallel input split: outputs are summed over this group
     sources: tuple[torch.Tensor, ...] = ()  # the parameters ``weight`` is made of (one per packed linear)
     fp8: Fp8Weight | None = None  # its e4m3 copy, when the GEMM runs in FP8 (``layers.fp8``)
+    weight_only: bool = False  # with ``fp8``: the inputs stay unquantized (a per-sample projection)
 
 
 class Unsupported(Exception):
@@ -255,20 +256,21 @@ def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
     )
 
 
-def with_fp8(weights: LinearWeights, store: Fp8Weights) -> LinearWeights:
+def with_fp8(weights: LinearWeights, store: Fp8Weights, weight_only: bool = False) -> LinearWeights:
     """``weights`` with the e4m3 copy of their weight from ``store`` (made if needed), or as they are where
-    the FP8 GEMM cannot take them (``store.declined`` counts why)."""
+    the FP8 GEMM cannot take them (``store.declined`` counts why). ``weight_only``: a per-sample projection
+    (the AdaLN modulation), its few rows multiplied unquantized (``layers.fp8.weight_only_linear``)."""
     reason = fp8_reason(weights.weight)
     if reason is not None:
         store.declined[reason] += 1
         return weights
-    return replace(weights, fp8=store.of(weights.weight, weights.sources))
+    return replace(weights, fp8=store.of(weights.weight, weights.sources), weight_only=weight_only)
 
 
 def takes_fp8_rows(weights: LinearWeights) -> bool:
     """The projection's GEMM runs in FP8 and nothing else reads its input (no adapter): the kernel making
     the input may write it quantized (``layers.fp8.Fp8Rows``) instead of in bf16."""
-    return weights.fp8 is not None and not any(weights.adapters)
+    return weights.fp8 is not None and not weights.weight_only and not any(weights.adapters)
 
 
 def prepack(modules: Sequence[nn.Module]) -> None:
@@ -398,10 +400,12 @@ def _gemm(x: torch.Tensor | Fp8Rows, weights: LinearWeights) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, in FP8 where the projection has its e4m3 copy."""
     if _few_rows(x, weights):
         flat = x.reshape(-1, x.shape[-1])
-        y = torch.ops.omni_accel.few_rows_linear(flat, weights.weight, weights.bias)
+        y = torch.ops.omni_accel.few_rows_linear(flat, weights.weight, None, weights.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     if weights.fp8 is None:
         return F.linear(x, weights.weight, weights.bias)
+    if weights.weight_only:
+        return weight_only_linear(x, weights.fp8, weights.bias)
     return fp8_linear(x, weights.fp8, weights.bias)
 
 

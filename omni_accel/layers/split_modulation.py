@@ -22,7 +22,8 @@ from ..parallel.comm import all_gather_dim
 from ..parallel.sequence import split_sizes
 from ..parallel.tensor import shard_of
 from ..utils.versions import version_of
-from .projection import LinearWeights, output_rows, project_into, read_linear
+from .fp8 import Fp8Weights
+from .projection import LinearWeights, output_rows, project_into, read_linear, with_fp8
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,11 @@ class SplitModulation:
     """Every site's projection of one conditioning tensor, computed once per forward over ``group``'s ranks
     (the ranks that hold the same batch: a tensor-parallel group or a sequence one)."""
 
-    def __init__(self, sites: Sequence[ModulationSite], group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, sites: Sequence[ModulationSite], group: dist.ProcessGroup, fp8: Fp8Weights | None = None
+    ) -> None:
         self.sites, self.group = tuple(sites), group
+        self.fp8 = fp8  # under quantize="fp8": the weights in e4m3 (weight-only, as on one GPU)
         self.passes = 0  # forwards projected (one all-gather each)
         self._conditioning: torch.Tensor | None = None  # held, so no later tensor can have its identity
         self._version: int | None = -1
@@ -73,6 +77,8 @@ class SplitModulation:
         for site in sites:
             module = site.module()
             weights, shard = read_linear(module, site.key), shard_of(module)
+            if self.fp8 is not None:  # the whole (or tensor-parallel) weight's copy, read by rows below
+                weights = with_fp8(weights, self.fp8, weight_only=True)
             if shard is None:  # held whole: this rank's rows of it
                 width = weights.weight.shape[0]
                 sizes = split_sizes(width, world)

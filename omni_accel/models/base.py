@@ -228,10 +228,9 @@ class NativeBlock:
                     }
                 )
                 fp8 = self.omni_runtime.fp8
-                if fp8 is not None:  # the AdaLN projections (one row per sample) stay in bf16
+                if fp8 is not None:  # the AdaLN projections (a row per sample): their weights alone
                     for name, projection in weights.items():
-                        if name not in self.modulations:
-                            weights[name] = with_fp8(projection, fp8)
+                        weights[name] = with_fp8(projection, fp8, weight_only=name in self.modulations)
                 return weights
             except Unsupported as exc:
                 reason = str(exc)
