@@ -121,6 +121,29 @@ def _vae_checks() -> None:
         gathered = [torch.empty_like(got) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, got)
         assert all(torch.equal(x, gathered[0]) for x in gathered)
+    # A hook registered on the decoder while it is split wraps the split; uninstalling steps the split aside
+    # and the hook stays, over the whole decoder.
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    seen = []
+
+    class Spy(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(args[0].shape)
+            return args, kwargs
+
+    z = torch.randn(2, 16, 9, 10, generator=g)
+    vae.disable_tiling()
+    with torch.no_grad():
+        want = vae.decode(z).sample
+    _, calls = _split_run(
+        vae.decoder,
+        lambda: HookRegistry.check_if_exists_or_initialize(vae.decoder).register_hook(Spy(), "spy"),
+    )
+    with torch.no_grad():
+        assert torch.equal(vae.decode(z).sample, want)
+    assert seen == [z.shape] and calls == 0
+    HookRegistry.check_if_exists_or_initialize(vae.decoder).remove_hook("spy")
     call = dict(prompt="a cat", height=40, width=24, num_inference_steps=2, output_type="np")
     want = omni_accel.tiny_flux_pipeline(seed=0)(**call, generator=torch.Generator().manual_seed(0)).images
     pipe = omni_accel.accelerate(

@@ -84,3 +84,26 @@ def test_wan_cache_sites_are_unwrapped_on_restore():
     assert "forward" in vars(to_k)
     omni_accel.restore(pipe)
     assert "forward" not in vars(to_k)
+
+
+def test_a_diffusers_hook_registered_after_accelerate_outlives_restore():
+    """A hook a user adds to a cache site after ``accelerate`` wraps our forward: ``restore`` steps ours
+    aside, and the hook keeps running on the module's own forward."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Spy(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Spy.calls += 1
+            return args, kwargs
+
+    pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), native=False)
+    to_k = pipe.transformer.blocks[0].attn2.to_k
+    HookRegistry.check_if_exists_or_initialize(to_k).register_hook(Spy(), "spy")
+    omni_accel.restore(pipe)
+    x = torch.randn(1, 3, to_k.in_features)
+    assert torch.equal(to_k(x), torch.nn.functional.linear(x, to_k.weight, to_k.bias))
+    assert Spy.calls == 1
+    omni_accel.restore(omni_accel.accelerate(pipe, native=False))
+    assert to_k(x).shape == (1, 3, to_k.out_features) and Spy.calls == 2

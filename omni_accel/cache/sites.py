@@ -13,35 +13,34 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from ..forward_hooks import InstanceForward
 from .projection import ExactProjectionCache
 
 
-class _CachedForward:
+class _CachedForward(InstanceForward):
     """``module``'s forward through the cache, set on that instance. An object rather than a closure so that
-    ``copy.deepcopy`` of the model gives the copy a forward of its own module, its own cache and its own
-    original forward (a bound method deep-copies onto the copied instance)."""
+    ``copy.deepcopy`` of the model gives the copy a forward of its own module and its own cache; a Diffusers
+    hook registered later wraps it, and ``restore`` then steps it aside rather than drop that hook."""
 
     def __init__(self, module: nn.Module, name: str, cache: ExactProjectionCache) -> None:
-        self.module, self.name, self.cache = module, name, cache
-        self.original = module.forward
+        super().__init__(module)
+        self.name, self.cache = name, cache
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs:  # only single-input projections are cache sites
-            return self.original(x, *args, **kwargs)
+        original = self._forward()
+        if not self.enabled or args or kwargs:  # only single-input projections are cache sites
+            return original(x, *args, **kwargs)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a replay could not consult the cache
-            return self.original(x)
+            return original(x)
         self.cache.ensure_prepared(x)
-        return self.cache.project(self.name, self.module, x, lambda: self.original(x))
+        return self.cache.project(self.name, self.module, x, lambda: original(x))
 
 
 def wrap_module(module: nn.Module, name: str, cache: ExactProjectionCache) -> Callable[[], None]:
     """Routes ``module(x)`` through the cache; returns the undo."""
-    module.forward = _CachedForward(module, name, cache)
-
-    def undo() -> None:
-        del module.forward
-
-    return undo
+    forward = _CachedForward(module, name, cache)
+    forward.install()
+    return forward.uninstall
 
 
 def wrap_sites(

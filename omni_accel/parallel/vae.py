@@ -115,13 +115,15 @@ def _layer_reason(module: nn.Module, downsampling: set[int]) -> str | None:
 
 class RowSplit:
     """The encoder's or decoder's ``forward`` while installed: splits the rows over ``group``'s ranks, in
-    bands of ``unit`` rows (the encoder's whole downsampling factor, so every level halves evenly)."""
+    bands of ``unit`` rows (the encoder's whole downsampling factor, so every level halves evenly). A hook
+    registered on the coder after ``install`` wraps it; ``uninstall`` then steps aside (``enabled``)."""
 
     def __init__(self, coder: nn.Module, group: dist.ProcessGroup) -> None:
         self.coder = coder
         self.group = group
         self.unit = math.prod(_row_factor(m) for m in coder.modules())
         self.calls = 0
+        self.enabled = True
 
     def install(self) -> None:
         self.coder.forward = self
@@ -129,9 +131,13 @@ class RowSplit:
     def uninstall(self) -> None:
         if self.coder.__dict__.get("forward") is self:
             del self.coder.forward
+        else:
+            self.enabled = False
 
     def __deepcopy__(self, memo: dict) -> RowSplit:
-        return RowSplit(copy.deepcopy(self.coder, memo), self.group)
+        twin = RowSplit(copy.deepcopy(self.coder, memo), self.group)
+        twin.enabled = self.enabled
+        return twin
 
     def __reduce__(self):
         return _plain_forward, (self.coder,)  # a pickled VAE runs on one process
@@ -142,6 +148,8 @@ class RowSplit:
 
     def __call__(self, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         forward = self.__wrapped__
+        if not self.enabled:
+            return forward(sample, *args, **kwargs)
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         rows = _rows(sample)
         units, partial = divmod(sample.shape[rows], self.unit)
