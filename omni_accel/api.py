@@ -1127,9 +1127,17 @@ def _agree_on_cache_hits(component: _Component) -> None:
     every hit together (``ExactProjectionCache.agree_over``), so one rank's miss cannot leave another
     waiting in a collective it skipped."""
     cache = component.cache
-    if cache is not None:
-        cache.agree_over(component.parallel.host_group())
-        component.undo.append(lambda: cache.agree_over(None))
+    if cache is None:
+        return
+    group = component.parallel.host_group()
+    cache.agree_over(group)
+
+    def undo() -> None:
+        cache.agree_over(None)
+        if group is not None:  # made for this cache alone (its sockets and threads would outlive restore)
+            dist.destroy_process_group(group)
+
+    component.undo.append(undo)
 
 
 def _modulation_group(parallel: ParallelState) -> dist.ProcessGroup | None:

@@ -237,8 +237,14 @@ def _graph_keys_under_a_layout() -> None:
     assert keys[2] is None, "a user's hook decides per call: no graph"
     # destroying the process group frees the graphs first (captured NCCL operations would block it)
     assert hasattr(dist.destroy_process_group, "__wrapped__")
+    cache = omni_accel.describe(pipe).components[0].cache
+    hits_group = cache._group  # the gloo group the ranks decide the cache's hits over
+    assert dist.get_backend(hits_group) == "gloo"
     omni_accel.restore(pipe)
     assert not hasattr(dist.destroy_process_group, "__wrapped__")
+    assert cache._group is None
+    with pytest.raises(ValueError):  # destroyed with the layout, not left to outlive it
+        dist.get_backend(hits_group)
 
 
 def _modulation_split_over_the_ranks() -> None:
