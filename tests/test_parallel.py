@@ -650,6 +650,39 @@ def _a_failed_spread_is_undone() -> None:
     omni_accel.restore(pipe)
 
 
+def _a_failed_auto_spread_is_undone_and_retried() -> None:
+    """``parallel="auto"`` spreads at the first call: an error there undoes the spread and the call raises;
+    the next call tries again, and then runs as the layout it chose."""
+    from omni_accel import api
+
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel="auto")
+
+    def hooks() -> list[str]:  # every Diffusers hook on the transformer and its submodules
+        registries = [getattr(m, "_diffusers_hook", None) for m in pipe.transformer.modules()]
+        return [name for r in registries if r is not None for name in r._hook_order]
+
+    before = hooks()
+    original = api._split_vae
+
+    def failing(*args):
+        raise RuntimeError("split refused")
+
+    api._split_vae = failing
+    try:
+        with pytest.raises(RuntimeError, match="split refused"):
+            _latents(pipe, num_inference_steps=1)
+    finally:
+        api._split_vae = original
+    assert hooks() == before, "layout hooks left behind"
+    assert "chosen at the first call" not in str(omni_accel.describe(pipe))
+    got = _latents(pipe, num_inference_steps=1)
+    assert "chosen at the first call" in str(omni_accel.describe(pipe)) and hooks() != before
+    gathered = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, got)
+    assert all(torch.equal(x, gathered[0]) for x in gathered)
+    omni_accel.restore(pipe)
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _layouts_by_peer_writes()
@@ -659,6 +692,7 @@ def _two_ranks(rank: int, world: int) -> None:
     _bf16_as_accurate_as_one_rank(_wan_guided_latents, ParallelConfig(ulysses=2), ParallelConfig(tp=2))
     _vae_checks()
     _a_failed_spread_is_undone()
+    _a_failed_auto_spread_is_undone_and_retried()
     _graph_keys_under_a_layout()
     _modulation_split_over_the_ranks()
     oracle = _oracle()
