@@ -1,8 +1,9 @@
 """``quantize="fp8"`` on native blocks, on the CPU in float32: the oracle is Diffusers' own module with each
-projection of its blocks computing from its input and weight quantized as ``layers.fp8`` specifies (the
-AdaLN modulation from its weight alone), e4m3 with row / output-channel scales. The CPU runs the same quantization and an
-FP8 GEMM (``torch._scaled_mm``), so the native path must land within float32 rounding of that oracle,
-through weight edits, LoRA, fuse/unfuse, deepcopy and restore; and it must be lossy, as ``describe`` says."""
+projection of its blocks computing from its input and weight quantized as ``layers.fp8`` specifies, e4m3
+with row / output-channel scales (the AdaLN modulation from its weight alone). The CPU runs the same
+quantization and an FP8 GEMM (``torch._scaled_mm``), so the native path must land within float32 rounding
+of that oracle, through weight edits, LoRA, fuse/unfuse, deepcopy and restore; and it must be lossy, as
+``describe`` says."""
 
 from __future__ import annotations
 
