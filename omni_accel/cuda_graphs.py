@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from torch import nn
 
-from .attention import kernel_builds
+from . import kernel_builds
 from .attention.selection import current_scope
 from .background import nothing_beside
 from .capture_constants import REFUSED_COPY, CaptureConstants
@@ -190,6 +190,8 @@ class StepGraphs(InstanceForward):
                     return self._eager(
                         "compiled blocks are being built in the background", forward, args, kwargs
                     )
+                if kernel_builds.in_flight():  # a graph now would keep what serves until they are done
+                    return self._eager(_BUILDS_BESIDE, forward, args, kwargs)
                 with nothing_beside() as free:
                     if not free:
                         return self._eager(_COMPILE_BESIDE, forward, args, kwargs)
@@ -424,6 +426,7 @@ def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
 
 _HOOKED = "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
 _COMPILE_BESIDE = "a background compile or kernel build runs in this process (no capture beside it)"
+_BUILDS_BESIDE = "kernels are being built in the background (the graph waits for them)"
 
 
 def step_key(

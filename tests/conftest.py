@@ -207,3 +207,13 @@ def random_ip_adapter_state(transformer, clip_dim: int = 12) -> dict:
             ip_adapter[f"{block}.{name}.weight"] = rand(inner, context)
             ip_adapter[f"{block}.{name}.bias"] = rand(inner)
     return {"image_proj": image_proj, "ip_adapter": ip_adapter}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_compile_in_the_call(request, monkeypatch):
+    """GPU tests check our Triton kernels, so their first launches compile in the call instead of being
+    served by the references (tests/test_gpu_triton_builds.py tests that, in fresh processes)."""
+    if "gpu" in request.keywords:
+        from omni_accel.utils import triton_builds
+
+        monkeypatch.setattr(triton_builds, "_knobs", lambda: None)

@@ -184,7 +184,7 @@ def test_flashinfer_plans_once_per_shape():
 def test_auto_serves_with_cudnn_while_flashinfers_kernel_builds_then_switches():
     """SD3.5-large's self-attention (38 heads of 64 over 4429 tokens): FlashInfer's kernel for head size
     64, built in the background, is what ``auto`` picks there; until it is built, cuDNN serves."""
-    from omni_accel.attention import kernel_builds
+    from omni_accel import kernel_builds
     from omni_accel.attention.selection import AttentionSelector
 
     flashinfer = get_provider("flashinfer")

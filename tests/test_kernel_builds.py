@@ -9,8 +9,7 @@ import uuid
 import pytest
 import torch
 
-from omni_accel import background, cuda_graphs
-from omni_accel.attention import kernel_builds
+from omni_accel import background, cuda_graphs, kernel_builds
 from omni_accel.attention.base import AttentionRequest
 from omni_accel.attention.providers.flashinfer import FlashInferProvider
 from omni_accel.attention.registry import platform_preference
@@ -74,7 +73,7 @@ def test_a_failed_build_is_said_once_and_never_picked(monkeypatch):
 
 
 def test_under_a_parallel_layout_the_caller_builds_and_waits(monkeypatch):
-    monkeypatch.setattr(kernel_builds, "_parallel", lambda: True)
+    monkeypatch.setattr(kernel_builds, "parallel", lambda: True)
     built = []
     key = uuid.uuid4().hex
     with background.LOCK:  # as a CUDA graph capture holds it: the caller's build must not wait for it

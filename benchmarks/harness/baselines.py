@@ -16,7 +16,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 import omni_accel
-from omni_accel.attention import kernel_builds
+from omni_accel import kernel_builds
 
 from .timing import wall
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernel_builds
 from ..utils.logging import get_logger
-from . import diffusers_backend, kernel_builds
+from . import diffusers_backend
 from .base import AttentionProvider, AttentionProviderError, AttentionRequest, KernelRefusal
 from .registry import check_provider_name, get_provider, platform_preference
 

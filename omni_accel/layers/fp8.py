@@ -65,7 +65,7 @@ class Fp8Rows:
 
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
     """``weight`` ``[N, K]`` in e4m3 with a scale per output channel (row)."""
-    data, scale = _quantize_rows_reference(weight.detach())
+    data, scale = quantize_rows_reference(weight.detach())
     return Fp8Weight(data, scale.reshape(1, -1))
 
 
@@ -75,7 +75,7 @@ def quantize_rows(x: torch.Tensor) -> Fp8Rows:
     if kernels_can_run(rows) and rows.stride(-1) == 1:  # compiled, inductor fuses the reference instead
         data, scale = torch.ops.omni_accel.quantize_rows(rows)
     else:
-        data, scale = _quantize_rows_reference(rows)
+        data, scale = quantize_rows_reference(rows)
     return Fp8Rows(data, scale, tuple(x.shape[:-1]), x.dtype)
 
 
@@ -96,7 +96,7 @@ def split_rows(rows: Fp8Rows, lengths: Sequence[int]) -> list[Fp8Rows]:
     return parts
 
 
-def _quantize_rows_reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = rows.float()
     scale = values.abs().amax(dim=-1, keepdim=True).clamp_min(_AMAX_FLOOR) * (1 / E4M3_MAX)
     data = (values * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
@@ -126,9 +126,17 @@ def weight_only_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | 
     if kernels_can_run(rows, when_compiling=True) and gemv_kernels.serves(rows, weight.data, weight.scale):
         out = torch.ops.omni_accel.few_rows_linear(rows, weight.data, weight.scale, bias)
     else:
-        dequantized = weight.data.float() * weight.scale.t()
-        out = F.linear(rows.float(), dequantized, None if bias is None else bias.float()).to(x.dtype)
+        out = dequantized_linear(rows, weight.data, weight.scale, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def dequantized_linear(
+    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` of ``x`` and the e4m3 weight ``data`` times its ``scale`` per output channel, in float32
+    (the reference of ``weight_only_linear``; it dequantizes the whole weight per call)."""
+    dequantized = data.float() * scale.reshape(-1, 1)
+    return F.linear(x.float(), dequantized, None if bias is None else bias.float()).to(x.dtype)
 
 
 def fp8_reason(weight: torch.Tensor) -> str | None:

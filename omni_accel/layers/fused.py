@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..parallel.placement import Placement
 from ..parallel.token_rows import Rows, gather_targets, gathered_together
 from ..utils.kernels import HAS_TRITON, kernels_can_run
+from ..utils.triton_builds import first_launches
 from .fp8 import Fp8Rows, quantize_rows
 from .modulation import modulate
 from .norms import layer_norm
@@ -41,6 +42,14 @@ def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     it in float32, FLUX in the activations' dtype); the result has ``x``'s dtype."""
     if _norm_modulate_kernel_serves(x, shift, scale):
         return torch.ops.omni_accel.norm_modulate(x, shift, scale, eps)
+    return norm_modulate_reference(x, shift, scale, eps)
+
+
+def norm_modulate_reference(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``norm_modulate`` in PyTorch's ops (as each reference below: CPU, and CUDA until our kernel is built
+    in the process, ``utils/triton_builds.py``)."""
     return modulate(layer_norm(x.to(shift.dtype), eps), shift, scale).to(x.dtype)
 
 
@@ -121,6 +130,10 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
         and x.dtype == y.dtype
     ):
         return torch.ops.omni_accel.gated_residual(x, gate, y)
+    return gated_residual_reference(x, gate, y)
+
+
+def gated_residual_reference(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x + (gate.unsqueeze(1) if gate.ndim == 2 else gate) * y).to(x.dtype)
 
 
@@ -130,8 +143,10 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         return concat_gelu(x[..., :0], x)
     if _gelu_kernel_serves(x, out) and not torch.compiler.is_dynamo_compiling():
-        fused_kernels.concat_gelu_into(x[..., :0], x, out)
-        return out
+        with first_launches() as launches:
+            fused_kernels.concat_gelu_into(x[..., :0], x, out)
+        if not launches.deferred:
+            return out
     return out.copy_(F.gelu(x, approximate="tanh"))
 
 
@@ -139,6 +154,10 @@ def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``cat([a, gelu_tanh(b)], dim=-1)`` for ``[B, S, D]`` tensors (rows maybe strided)."""
     if _gelu_kernel_serves(a, b):
         return torch.ops.omni_accel.concat_gelu(a, b)
+    return concat_gelu_reference(a, b)
+
+
+def concat_gelu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     activated = F.gelu(b, approximate="tanh")
     return activated if a.shape[-1] == 0 else torch.cat([a, activated], dim=-1)
 
@@ -229,6 +248,22 @@ def qkv_norm_rope(
             qs, ks, joint_vs, q_weights, k_weights, head_dim, eps, *rope, across_heads
         )
         return _placed(placement, q, k, v[0] if v else vs[0].unflatten(-1, (-1, head_dim)))
+    q, k, v = qkv_norm_rope_reference(qs, ks, vs, q_weights, k_weights, head_dim, eps, rope, across_heads)
+    return _placed(placement, q, k, v)
+
+
+def qkv_norm_rope_reference(
+    qs: Sequence[torch.Tensor],
+    ks: Sequence[torch.Tensor],
+    vs: Sequence[torch.Tensor],
+    q_weights: Sequence[torch.Tensor | None],
+    k_weights: Sequence[torch.Tensor | None],
+    head_dim: int,
+    eps: float | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    across_heads: bool,
+) -> list[torch.Tensor]:
+    """The joint ``[q, k]`` of ``qkv_norm_rope``, and ``v`` when ``vs`` is not empty."""
 
     def norm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         if across_heads:
@@ -239,7 +274,7 @@ def qkv_norm_rope(
     k = _joint([norm(x, w) for x, w in zip(ks, k_weights, strict=True)])
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    return _placed(placement, q, k, _joint([x.unflatten(-1, (-1, head_dim)) for x in vs]))
+    return [q, k, _joint([x.unflatten(-1, (-1, head_dim)) for x in vs])] if vs else [q, k]
 
 
 def _joint(segments: list[torch.Tensor]) -> torch.Tensor:

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from ..parallel.placement import HeadPieces
+from ..utils.triton_builds import first_launches
+from . import fused
 
 # Diffusers' GELU(tanh) constants as PyTorch's CUDA kernel has them, rounded to float32.
 _GELU_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
@@ -206,8 +208,9 @@ def _scattered(TABLE, which, h, heads, b, token, ALIGN: tl.constexpr):
 @torch.library.custom_op("omni_accel::norm_modulate", mutates_args=())
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    norm_modulate_into(x, shift, scale, eps, [out])
-    return out
+    with first_launches() as launches:
+        norm_modulate_into(x, shift, scale, eps, [out])
+    return fused.norm_modulate_reference(x, shift, scale, eps) if launches.deferred else out
 
 
 def norm_modulate_into(
@@ -247,9 +250,12 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
     numel = x.numel()
     if numel:
         block = 1024
-        _gated_residual_kernel[(triton.cdiv(numel, block),)](
-            x, gate, y, out, x.shape[1], x.shape[2], gate.stride(0), numel, BLOCK=block
-        )
+        with first_launches() as launches:
+            _gated_residual_kernel[(triton.cdiv(numel, block),)](
+                x, gate, y, out, x.shape[1], x.shape[2], gate.stride(0), numel, BLOCK=block
+            )
+        if launches.deferred:
+            return fused.gated_residual_reference(x, gate, y)
     return out
 
 
@@ -262,8 +268,9 @@ def _(x, gate, y):
 def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Rows evenly spaced across samples (contiguous, or columns of a packed projection)."""
     out = torch.empty((*b.shape[:2], a.shape[2] + b.shape[2]), dtype=b.dtype, device=b.device)
-    concat_gelu_into(a, b, out)
-    return out
+    with first_launches() as launches:
+        concat_gelu_into(a, b, out)
+    return fused.concat_gelu_reference(a, b) if launches.deferred else out
 
 
 def concat_gelu_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -308,7 +315,12 @@ def qkv_norm_rope(
     total = sum(q.shape[1] for q in qs)
     outs = [first.new_empty(batch, total, heads, head_dim) for _ in range(3 if vs else 2)]
     args = (qs, ks, vs, q_weights, k_weights, head_dim, eps, cos, sin, across_heads)
-    qkv_norm_rope_into(*args, [((0, out),) for out in outs])
+    with first_launches() as launches:
+        qkv_norm_rope_into(*args, [((0, out),) for out in outs])
+    if launches.deferred:  # a segment's launch, or more: the whole from the reference
+        return fused.qkv_norm_rope_reference(
+            qs, ks, vs, q_weights, k_weights, head_dim, eps, (cos, sin), across_heads
+        )
     return outs
 
 

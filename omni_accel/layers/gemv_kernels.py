@@ -11,8 +11,12 @@ the rows stay in their dtype: weight-only quantization, as the rows are too few 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ..utils.triton_builds import first_launches
+from .fp8 import dequantized_linear
 
 # (output channels per program, columns per step over K, warps) by the weight's element size, the fastest
 # of a sweep at FLUX.1's modulation shapes on an H200
@@ -64,12 +68,15 @@ def few_rows_linear(
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = _CONFIGS[weight.element_size()]
-    for first in range(0, rows, MAX_ROWS):
-        _few_rows_linear_kernel[(triton.cdiv(n, block_n),)](
-            x[first:], weight, scale, bias, y[first:], n, k, x.stride(0), weight.stride(0), y.stride(0),
-            TWO_ROWS=rows - first > 1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scale is not None,
-            HAS_BIAS=bias is not None, num_warps=warps,
-        )  # fmt: skip
+    with first_launches() as launches:
+        for first in range(0, rows, MAX_ROWS):
+            _few_rows_linear_kernel[(triton.cdiv(n, block_n),)](
+                x[first:], weight, scale, bias, y[first:], n, k, x.stride(0), weight.stride(0), y.stride(0),
+                TWO_ROWS=rows - first > 1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scale is not None,
+                HAS_BIAS=bias is not None, num_warps=warps,
+            )  # fmt: skip
+    if launches.deferred:
+        return F.linear(x, weight, bias) if scale is None else dequantized_linear(x, weight, scale, bias)
     return y
 
 

@@ -21,8 +21,8 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from ... import kernel_builds
 from ...utils.logging import get_logger
-from .. import kernel_builds
 from ..base import AttentionProvider, AttentionRequest, Capabilities
 
 logger = get_logger(__name__)

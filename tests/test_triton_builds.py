@@ -1,0 +1,162 @@
+"""Our Triton kernels' first launches are compiled in the background while the op's reference serves
+(``omni_accel/utils/triton_builds.py``). CPU: a stand-in for Triton's runtime that follows Triton 3.6's
+protocol (``knobs.runtime.jit_cache_hook`` called before a compile with these keywords, a True answer
+skipping the compile and the launch, ``JITFunction.preload`` compiling a specialization from its data);
+tests/test_gpu_triton_builds.py runs the real one on a GPU."""
+
+import sys
+import threading
+import types
+
+import pytest
+
+from omni_accel import kernel_builds
+from omni_accel.utils import triton_builds
+
+
+class _JITFunction:
+    """A kernel: ``kernel[grid](key)`` launches the specialization ``key``, compiled on a miss."""
+
+    def __init__(self, name: str, compile_seconds: threading.Event | None = None) -> None:
+        self.name, self.cache, self.launched, self.compiled_in_call = name, set(), [], []
+        self.release = compile_seconds or threading.Event()
+        self.preload_error: Exception | None = None
+
+    def __getitem__(self, grid):
+        def run(key: str):
+            if key not in self.cache:
+                hook = _KNOBS.jit_cache_hook
+                info = types.SimpleNamespace(module="tests.fake", name=self.name, jit_function=self)
+                compile = {"key": key, "device": 0, "specialization_data": key}
+                if hook is not None and hook(
+                    key=key,
+                    repr=self.name,
+                    fn=info,
+                    compile=compile,
+                    is_manual_warmup=False,
+                    already_compiled=False,
+                ):
+                    return None
+                self.compiled_in_call.append(key)
+                self.cache.add(key)
+            self.launched.append(key)
+            return self
+
+        return run
+
+    def preload(self, data: str) -> None:
+        assert self.release.wait(10)
+        if self.preload_error is not None:
+            raise self.preload_error
+        self.cache.add(data)
+
+
+_KNOBS = types.SimpleNamespace(jit_cache_hook=None)
+
+
+@pytest.fixture(autouse=True)
+def fake_triton(monkeypatch):
+    triton = types.ModuleType("triton")
+    triton.knobs = types.SimpleNamespace(runtime=_KNOBS)
+    runtime = types.ModuleType("triton.runtime")
+    jit = types.ModuleType("triton.runtime.jit")
+    jit.JITFunction = _JITFunction
+    for name, module in (("triton", triton), ("triton.runtime", runtime), ("triton.runtime.jit", jit)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(_KNOBS, "jit_cache_hook", None)
+    monkeypatch.setattr(triton_builds, "_WARM_DISK", [False])  # a cold disk cache: no wait
+    yield
+    kernel_builds.wait(10)
+
+
+def _op(kernel: _JITFunction, key: str) -> str:
+    """An op as ours are written: the kernel, or its reference where the launch was deferred."""
+    with triton_builds.first_launches() as launches:
+        kernel[(1,)](key)
+    return "reference" if launches.deferred else "kernel"
+
+
+def test_a_first_launch_is_served_by_the_reference_while_it_compiles_in_the_background():
+    kernel = _JITFunction("norm_modulate")
+    assert _op(kernel, "bf16,3072") == "reference"
+    assert kernel.launched == [] and kernel.compiled_in_call == []
+    assert _op(kernel, "bf16,3072") == "reference"  # still compiling: one compile, not two
+    assert kernel_builds.in_flight()
+    kernel.release.set()
+    kernel_builds.wait(10)
+    assert not kernel_builds.in_flight()
+    assert _op(kernel, "bf16,3072") == "kernel"
+    assert kernel.launched == ["bf16,3072"] and kernel.compiled_in_call == []
+    assert _KNOBS.jit_cache_hook is None  # set only while our ops run
+
+
+def test_a_compile_found_on_disk_is_waited_for(monkeypatch):
+    monkeypatch.setattr(triton_builds, "_WARM_DISK", [True])
+    kernel = _JITFunction("gated_residual")
+    kernel.release.set()  # compiles at once, as a disk cache hit
+    assert _op(kernel, "bf16") == "kernel"
+    slow = _JITFunction("concat_gelu")
+    assert _op(slow, "bf16") == "reference"  # not done within the wait: compiling for real
+    assert triton_builds._WARM_DISK == [False]
+    slow.release.set()
+
+
+def test_launches_outside_our_ops_and_other_hooks_behave_as_without_us():
+    seen = []
+
+    def users_hook(**call):
+        seen.append(call["key"])
+        return False
+
+    _KNOBS.jit_cache_hook = users_hook
+    kernel = _JITFunction("theirs")
+    kernel[(1,)]("a")  # outside ``first_launches``: compiled in the call
+    assert kernel.compiled_in_call == ["a"] and seen == ["a"]
+    ours = _JITFunction("ours")
+    assert _op(ours, "b") == "reference"
+    assert seen == ["a", "b"]  # their hook still sees every compile
+    assert _KNOBS.jit_cache_hook is users_hook
+    ours.release.set()
+
+
+def test_a_hook_that_skips_a_compile_is_obeyed_and_the_reference_serves():
+    _KNOBS.jit_cache_hook = lambda **call: True
+    kernel = _JITFunction("skipped")
+    assert _op(kernel, "a") == "reference"
+    assert kernel.launched == [] and kernel.compiled_in_call == []
+    assert kernel_builds.state(("triton", "tests.fake", "skipped", "a", 0)) == "not started"
+
+
+def test_under_a_parallel_layout_the_launch_compiles_in_the_call(monkeypatch):
+    monkeypatch.setattr(kernel_builds, "parallel", lambda: True)
+    kernel = _JITFunction("rank")
+    assert _op(kernel, "a") == "kernel"
+    assert kernel.compiled_in_call == ["a"]
+
+
+def test_a_failed_background_compile_compiles_in_the_call_next_time():
+    kernel = _JITFunction("broken")
+    kernel.preload_error = RuntimeError("ptxas died")
+    kernel.release.set()
+    assert _op(kernel, "a") == "reference"
+    kernel_builds.wait(10)
+    assert kernel_builds.state(("triton", "tests.fake", "broken", "a", 0)).startswith("failed")
+    assert _op(kernel, "a") == "kernel"
+    assert kernel.compiled_in_call == ["a"]
+
+
+def test_nested_ops_each_see_their_own_launches():
+    outer, inner = _JITFunction("outer"), _JITFunction("inner")
+    outer.cache.add("a")
+    with triton_builds.first_launches() as launches:
+        assert _op(inner, "a") == "reference"
+        outer[(1,)]("a")
+    assert not launches.deferred and outer.launched == ["a"]
+    inner.release.set()
+
+
+def test_without_the_hook_in_triton_launches_compile_as_they_come(monkeypatch):
+    monkeypatch.delattr(_KNOBS, "jit_cache_hook")
+    with triton_builds.first_launches() as launches:
+        pass
+    assert not launches.deferred
