@@ -54,6 +54,24 @@ def test_tiny_flux2_dev_pipeline_native_matches_diffusers():
     _ran_natively(fast)
 
 
+def test_tiny_flux2_dev_prompt_upsampling_accelerated_matches_diffusers():
+    """``caption_upsample_temperature``: the Mistral encoder first rewrites the prompt (sampling from torch's
+    global generator), then the pipeline runs on the rewritten prompt; accelerated, the same."""
+    plain = tiny_flux2_dev_pipeline(seed=0)
+    fast = omni_accel.accelerate(tiny_flux2_dev_pipeline(seed=0))
+    torch.manual_seed(0)
+    rewritten = plain.upsample_prompt("a cat", temperature=0.15)
+    assert rewritten != ["a cat"]
+    results = []
+    for pipe in (plain, fast):
+        torch.manual_seed(0)
+        results.append(_flux2_dev_latents(pipe, caption_upsample_temperature=0.15))
+    assert torch.equal(results[0], _flux2_dev_latents(plain, prompt=rewritten))
+    assert rel_err(results[0], _flux2_dev_latents(plain)) > 1e-3
+    assert rel_err(results[1], results[0]) <= 1e-5
+    _ran_natively(fast)
+
+
 def _picture(width: int, height: int, seed: int) -> PIL.Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     return PIL.Image.fromarray(pixels)

@@ -9,7 +9,8 @@ installed (they are what ``transformers`` resolves to the torchvision image / vi
 * FLUX.2-dev's ``tokenizer`` is a ``PixtralProcessor`` in the checkpoint; without torchvision ``transformers``
   exposes only a placeholder for that class. ``Flux2Pipeline`` only calls ``tokenizer.apply_chat_template`` on it
   for text prompts, which a tokenizer with the Mistral chat template answers the same way, so the tiny pipeline
-  holds that tokenizer (prompt up-sampling and image inputs are what would need the processor).
+  holds that tokenizer, exposing itself as the processor's ``tokenizer`` (which text-to-image prompt
+  up-sampling decodes with). Up-sampling a prompt with reference images is what would need the processor.
 * MiniMax-H3's ``processor`` is a ``Qwen3VLProcessor``, whose constructor insists on a video processor of class
   ``BaseVideoProcessor``, which does not exist without torchvision (even ``video_processor=None`` fails that
   check). The ``t2va`` text step calls only ``processor.create_mm_token_type_ids``, which reads the vision token
@@ -96,6 +97,15 @@ _MISTRAL_CHAT_TEMPLATE = (
 _DEV_TEXT_LAYERS = (10, 20, 30)
 
 
+class _MistralTokenizer(PreTrainedTokenizerFast):
+    """Stands for FLUX.2-dev's ``PixtralProcessor`` on text: ``Flux2Pipeline.upsample_prompt`` decodes the
+    generated prompt with ``tokenizer.tokenizer``, the processor's tokenizer, which here is itself."""
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        return self
+
+
 def _mistral_tokenizer(template: str) -> PreTrainedTokenizerFast:
     """Byte-level BPE tokenizer (tekken is one) with Mistral's control tokens and chat template.
 
@@ -115,7 +125,7 @@ def _mistral_tokenizer(template: str) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = _MistralTokenizer(
         tokenizer_object=backend,
         unk_token="<unk>",
         bos_token="<s>",
