@@ -78,6 +78,7 @@ from .parallel.peer_memory import ranks_write_each_other
 from .parallel.routed_attention import count_split
 from .parallel.tensor import sum_row_splits
 from .report import AccelerationReport, ComponentReport
+from .utils import triton_builds
 from .utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -214,6 +215,7 @@ def accelerate(
     if deferred:
         undo.append(pipeline_calls.on_first_call(pipe, lambda arguments: _apply_auto_layout(pipe, arguments)))
     setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
+    triton_builds.set_up_in_background()  # while the first call encodes its prompt
     _log_summary(pipe, components)
     return pipe
 

@@ -43,6 +43,14 @@ _PRELOAD = [
 ]
 
 
+def _kernels_compile_in_the_call() -> None:
+    """As conftest's fixture does for the GPU tests in the parent: a rank's first kernel launches compile in
+    the call rather than being served by the references (a one-rank group is no parallel layout)."""
+    from omni_accel.utils import triton_builds
+
+    triton_builds._knobs = lambda: None
+
+
 def _entry(rank: int, world: int, port: int, init: bool, backend: str, fn, args, errors, env) -> None:
     os.environ.clear()
     os.environ.update(env)
@@ -51,6 +59,7 @@ def _entry(rank: int, world: int, port: int, init: bool, backend: str, fn, args,
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+            _kernels_compile_in_the_call()
         if init:
             dist.init_process_group(
                 backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)

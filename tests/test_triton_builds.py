@@ -49,9 +49,32 @@ class _JITFunction:
         if self.preload_error is not None:
             raise self.preload_error
         self.cache.add(data)
+        return types.SimpleNamespace(src=data, metadata=self.name)  # Triton's CompiledKernel has both
 
 
 _KNOBS = types.SimpleNamespace(jit_cache_hook=None)
+
+
+class _Driver:
+    """``triton.runtime.driver.driver``: ``active.utils`` compiles C helpers on first access,
+    ``active.launcher_cls(src, metadata)`` a kernel's launcher."""
+
+    def __init__(self) -> None:
+        self.launchers, self.utils_threads, self.release = [], [], threading.Event()
+        self.release.set()
+
+    @property
+    def active(self):
+        return self
+
+    @property
+    def utils(self):
+        assert self.release.wait(10)
+        self.utils_threads.append(threading.current_thread().name)
+        return self
+
+    def launcher_cls(self, src, metadata):
+        self.launchers.append((src, metadata, threading.current_thread().name))
 
 
 @pytest.fixture(autouse=True)
@@ -61,8 +84,13 @@ def fake_triton(monkeypatch):
     runtime = types.ModuleType("triton.runtime")
     jit = types.ModuleType("triton.runtime.jit")
     jit.JITFunction = _JITFunction
-    for name, module in (("triton", triton), ("triton.runtime", runtime), ("triton.runtime.jit", jit)):
+    driver = types.ModuleType("triton.runtime.driver")
+    driver.driver = _Driver()
+    modules = {"triton": triton, "triton.runtime": runtime, "triton.runtime.jit": jit}
+    modules["triton.runtime.driver"] = driver
+    for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(triton_builds, "_DRIVER", [None])
     monkeypatch.setattr(_KNOBS, "jit_cache_hook", None)
     monkeypatch.setattr(triton_builds, "_WARM_DISK", [False])  # a cold disk cache: no wait
     yield
@@ -88,6 +116,23 @@ def test_a_first_launch_is_served_by_the_reference_while_it_compiles_in_the_back
     assert _op(kernel, "bf16,3072") == "kernel"
     assert kernel.launched == ["bf16,3072"] and kernel.compiled_in_call == []
     assert _KNOBS.jit_cache_hook is None  # set only while our ops run
+    # its launcher (C, compiled on a first launch) was built beside it, into the disk cache
+    assert sys.modules["triton.runtime.driver"].driver.launchers == [
+        ("bf16,3072", "norm_modulate", "omni-build")
+    ]
+
+
+def test_the_driver_is_set_up_in_the_background_and_a_first_launch_waits_for_the_rest(monkeypatch):
+    monkeypatch.setattr(triton_builds.torch.cuda, "is_available", lambda: True)
+    driver = sys.modules["triton.runtime.driver"].driver
+    driver.release.clear()
+    triton_builds.set_up_in_background()
+    triton_builds.set_up_in_background()  # once per process
+    threading.Timer(0.2, driver.release.set).start()
+    kernel = _JITFunction("first")
+    kernel.cache.add("a")
+    assert _op(kernel, "a") == "kernel"
+    assert driver.utils_threads == ["omni-triton-driver"]  # done before the launch
 
 
 def test_a_compile_found_on_disk_is_waited_for(monkeypatch):

@@ -52,6 +52,9 @@ def first_launches() -> Iterator[FirstLaunches]:
     if knobs is None:
         yield launches
         return
+    driver = _DRIVER[0]
+    if driver is not None and driver.is_alive():
+        driver.join()  # what is left of it: a launch beside it would compile the same helpers again
     outer = getattr(_LOCAL, "launches", None)
     _LOCAL.launches = launches
     _hold(knobs)
@@ -67,6 +70,39 @@ _HOOK_LOCK = threading.Lock()
 _HOLDERS = [0]  # ops inside ``first_launches`` now, in every thread
 _PREVIOUS: list[Any] = [None]  # the hook ours chains to
 _WARM_DISK = [True]  # every compile waited for so far finished within ``_DISK_WAIT``
+_DRIVER: list[threading.Thread | None] = [None]  # ``set_up_in_background``'s thread
+
+
+def set_up_in_background() -> None:
+    """Starts Triton's driver set-up in a thread: with a cold disk cache it compiles its C helpers (about a
+    second), which the first launch would otherwise wait for. ``accelerate`` calls it, so that it runs while
+    the first call encodes its prompt; the first launch joins what is left of it."""
+    if _DRIVER[0] is not None or not torch.cuda.is_available() or _knobs() is None:
+        return
+    _DRIVER[0] = threading.Thread(target=_set_up_driver, daemon=True, name="omni-triton-driver")
+    _DRIVER[0].start()
+
+
+def _set_up_driver() -> None:
+    try:
+        from triton.runtime.driver import driver
+
+        driver.active.utils  # noqa: B018 (built on first access)
+    except Exception as error:  # the first launch sets it up (and raises what it raises) instead
+        logger.debug("Triton's driver was not set up in the background: %s", error)
+
+
+def _build_launcher(kernel: Any) -> None:
+    """Compiles the C launcher of a kernel ``preload`` built into Triton's disk cache (its first launch would
+    otherwise compile it, a few hundred ms); the launch still loads both itself, in its own thread."""
+    try:
+        from triton.runtime.driver import driver
+
+        make = getattr(driver.active, "launcher_cls", None)
+        if kernel is not None and make is not None:
+            make(kernel.src, kernel.metadata)
+    except Exception as error:  # the launch builds it instead
+        logger.debug("Triton launcher not built in the background: %s", error)
 
 
 def _knobs() -> Any:
@@ -128,7 +164,7 @@ def _defer(fn: Any, compile: dict[str, Any]) -> bool:
 
     def build() -> None:
         with torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext():
-            jit.preload(data)  # on the launch's GPU: a thread starts on the first
+            _build_launcher(jit.preload(data))  # on the launch's GPU: a thread starts on the first
 
     wait = _DISK_WAIT if _WARM_DISK[0] else 0.0
     if kernel_builds.compiled(key, build, f"Triton kernel {fn.name}", wait):
