@@ -16,7 +16,8 @@ recipe, torchao's float8 on (b)), ``no_graphs`` (ours with ``cuda_graphs=False``
 after the model's own ``fuse_qkv_projections()``), ``projection_cache`` (ours with the exact projection
 cache on, every call a repeated request), ``first_block_cache`` / ``mag_cache`` (Diffusers' step cache
 set never to skip, on (a) and on ours, against the same models without it: what a cache costs on the
-steps it computes) and ``provider=NAME`` (ours under ``attention_scope(default=NAME)``). ``--lora RANK``
+steps it computes) and ``provider=NAME`` (ours, and ours FP8 with ``fp8``, under
+``attention_scope(default=NAME)``). ``--lora RANK``
 gives every copy the same random LoRA on its attention projections (unfused); ``--per-layer`` adds the
 error after every block (ours, ours FP8, torchao's FP8 run eagerly) against (a)'s. The first call of each
 variant is timed apart (compiles, kernel builds); errors are against (a) in fp32 (max abs diff / max abs).
@@ -24,7 +25,7 @@ A model that fails (an OOM, a compile error) is recorded with its traceback and 
 the JSON is written after every model.
 
     python benchmarks/step.py --models flux qwenimage zimage flux2 minimax_h3 --rounds 3 --calls 3
-    python benchmarks/step.py --models wan14b --rounds 2 --calls 2 --no-generic --extra provider=sage
+    python benchmarks/step.py --models wan14b --rounds 2 --calls 2 --no-generic --extra fp8 provider=flashinfer_fp8
     python benchmarks/step.py --models flux --extra fp8 torchao first_block_cache
     python benchmarks/step.py --tiny --rounds 1 --calls 1     # CPU, fp32, tiny configs: a smoke run
 """
@@ -172,12 +173,13 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
     for extra in args.extra:
         if extra.startswith("provider="):
             provider = extra.removeprefix("provider=")
+            for base in [v for v in ("omni", "omni_fp8") if v in models]:
 
-            def scoped(fn=variants["omni"], provider=provider):
-                with omni_accel.attention_scope(default=provider):
-                    return fn()
+                def scoped(fn=variants[base], provider=provider):
+                    with omni_accel.attention_scope(default=provider):
+                        return fn()
 
-            variants[f"omni_{provider}"] = scoped
+                variants[f"{base}_{provider}"] = scoped
     before: dict[str, Callable[[], None]] = {}
     for cached in sorted(extras & set(STEP_CACHES)):
         for base in [v for v in ("diffusers", "omni", "omni_fp8") if v in models]:

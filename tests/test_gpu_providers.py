@@ -26,7 +26,11 @@ DTYPE = torch.bfloat16
 # (seq_q, seq_kv): FLUX.1 at 1024x1024 (4096 image + 512 text tokens), a smaller square, an odd length that
 # leaves every kernel a partial tile, and cross-attention.
 SHAPES = [(4608, 4608), (1024, 1024), (333, 333), (1024, 333)]
-CUSTOM_OPS = {"flashinfer": "flashinfer_attention", "sage": "sage_attention"}
+CUSTOM_OPS = {
+    "flashinfer": "flashinfer_attention",
+    "flashinfer_fp8": "flashinfer_fp8_attention",
+    "sage": "sage_attention",
+}
 # Same computation, different launch (batched vs alone, strided vs dense, compiled vs eager): at most a
 # couple of bf16 ulps apart.
 SAME = {"atol": 2e-3, "rtol": 2e-2}

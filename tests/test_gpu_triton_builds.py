@@ -31,8 +31,10 @@ _SCRIPT = textwrap.dedent(
     kernel_builds.wait(300)
     assert kernel_builds.state(built[0]) == "ready", kernel_builds.state(built[0])
     later = fused.norm_modulate(x, shift, scale, 1e-6)
-    step = (reference.float().abs() * 2**-7).clamp_min(2**-126)
-    assert ((later.float() - reference.float()).abs() <= step).all()
+    # the kernel rounds once from float32 (the reference rounds each op): within one bf16 step of float32
+    exact = fused.norm_modulate_reference(x.float(), shift.float(), scale.float(), 1e-6)
+    step = (exact.abs() * 2**-7).clamp_min(2**-126)
+    assert ((later.float() - exact).abs() <= step).all(), (later.float() - exact).abs().max()
     rows = fp8.quantize_rows(x)  # an FP8 op: the same
     data, row_scale = fp8.quantize_rows_reference(x.reshape(-1, 384))
     assert torch.equal(rows.data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(rows.scale, row_scale)

@@ -1,4 +1,4 @@
-"""CPU checks of the optional FlashInfer and SageAttention providers: they import without their packages, say
+"""CPU checks of the optional FlashInfer (bf16 and FP8) and SageAttention providers: they import without their packages, say
 why they cannot run, judge requests by the installed version, and their custom ops trace with the right
 shapes. No GPU and no kernel package is needed; the packages are hidden or stubbed per test.
 """
@@ -20,6 +20,7 @@ from omni_accel.attention.base import AttentionRequest
 from omni_accel.attention.providers import flashinfer as flashinfer_module
 from omni_accel.attention.providers import sage as sage_module
 from omni_accel.attention.providers.flashinfer import FlashInferProvider, flashinfer_attention
+from omni_accel.attention.providers.flashinfer_fp8 import FlashInferFp8Provider, flashinfer_fp8_attention
 from omni_accel.attention.providers.sage import SageProvider, sage_attention
 from omni_accel.attention.registry import get_provider
 
@@ -80,8 +81,9 @@ def test_provider_modules_import_without_their_packages():
     code = (
         "import sys\n"
         "import omni_accel.attention.providers.flashinfer, omni_accel.attention.providers.sage\n"
+        "import omni_accel.attention.providers.flashinfer_fp8\n"
         "from omni_accel.attention.registry import get_provider\n"
-        "get_provider('flashinfer'), get_provider('sage')\n"
+        "get_provider('flashinfer'), get_provider('sage'), get_provider('flashinfer_fp8')\n"
         "eager = [m for m in ('flashinfer', 'sageattention') if m in sys.modules]\n"
         "assert not eager, f'imported at module import: {eager}'\n"
     )
@@ -91,7 +93,11 @@ def test_provider_modules_import_without_their_packages():
 
 @pytest.mark.parametrize(
     "name, package, extra",
-    [("flashinfer", "flashinfer", "omni-accel[flashinfer]"), ("sage", "sageattention", "omni-accel[sage]")],
+    [
+        ("flashinfer", "flashinfer", "omni-accel[flashinfer]"),
+        ("flashinfer_fp8", "flashinfer", "omni-accel[flashinfer]"),
+        ("sage", "sageattention", "omni-accel[sage]"),
+    ],
 )
 def test_cpu_request_names_the_device_and_the_missing_package(packages_absent, name, package, extra):
     provider = get_provider(name)
@@ -136,6 +142,20 @@ def test_flashinfer_capabilities_with_the_package_present(monkeypatch):
     masked = AttentionRequest(torch.bfloat16, "cuda", 128, has_mask=True, compute_capability=(9, 0))
     assert provider.reasons_against(masked)
     assert provider.capabilities.lossless and provider.capabilities.returns_lse
+
+
+def test_flashinfer_fp8_is_lossy_and_hopper_only(monkeypatch):
+    _stub_flashinfer(monkeypatch, "0.6.1")
+    provider = FlashInferFp8Provider()
+    assert not provider.capabilities.lossless and provider.capabilities.returns_lse
+    for head_dim in (64, 128, 256):
+        assert provider.reasons_against(cuda_request(head_dim, needs_lse=True)) == []
+    assert provider.reasons_against(cuda_request(96))
+    assert any("8.0" in reason for reason in provider.reasons_against(cuda_request(capability=(8, 0))))
+    blackwell = provider.reasons_against(cuda_request(capability=(10, 0)))
+    assert any("FA3" in reason and "10.0" in reason for reason in blackwell), blackwell
+    masked = AttentionRequest(torch.bfloat16, "cuda", 128, has_mask=True, compute_capability=(9, 0))
+    assert provider.reasons_against(masked)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +203,11 @@ def test_sage_refuses_versions_before_1_0_6(monkeypatch):
     assert reason is not None and "1.0.5" in reason and "pip install 'omni-accel[sage]'" in reason
 
 
-_OPS = pytest.mark.parametrize("op", [flashinfer_attention, sage_attention], ids=["flashinfer", "sage"])
+_OPS = pytest.mark.parametrize(
+    "op",
+    [flashinfer_attention, flashinfer_fp8_attention, sage_attention],
+    ids=["flashinfer", "flashinfer_fp8", "sage"],
+)
 _SHAPES = pytest.mark.parametrize(
     "batch, seq_q, seq_kv, heads, kv_heads, head_dim",
     [(2, 333, 333, 24, 24, 128), (3, 64, 77, 8, 2, 64)],
@@ -211,7 +235,7 @@ def test_fake_implementation_serves_meta_tensors(op):
     assert out.shape == query.shape and out.dtype == torch.float16 and lse.shape == (2, 4, 40)
 
 
-@pytest.mark.parametrize("provider_class", [FlashInferProvider, SageProvider])
+@pytest.mark.parametrize("provider_class", [FlashInferProvider, FlashInferFp8Provider, SageProvider])
 @pytest.mark.parametrize("return_lse", [True, False])
 def test_forward_traces_to_one_custom_op_without_graph_breaks(provider_class, return_lse):
     provider = provider_class()
@@ -238,7 +262,7 @@ def test_custom_ops_have_no_cpu_kernel(op):
         op(query, query, query, 0.125, False)
 
 
-@pytest.mark.parametrize("provider_class", [FlashInferProvider, SageProvider])
+@pytest.mark.parametrize("provider_class", [FlashInferProvider, FlashInferFp8Provider, SageProvider])
 def test_forward_refuses_a_mask_instead_of_ignoring_it(provider_class):
     query = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="mask"):
@@ -259,3 +283,22 @@ def test_flashinfer_indptr_marks_each_sequence():
     indptr = flashinfer_module.ragged_indptr(3, 5)
     assert indptr.dtype == torch.int32 and indptr.device.type == "cpu"
     assert indptr.tolist() == [0, 5, 10, 15]
+
+
+def test_fp8_heads_quantize_each_batch_element_and_head_on_its_own():
+    from omni_accel.attention.providers.flashinfer_fp8 import quantize_heads
+
+    x = torch.randn(2, 37, 3, 64, dtype=torch.bfloat16)
+    x[1, :, 2] *= 1000  # one head of one element far larger: it must not coarsen the others
+    x[0, :, 1] = 0  # an all-zero head stays zero (the amax floor), not NaN
+    data, scale = quantize_heads(x)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape and scale.shape == (2, 3)
+    amax = x.float().abs().amax(dim=(1, 3))
+    assert torch.equal(scale[amax > 0], amax[amax > 0] * (1 / 448))
+    assert data.float().abs().amax(dim=(1, 3))[amax > 0].eq(448).all() and data[0, :, 1].float().eq(0).all()
+    back = data.float() * scale[:, None, :, None]
+    assert ((back - x.float()).abs() <= x.float().abs() * 2**-4 + scale[:, None, :, None] * 2**-9).all()
+    alone, alone_scale = quantize_heads(x[:1])
+    assert torch.equal(alone.view(torch.uint8), data[:1].view(torch.uint8)) and torch.equal(
+        alone_scale, scale[:1]
+    )

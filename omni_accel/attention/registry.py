@@ -14,11 +14,12 @@ _TARGETS: dict[str, str] = {
     "sdpa_math": "omni_accel.attention.providers.sdpa:SdpaMathProvider",
     "flashinfer": "omni_accel.attention.providers.flashinfer:FlashInferProvider",
     "sage": "omni_accel.attention.providers.sage:SageProvider",
+    "flashinfer_fp8": "omni_accel.attention.providers.flashinfer_fp8:FlashInferFp8Provider",
 }
 
 # Lossless providers tried in order under "auto". cuDNN leads on CUDA: at FLUX's 4608 tokens it ties
-# FlashInfer and beats PyTorch's flash kernel (docs/archive/performance-history.md). Lossy providers (sage)
-# are never automatic.
+# FlashInfer and beats PyTorch's flash kernel (docs/archive/performance-history.md). Lossy providers (sage,
+# flashinfer_fp8) are never automatic.
 _PLATFORM_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "sdpa_math"),
 }

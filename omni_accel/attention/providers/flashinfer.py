@@ -93,14 +93,26 @@ def _new_wrapper(workspace: torch.Tensor, device: torch.device):
     return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
 
 
-def _build_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-    """JIT-compiles (or loads from the disk cache) the kernel every plan of ``head_dim`` and ``dtype`` runs:
-    a plan of a tiny problem builds the same module, keyed by head size and dtypes, not by heads or tokens."""
+def _build_kernel(
+    head_dim: int, dtype: torch.dtype, device: torch.device, data_type: torch.dtype | None = None
+) -> None:
+    """JIT-compiles (or loads from the disk cache) the kernel every plan of ``head_dim`` and the dtypes runs
+    (``data_type``: what q/k/v are fed in, ``dtype`` by default; the output is ``dtype``): a plan of a tiny
+    problem builds the same module, keyed by head size and dtypes, not by heads or tokens."""
+    data_type = dtype if data_type is None else data_type
     with torch.cuda.device(device):
         workspace = torch.empty(16 * 1024 * 1024, dtype=torch.uint8, device=device)
         indptr = ragged_indptr(1, 128)
         _new_wrapper(workspace, device).plan(
-            indptr, indptr, 1, 1, head_dim, causal=False, q_data_type=dtype, kv_data_type=dtype
+            indptr,
+            indptr,
+            1,
+            1,
+            head_dim,
+            causal=False,
+            q_data_type=data_type,
+            kv_data_type=data_type,
+            o_data_type=dtype,
         )
 
 
@@ -114,9 +126,13 @@ def _planned_wrapper(
     dtype: torch.dtype,
     device: torch.device,
     scale: float,
+    data_type: torch.dtype | None = None,
 ):
+    """A wrapper planned for these shapes, output ``dtype`` and q/k/v fed in ``data_type`` (``dtype`` by
+    default; float8 for ``flashinfer_fp8``)."""
+    data_type = dtype if data_type is None else data_type
     # The scale is part of the plan: ``run`` uses the sm_scale given to ``plan``.
-    key = (batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, device, scale)
+    key = (batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, device, scale, data_type)
     wrapper = _PLANS.get(key)
     if wrapper is not None:
         return wrapper
@@ -142,8 +158,9 @@ def _planned_wrapper(
         head_dim,
         causal=False,
         sm_scale=scale,
-        q_data_type=dtype,
-        kv_data_type=dtype,
+        q_data_type=data_type,
+        kv_data_type=data_type,
+        o_data_type=dtype,
     )
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.pop(next(iter(_PLANS)))

@@ -1,0 +1,107 @@
+"""FlashInfer's FP8 attention (its FA3 Hopper kernel with e4m3 q/k/v) behind the provider contract: lossy,
+so only ever used when named explicitly (``attention="flashinfer_fp8"``).
+
+q, k and v are quantized here to e4m3 with one scale per (batch element, head): ``amax / 448`` over that
+head's tokens and channels, the values multiplied by the scale's reciprocal in float32 and saturated.
+FlashInfer's scales are per head of a launch, so each batch element is its own launch: a CFG pair or a
+batch of prompts gets the scales each element would get alone, and so the same output as alone. The
+kernel multiplies the scores by ``scale_q * scale_k`` and the output by ``scale_v``; its softmax
+probabilities go to e4m3 for the P·V product as well (FlashInfer's design), which is most of its error.
+
+The call is the custom op ``omni_accel::flashinfer_fp8_attention`` (quantization included) so that
+torch.compile traces through it. Inference only: no backward is registered.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...layers.fp8 import _AMAX_FLOOR, E4M3, E4M3_MAX
+from ..base import AttentionProvider, AttentionRequest, Capabilities
+from .flashinfer import HEAD_DIMS, _planned_wrapper, _unavailable, natural_lse
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[B, S, H, D]`` -> e4m3 ``[B, S, H, D]`` (contiguous) and float32 scales ``[B, H]``."""
+    amax = torch.linalg.vector_norm(x, ord=math.inf, dim=(1, 3)).float()
+    scale = amax.clamp_min(_AMAX_FLOOR) * (1 / E4M3_MAX)
+    values = x * scale.reciprocal()[:, None, :, None]  # float32 (a float32 tensor operand promotes)
+    return values.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+@torch.library.custom_op("omni_accel::flashinfer_fp8_attention", mutates_args=(), device_types="cuda")
+def flashinfer_fp8_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BSHD attention with e4m3 inputs, one FlashInfer launch per batch element; the output in the
+    query's dtype, the LSE ``[B, H, S]`` natural log, or empty."""
+    batch, seq_q, heads, head_dim = query.shape
+    seq_kv, kv_heads = key.shape[1], key.shape[2]
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_heads(t) for t in (query, key, value))
+    out = query.new_empty(query.shape)
+    lse = query.new_empty((batch, seq_q, heads), dtype=torch.float32) if return_lse else None
+    with torch.cuda.device(query.device):
+        wrapper = _planned_wrapper(
+            1, seq_q, seq_kv, heads, kv_heads, head_dim, query.dtype, query.device, scale, E4M3
+        )
+        for b in range(batch):
+            wrapper.run(
+                q8[b],
+                k8[b],
+                v8[b],
+                q_scale[b],
+                k_scale[b],
+                v_scale[b],
+                out=out[b],
+                lse=None if lse is None else lse[b],
+                return_lse=return_lse,
+            )
+    if lse is None:
+        return out, query.new_empty(0, dtype=torch.float32)
+    return out, natural_lse(lse.view(batch * seq_q, heads), batch)
+
+
+@flashinfer_fp8_attention.register_fake
+def _flashinfer_fp8_attention_fake(query, key, value, scale, return_lse):
+    batch, seq_q, heads, _ = query.shape
+    lse_shape = (batch, heads, seq_q) if return_lse else (0,)
+    return query.new_empty(query.shape), query.new_empty(lse_shape, dtype=torch.float32)
+
+
+class FlashInferFp8Provider(AttentionProvider):
+    """FlashInfer's FA3 kernel on e4m3 q/k/v (Hopper only): lossy, an explicit choice only. Returns the LSE,
+    so ring attention can merge its parts."""
+
+    name = "flashinfer_fp8"
+    capabilities = Capabilities(
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        devices=frozenset({"cuda"}),
+        head_dims=HEAD_DIMS,
+        returns_lse=True,
+        lossless=False,
+        min_compute_capability=(9, 0),
+    )
+
+    def unavailable_reason(self) -> str | None:
+        return _unavailable()
+
+    def reasons_against(self, request: AttentionRequest) -> list[str]:
+        reasons = super().reasons_against(request)
+        capability = request.compute_capability
+        if request.device_type == "cuda" and capability is not None and capability[0] > 9:
+            reasons.append(
+                f"runs FlashInfer's FA3 kernel, built for compute capability 9.x (Hopper), not "
+                f"{capability[0]}.{capability[1]}"
+            )
+        return reasons
+
+    def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
+        if attn_mask is not None:
+            raise ValueError(
+                "The flashinfer_fp8 provider cannot apply an attention mask; choose one that can."
+            )
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        out, lse = flashinfer_fp8_attention(query, key, value, scale, return_lse)
+        return (out, lse) if return_lse else out
