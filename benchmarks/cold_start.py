@@ -9,6 +9,14 @@ user meets on every run after their first.
     python benchmarks/cold_start.py --out cold_start.json
     python benchmarks/cold_start.py --host --options compile   # CPU: the host side of a compiled start
 
+``--first-launch`` measures our Triton kernels' first launch instead, in a fresh process with an empty
+Triton cache (FLUX.1-dev's norm_modulate at 1024x1024): what starting Triton's driver set-up costs the
+caller, the first call (served by the PyTorch reference while the kernel compiles in the background), the
+compile's length, how responsive the main thread stays meanwhile (iterations per second of a pure-Python
+loop and its longest gaps, against the same loop once the compile is done) and the first call after it.
+
+    python benchmarks/cold_start.py --first-launch
+
 ``--host`` runs a toy-size FLUX with FLUX.1-dev's block count (19 + 38) in fp32 on the CPU: what a compiled
 start costs the host (imports, tracing, cache loads) does not depend on the tensors' sizes, so it can be
 worked on without a GPU; each row then also says where the first call's time went (seconds): imports of
@@ -101,6 +109,84 @@ def child(name: str, steps: int, host: bool, blocks: tuple[int, int]) -> dict:
     return result
 
 
+def first_launch_child() -> dict:
+    """One fresh process, empty Triton cache (the parent sets ``TRITON_CACHE_DIR``): see ``--first-launch``."""
+    import torch
+
+    from omni_accel import kernel_builds
+    from omni_accel.layers import fused
+    from omni_accel.utils import triton_builds
+
+    x = torch.randn(1, 4608, 3072, device="cuda", dtype=torch.bfloat16)
+    shift, scale = (torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def call() -> float:
+        start = time.perf_counter()
+        fused.norm_modulate(x, shift, scale, 1e-6)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    triton_builds.set_up_in_background()
+    set_up_s = time.perf_counter() - start
+    first_s = call()
+    built_from = time.perf_counter()
+    during = _main_thread_loop(kernel_builds.in_flight)
+    compile_s = time.perf_counter() - built_from
+    kernel_builds.wait()
+    after = _main_thread_loop(lambda: False, seconds=max(during["seconds"], 0.5))
+    return {
+        "set_up_in_background_call_s": set_up_s,
+        "first_call_s": first_s,
+        "background_compile_s": compile_s,
+        "loop_iterations_per_s_during_compile": during["per_s"],
+        "loop_iterations_per_s_after": after["per_s"],
+        "loop_p99_gap_ms_during_compile": during["p99_gap_ms"],
+        "loop_max_gap_ms_during_compile": during["max_gap_ms"],
+        "first_call_after_the_compile_s": call(),
+        "warm_call_s": min(call() for _ in range(5)),
+    }
+
+
+def _main_thread_loop(busy, seconds: float = 0.0) -> dict:
+    """A pure-Python loop (the GIL's share of the main thread) while ``busy()`` or for ``seconds``."""
+    gaps, start = [], time.perf_counter()
+    last = start
+    while busy() or time.perf_counter() - start < seconds:
+        sum(range(200))
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    gaps.sort()
+    elapsed = last - start
+    return {
+        "seconds": elapsed,
+        "per_s": len(gaps) / elapsed if elapsed else 0.0,
+        "p99_gap_ms": 1000 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
+        "max_gap_ms": 1000 * gaps[-1] if gaps else 0.0,
+    }
+
+
+def first_launch() -> dict:
+    """``--first-launch``: the child in a fresh process with a new, empty Triton cache."""
+    from omni_accel.utils.kernels import HAS_TRITON
+
+    if not (HAS_TRITON and _has_cuda()):
+        return {"skipped": "our Triton kernels' first launch needs CUDA and Triton"}
+    env = {**os.environ, "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton_first_launch_")}
+    command = [sys.executable, __file__, "--child", "first_launch"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"first launch failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _rounded(value):
     return round(value, 2) if isinstance(value, float) else value
 
@@ -148,6 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--tiny", action="store_true", help="--host with 2 + 2 blocks, 2 steps, eager options: a smoke run"
     )
+    parser.add_argument(
+        "--first-launch", action="store_true", help="our Triton kernels' first launch (one GPU), not an image"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, nargs=2, default=(19, 38), help=argparse.SUPPRESS)
     parser.add_argument("--out")
@@ -155,9 +244,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         args.host, args.steps, args.blocks = True, 2, (2, 2)
         args.options = [name for name in args.options if not OPTION_SETS[name].get("compile")]
+    if args.child == "first_launch":
+        print(json.dumps(first_launch_child()))
+        return {}
     if args.child:
         print(json.dumps(child(args.child, args.steps, args.host, tuple(args.blocks))))
         return {}
+    if args.first_launch:
+        results = first_launch()
+        print(json.dumps({k: _rounded(v) for k, v in results.items()}), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+        return results
     results = {}
     for name in args.options:
         cache = tempfile.mkdtemp(prefix=f"inductor_{name}_")

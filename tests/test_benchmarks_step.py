@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -70,3 +71,10 @@ def test_cold_start_smoke():
     for start in ("empty_cache", "warm_cache"):
         r = results[f"default_{start}"]
         assert r["warm_image_s"] > 0 and r["accelerate_to_first_image_s"] >= r["accelerate_s"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer; on a GPU it measures instead")
+def test_cold_start_first_launch_says_what_it_needs_on_the_cpu():
+    import cold_start
+
+    assert "needs CUDA and Triton" in cold_start.main(["--first-launch"])["skipped"]

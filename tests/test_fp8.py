@@ -20,7 +20,17 @@ from torch import nn
 import omni_accel
 from omni_accel.layers import fp8
 
-_MODULATIONS = ("norm1.linear", "norm1_context.linear", "norm.linear", "scale_shift_table")
+# The AdaLN modulation linears (by name suffix): FLUX.1 / Wan, Qwen-Image, Z-Image, MiniMax-H3
+_MODULATIONS = (
+    "norm1.linear",
+    "norm1_context.linear",
+    "norm.linear",
+    "scale_shift_table",
+    "img_mod.1",
+    "txt_mod.1",
+    "adaLN_modulation.0",
+    "adaln_proj.linear",
+)
 _TIGHT = 1e-5
 _ONE_FLIP = 1e-4
 
@@ -50,10 +60,10 @@ def _emulated_split_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def emulated(model: nn.Module, blocks: tuple[str, ...], shards: dict[str, list] | None = None) -> nn.Module:
     """``model`` with every linear of its ``blocks`` lists but LoRA's own A/B computing from FP8-quantized
     input and weight (dequantized, float32 product), the AdaLN projections from their quantized weight alone.
-    ``shards``: the input-split linears (by name suffix) of a tensor-parallel layout, and each rank's input
-    indices."""
+    ``blocks``: the block lists' module names (``token_refiner.refiner_blocks``: a nested one). ``shards``: the
+    input-split linears (by name suffix) of a tensor-parallel layout, and each rank's input indices."""
     for name, module in model.named_modules():
-        in_blocks = name.split(".")[0] in blocks
+        in_blocks = any(name.startswith(f"{blocks_name}.") for blocks_name in blocks)
         lora = ".lora_A." in name or ".lora_B." in name
         if type(module) is nn.Linear and in_blocks and not lora and name.endswith(_MODULATIONS):
             module.forward = types.MethodType(_emulated_weight_only_forward, module)
@@ -127,6 +137,46 @@ def test_native_flux2_fp8_is_diffusers_with_quantized_projections():
     assert rel_err(_sample(pipe.transformer, inputs), oracle) < _TIGHT
     store = omni_accel.describe(pipe).components[0].runtime.fp8
     assert store.quantized == 2 * 8 + 2 * 2  # double: 2 packed QKV, 2 out, 4 MLP; single: 2 linears
+
+
+def _first_output(model, inputs) -> torch.Tensor:
+    """The output tensor of a model that returns a dataclass, a tuple, or (Z-Image) a list per sample."""
+    with torch.no_grad():
+        out = model(**inputs, return_dict=False)[0]
+    return torch.stack(list(out)) if isinstance(out, list | tuple) else out
+
+
+@pytest.mark.parametrize(
+    "family, blocks, quantized",
+    [
+        # per block, image and text each: packed QKV, out, 2 MLP linears, the modulation (weight alone)
+        ("qwenimage", ("transformer_blocks",), 2 * 10),
+        # the refiners' blocks too: packed QKV, out, packed w1/w3, w2, and the AdaLN where a block has one
+        ("zimage", ("noise_refiner", "context_refiner", "layers"), 19),
+        # the text token refiner's blocks as well as the main blocks (their per-row AdaLN projection)
+        ("minimax_h3", ("transformer_blocks", "token_refiner.refiner_blocks"), 14),
+    ],
+)
+def test_native_fp8_of_the_later_families_is_diffusers_with_quantized_projections(family, blocks, quantized):
+    import conftest
+
+    inputs_of = {
+        "qwenimage": ("test_qwenimage_native", "qwen_inputs"),
+        "zimage": ("test_zimage_native", "zimage_inputs"),
+        "minimax_h3": ("test_minimax_h3_native", "minimax_inputs"),
+    }[family]
+    model = getattr(conftest, f"random_{family}_transformer")()
+    inputs = getattr(__import__(inputs_of[0]), inputs_of[1])(model)
+    plain = _first_output(model, inputs)
+    oracle = _first_output(emulated(copy.deepcopy(model), blocks), inputs)
+    pipe = omni_accel.accelerate(_Holder(copy.deepcopy(model)), quantize="fp8")
+    out = _first_output(pipe.transformer, inputs)
+    assert rel_err(out, oracle) < _TIGHT, rel_err(out, oracle)
+    assert rel_err(out, plain) > 10 * rel_err(out, oracle)  # lossy indeed, and by the quantization
+    report = omni_accel.describe(pipe)
+    assert "LOSSY: quantize='fp8'" in str(report) and report.components[0].runtime.fp8.quantized == quantized
+    omni_accel.restore(pipe)
+    assert torch.equal(_first_output(pipe.transformer, inputs), plain)
 
 
 @pytest.mark.parametrize("edit", ["in_place", "through_data", "load_state_dict", "assign"])
