@@ -44,7 +44,7 @@ from .config import DEFAULT_COMPONENTS, AccelConfig
 from .forward_hooks import scoped_hooks
 from .layers.attention import enter_forward, leave_forward
 from .layers.fp8 import Fp8Weights
-from .layers.fp8_linears import install_fp8_linears
+from .layers.fp8_linears import MIN_FP8_ROWS, install_fp8_linears
 from .layers.split_modulation import SplitModulation
 from .models.base import (
     NativeBlock,
@@ -589,7 +589,7 @@ def _plan_generic(
     if fp8 is not None:
         parts.append(
             "LOSSY: quantize='fp8', the repeated blocks' linears run as float8 e4m3 GEMMs (calls of fewer than "
-            "16 rows, such as per-sample modulation, with the weight alone in e4m3)"
+            f"{MIN_FP8_ROWS} rows, such as per-sample modulation, with the weight alone in e4m3)"
         )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     tier = "generic" if compile_on or graphs_on or fp8 is not None else "routed"

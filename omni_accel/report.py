@@ -8,6 +8,7 @@ from typing import Any
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
 from .cuda_graphs import BlockGraphs, StepGraphs, block_graph_stats
+from .layers.fp8_linears import MIN_FP8_ROWS
 from .models.base import NativeRuntime
 from .models.generic import GenericRuntime
 from .parallel.cfg import GuidanceBranches
@@ -107,7 +108,7 @@ class ComponentReport:
                 weight_only = (
                     "the AdaLN modulation projections"
                     if isinstance(self.runtime, NativeRuntime)
-                    else "calls of fewer than 16 rows (per-sample modulation)"
+                    else f"calls of fewer than {MIN_FP8_ROWS} rows (per-sample modulation)"
                 )
                 out.append(
                     f"  fp8 (lossy): {fp8.copies} projection weights in e4m3 ({fp8.bytes_used} bytes beside "

@@ -181,3 +181,13 @@ class AttentionProvider(abc.ABC):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention over BSHD tensors; returns the output, or ``(output, lse)`` when ``return_lse``. Raises
         ``KernelRefusal`` (launching nothing) where ``refusal`` would give a reason."""
+
+
+def bshd_attention_fake(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fake (meta) implementation of every provider custom op of the signature ``(query, key, value,
+    scale, return_lse) -> (out, lse)``: the output like the query, the LSE ``[B, H, S]`` float32 or empty."""
+    batch, seq_q, heads, _ = query.shape
+    lse_shape = (batch, heads, seq_q) if return_lse else (0,)
+    return query.new_empty(query.shape), query.new_empty(lse_shape, dtype=torch.float32)

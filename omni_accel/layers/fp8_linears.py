@@ -9,7 +9,7 @@ constructed without an FP8 GPU; here the bf16 parameters stay what they are, the
 ``Fp8Weights`` store, and the result is the same quantization the native blocks compute (tested on the CPU
 against Diffusers with quantized projections).
 
-Calls of fewer than ``_MIN_ROWS`` rows (per-sample conditioning projections, such as the AdaLN modulation)
+Calls of fewer than ``MIN_FP8_ROWS`` rows (per-sample conditioning projections, such as the AdaLN modulation)
 quantize the weight alone (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3
 GEMM to pay, but the weight's read, their whole time, halves. Linears the FP8 GEMM cannot take
 (``fp8_reason``), quantized or offloaded weights stay as they are. A transformer pre-hook
@@ -30,7 +30,7 @@ from ..forward_hooks import InstanceForward, OurHook
 from .fp8 import Fp8Weight, Fp8Weights, fp8_linear, fp8_reason, weight_only_linear
 from .projection import _quantized_or_absent
 
-_MIN_ROWS = 16
+MIN_FP8_ROWS = 16  # fewer rows: an e4m3 GEMM does not pay, the weight-only GEMV does
 
 
 class Fp8Linear(InstanceForward):
@@ -68,7 +68,7 @@ class Fp8Linear(InstanceForward):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled or self.weight8 is None:
             return self._forward()(x)
-        if x.numel() < _MIN_ROWS * x.shape[-1]:
+        if x.numel() < MIN_FP8_ROWS * x.shape[-1]:
             return weight_only_linear(x, self.weight8, self.module.bias)
         return fp8_linear(x, self.weight8, self.module.bias)
 

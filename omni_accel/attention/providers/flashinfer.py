@@ -23,7 +23,7 @@ from packaging.version import InvalidVersion, Version
 
 from ... import kernel_builds
 from ...utils.logging import get_logger
-from ..base import AttentionProvider, AttentionRequest, Capabilities
+from ..base import AttentionProvider, AttentionRequest, Capabilities, bshd_attention_fake
 
 logger = get_logger(__name__)
 
@@ -192,11 +192,7 @@ def flashinfer_attention(
     return result.view(query.shape), query.new_empty(0, dtype=torch.float32)
 
 
-@flashinfer_attention.register_fake
-def _flashinfer_attention_fake(query, key, value, scale, return_lse):
-    batch, seq_q, heads, _ = query.shape
-    lse_shape = (batch, heads, seq_q) if return_lse else (0,)
-    return query.new_empty(query.shape), query.new_empty(lse_shape, dtype=torch.float32)
+flashinfer_attention.register_fake(bshd_attention_fake)
 
 
 class FlashInferProvider(AttentionProvider):

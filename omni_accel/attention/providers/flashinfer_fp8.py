@@ -19,7 +19,7 @@ import math
 import torch
 
 from ...layers.fp8 import _AMAX_FLOOR, E4M3, E4M3_MAX
-from ..base import AttentionProvider, AttentionRequest, Capabilities
+from ..base import AttentionProvider, AttentionRequest, Capabilities, bshd_attention_fake
 from .flashinfer import HEAD_DIMS, _planned_wrapper, _unavailable, natural_lse
 
 
@@ -65,11 +65,7 @@ def flashinfer_fp8_attention(
     return out, natural_lse(lse.view(batch * seq_q, heads), batch)
 
 
-@flashinfer_fp8_attention.register_fake
-def _flashinfer_fp8_attention_fake(query, key, value, scale, return_lse):
-    batch, seq_q, heads, _ = query.shape
-    lse_shape = (batch, heads, seq_q) if return_lse else (0,)
-    return query.new_empty(query.shape), query.new_empty(lse_shape, dtype=torch.float32)
+flashinfer_fp8_attention.register_fake(bshd_attention_fake)
 
 
 class FlashInferFp8Provider(AttentionProvider):

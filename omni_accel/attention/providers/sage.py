@@ -21,7 +21,7 @@ import importlib.metadata
 import torch
 from packaging.version import InvalidVersion, Version
 
-from ..base import AttentionProvider, AttentionRequest, Capabilities
+from ..base import AttentionProvider, AttentionRequest, Capabilities, bshd_attention_fake
 
 MIN_VERSION = Version("1.0.6")
 LSE_VERSION = Version("2.1.1")
@@ -112,11 +112,7 @@ def sage_attention(
     return out.contiguous(), lse.float().contiguous()
 
 
-@sage_attention.register_fake
-def _sage_attention_fake(query, key, value, scale, return_lse):
-    batch, seq_q, heads, _ = query.shape
-    lse_shape = (batch, heads, seq_q) if return_lse else (0,)
-    return query.new_empty(query.shape), query.new_empty(lse_shape, dtype=torch.float32)
+sage_attention.register_fake(bshd_attention_fake)
 
 
 class SageProvider(AttentionProvider):
