@@ -204,6 +204,30 @@ def accelerate(
         )
     deferred = layout is _AT_FIRST_CALL
     parallel = init_parallel(layout) if layout is not None and not deferred else None
+    try:
+        components, others, undo = _plan_and_commit(pipe, names, config, parallel, auto_reason)
+    except BaseException:
+        if parallel is not None:
+            parallel.close()  # a refused layout leaves no process groups behind either
+        raise
+    if deferred:
+        undo.append(pipeline_calls.on_first_call(pipe, lambda arguments: _apply_auto_layout(pipe, arguments)))
+    setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
+    triton_builds.set_up_in_background()  # while the first call encodes its prompt
+    _log_summary(pipe, components)
+    return pipe
+
+
+def _plan_and_commit(
+    pipe: Pipeline,
+    names: list[str],
+    config: AccelConfig,
+    parallel: ParallelState | None,
+    auto_reason: str | None,
+) -> tuple[list[_Component], list[ComponentReport], list[Callable[[], None]]]:
+    """``accelerate``'s plan and commit under ``parallel`` (None: one device, or a layout chosen at the first
+    call): the components, the other reports (the VAE's split) and the pipeline-level undos (the mesh's
+    groups destroyed last)."""
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
     distributed = parallel is not None and parallel.mesh is not None
     vae_coders, others = _plan_vae(pipe, config) if distributed else ([], [])
@@ -212,12 +236,9 @@ def accelerate(
             if component.runtime is not None:
                 component.report.layout = f"parallel='auto': {auto_reason}"
     undo = _commit_all(pipe, components, vae_coders, parallel if distributed else None)
-    if deferred:
-        undo.append(pipeline_calls.on_first_call(pipe, lambda arguments: _apply_auto_layout(pipe, arguments)))
-    setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
-    triton_builds.set_up_in_background()  # while the first call encodes its prompt
-    _log_summary(pipe, components)
-    return pipe
+    if distributed:
+        undo.insert(0, parallel.close)  # restore runs it last, once the components are undone
+    return components, others, undo
 
 
 def _commit_all(
@@ -1020,18 +1041,19 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
         ),
     )
     parallel = init_parallel(chosen.config)
-    for component in natives:
-        _check_layout(
-            component.original, component.spec.native_model(), parallel, component.graphs is not None
-        )
-    vae_coders, others = _plan_vae(pipe, state.config)
-    for component in natives:
-        component.parallel = parallel
     try:
-        state.undo += _spread(pipe, natives, vae_coders, parallel)
+        for component in natives:
+            _check_layout(
+                component.original, component.spec.native_model(), parallel, component.graphs is not None
+            )
+        vae_coders, others = _plan_vae(pipe, state.config)
+        for component in natives:
+            component.parallel = parallel
+        state.undo += [parallel.close, *_spread(pipe, natives, vae_coders, parallel)]
     except BaseException:
         for component in natives:
             component.parallel = None
+        parallel.close()
         raise
     state.others = others
     where = f"{chosen.config} on {dist.get_world_size()} ranks"

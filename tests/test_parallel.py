@@ -35,6 +35,7 @@ def _check(
     repeat: bool = False,
     **call,
 ) -> None:
+    groups_before = _live_groups()
     pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=heads, attention_head_dim=16)
     omni_accel.accelerate(pipe, parallel=layout)
     got = _latents(pipe, **call)
@@ -58,6 +59,14 @@ def _check(
     restored, expected = pipe.transformer.state_dict(), original.state_dict()
     assert restored.keys() == expected.keys()
     assert all(torch.equal(restored[k], expected[k]) for k in expected), f"{layout}: restore is not exact"
+    assert _live_groups() == groups_before, f"{layout}: restore left process groups behind"
+
+
+def _live_groups() -> set[str]:
+    """The names of the process groups alive in this process (torch keeps no public list of them)."""
+    from torch.distributed.distributed_c10d import _world
+
+    return {group.group_name for group in _world.pg_map}
 
 
 def _oracle(heads: int = 2, **call) -> torch.Tensor:
@@ -655,6 +664,7 @@ def _a_failed_auto_spread_is_undone_and_retried() -> None:
     the next call tries again, and then runs as the layout it chose."""
     from omni_accel import api
 
+    groups = _live_groups()
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel="auto")
 
     def hooks() -> list[str]:  # every Diffusers hook on the transformer and its submodules
@@ -674,6 +684,7 @@ def _a_failed_auto_spread_is_undone_and_retried() -> None:
     finally:
         api._split_vae = original
     assert hooks() == before, "layout hooks left behind"
+    assert _live_groups() == groups, "the failed layout's process groups left behind"
     assert "chosen at the first call" not in str(omni_accel.describe(pipe))
     got = _latents(pipe, num_inference_steps=1)
     assert "chosen at the first call" in str(omni_accel.describe(pipe)) and hooks() != before
@@ -681,6 +692,7 @@ def _a_failed_auto_spread_is_undone_and_retried() -> None:
     dist.all_gather(gathered, got)
     assert all(torch.equal(x, gathered[0]) for x in gathered)
     omni_accel.restore(pipe)
+    assert _live_groups() == groups, "restore left process groups behind"
 
 
 def _two_ranks(rank: int, world: int) -> None:
@@ -732,13 +744,15 @@ def _two_ranks(rank: int, world: int) -> None:
     _check("auto", oracle, expect="ParallelConfig(tp=1, ulysses=2, ring=1, cfg=1) on 2 ranks, chosen at")
     # a batch of one without true CFG: computed on both ranks, still exact
     _check(ParallelConfig(cfg=2), _oracle(prompt="a cat"), expect="2 calls computed on both", prompt="a cat")
-    # misconfigurations: clear errors, nothing swapped
+    # misconfigurations: clear errors, nothing swapped, no process groups left behind
+    groups = _live_groups()
     pipe = omni_accel.tiny_flux_pipeline(seed=0, num_attention_heads=3, attention_head_dim=16)
     with pytest.raises(ValueError, match="tp=2 does not divide FLUX's 3 attention heads"):
         omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2))
     assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"
     with pytest.raises(ValueError, match="spans 4 ranks, but 2 were started"):
         omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2, ulysses=2))
+    assert _live_groups() == groups
     # the Wan pipeline over ulysses=2 (its video tokens split inside the model) gives the one-rank video
     video = dict(
         prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="latent"

@@ -51,6 +51,21 @@ class ParallelState:
                 mine = group
         return mine
 
+    def close(self) -> None:
+        """Destroys the groups this layout's mesh made (``restore`` does, on every rank): each holds
+        communicators (NCCL's hold GPU memory) that would otherwise outlive the pipeline, a new set for every
+        ``accelerate``. The default group stays."""
+        if self.mesh is None:
+            return
+        made = {id(g): g for g in self.mesh.get_all_groups() if g is not dist.group.WORLD}
+        self.mesh = None
+        if not made:
+            return
+        release_all()  # graphs may hold NCCL operations of their communicators
+        forget_groups([group.group_name for group in made.values()])
+        for group in made.values():
+            dist.destroy_process_group(group)
+
 
 def init_parallel(config: ParallelConfig) -> ParallelState:
     """Joins (or starts, from torchrun's environment) the default process group and builds the mesh."""

@@ -175,7 +175,8 @@ def describe_exchange(
     return f"{dist.get_backend(group)} {otherwise} (no peer writes: {why})"
 
 
-def forget_groups() -> None:
-    """Drops every group's buffers (before the groups are destroyed)."""
-    _BY_GROUP.clear()
-    _WHY_NOT.clear()
+def forget_groups(names: list[str] | None = None) -> None:
+    """Drops the buffers of the groups ``names`` (every group's by default), before they are destroyed."""
+    for name in list(_BY_GROUP) if names is None else names:
+        _BY_GROUP.pop(name, None)
+        _WHY_NOT.pop(name, None)
