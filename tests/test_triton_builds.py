@@ -57,11 +57,20 @@ _KNOBS = types.SimpleNamespace(jit_cache_hook=None)
 
 class _Driver:
     """``triton.runtime.driver.driver``: ``active.utils`` compiles C helpers on first access,
-    ``active.launcher_cls(src, metadata)`` a kernel's launcher."""
+    ``active.launcher_cls(src, metadata)`` a kernel's launcher; ``make_backend(target).hash()`` (Triton's
+    compiler module) runs ``ptxas --version`` on first use."""
 
     def __init__(self) -> None:
         self.launchers, self.utils_threads, self.release = [], [], threading.Event()
+        self.hash_threads: list[str] = []
         self.release.set()
+
+    def get_current_target(self):
+        return "cuda:90"
+
+    def make_backend(self, target):
+        assert target == "cuda:90"
+        return types.SimpleNamespace(hash=lambda: self.hash_threads.append(threading.current_thread().name))
 
     @property
     def active(self):
@@ -86,8 +95,10 @@ def fake_triton(monkeypatch):
     jit.JITFunction = _JITFunction
     driver = types.ModuleType("triton.runtime.driver")
     driver.driver = _Driver()
+    compiler = types.ModuleType("triton.compiler.compiler")
+    compiler.make_backend = driver.driver.make_backend
     modules = {"triton": triton, "triton.runtime": runtime, "triton.runtime.jit": jit}
-    modules["triton.runtime.driver"] = driver
+    modules.update({"triton.runtime.driver": driver, "triton.compiler.compiler": compiler})
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(triton_builds, "_DRIVER", [None])
@@ -133,6 +144,7 @@ def test_the_driver_is_set_up_in_the_background_and_a_first_launch_waits_for_the
     kernel.cache.add("a")
     assert _op(kernel, "a") == "kernel"
     assert driver.utils_threads == ["omni-triton-driver"]  # done before the launch
+    assert driver.hash_threads == ["omni-triton-driver"]  # its ptxas probes too, off the calling thread
 
 
 def test_a_compile_found_on_disk_is_waited_for(monkeypatch):

@@ -84,10 +84,16 @@ def set_up_in_background() -> None:
 
 
 def _set_up_driver() -> None:
+    """Triton's driver helpers, and its backend's hash: that runs ``ptxas --version`` twice (Triton caches
+    both), two process forks of a few hundred ms together from a process holding a model's memory, which
+    the first launch would otherwise make on the calling thread."""
     try:
         from triton.runtime.driver import driver
 
         driver.active.utils  # noqa: B018 (built on first access)
+        from triton.compiler.compiler import make_backend
+
+        make_backend(driver.active.get_current_target()).hash()
     except Exception as error:  # the first launch sets it up (and raises what it raises) instead
         logger.debug("Triton's driver was not set up in the background: %s", error)
 
