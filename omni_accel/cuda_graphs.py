@@ -50,7 +50,7 @@ from torch import nn
 
 from . import kernel_builds
 from .attention.selection import current_scope
-from .background import nothing_beside
+from .background import capture_waits, nothing_beside
 from .capture_constants import REFUSED_COPY, CaptureConstants
 from .forward_hooks import InstanceForward, global_hooks_active, has_foreign_torch_hooks, is_hooked
 from .utils.logging import get_logger
@@ -179,7 +179,8 @@ class StepGraphs(InstanceForward):
                 if key in self.uncapturable:
                     return self._eager(self.uncapturable[key], forward, args, kwargs)
                 if key not in self.warmed:
-                    out = forward(*args, **kwargs)
+                    with capture_waits():
+                        out = forward(*args, **kwargs)
                     if len(self.warmed) >= 64:
                         self.warmed.clear()
                     with contextlib.suppress(Unkeyable):  # the key as the call left it (weights packed...)
@@ -191,10 +192,12 @@ class StepGraphs(InstanceForward):
                         "compiled blocks are being built in the background", forward, args, kwargs
                     )
                 if kernel_builds.in_flight():  # a graph now would keep what serves until they are done
-                    return self._eager(_BUILDS_BESIDE, forward, args, kwargs)
+                    with capture_waits():
+                        return self._eager(_BUILDS_BESIDE, forward, args, kwargs)
                 with nothing_beside() as free:
                     if not free:
-                        return self._eager(_COMPILE_BESIDE, forward, args, kwargs)
+                        with capture_waits():
+                            return self._eager(_COMPILE_BESIDE, forward, args, kwargs)
                     graph = self._capture(key, forward, leaves, spec)
                 if graph is None:
                     return forward(*args, **kwargs)

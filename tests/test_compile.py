@@ -254,6 +254,28 @@ def test_no_switch_while_a_compile_is_in_flight():
     assert compiler.begin_step() == 1 and not compiler.compiling
 
 
+def test_no_compile_starts_in_a_step_a_capture_waits_to_follow():
+    """Eager steps that CUDA graphs will capture once kernels are built (or after the warm-up) start no
+    compile: it would hold the capture off, and every step until it ended would run eagerly beside it. The
+    first replay starts it (``before_replay``)."""
+    from omni_accel import background
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    compiler = BlockCompiler({"backend": "aot_eager"})
+    x = torch.randn(4)
+    for _ in range(3):  # the warm-up, then two steps while kernels build
+        with background.capture_waits():
+            compiler.math(f, "a")(x)
+            compiler.math(g, "b")(x)
+    assert compiler._threads == [] and not compiler.compiling
+    assert not background.capture_waiting()
+    compiler.start_compiles()  # what a replay calls first
+    assert len(compiler._threads) == 2
+    compiler.wait()
+    assert compiler.begin_step() == 1 and compiler.calls() == {"f": (3, 0), "g": (3, 0)}
+
+
 def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():
     from omni_accel.models.compiler import BlockCompiler
 

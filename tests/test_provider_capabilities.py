@@ -156,6 +156,11 @@ def test_flashinfer_fp8_is_lossy_and_hopper_only(monkeypatch):
     assert any("FA3" in reason and "10.0" in reason for reason in blackwell), blackwell
     masked = AttentionRequest(torch.bfloat16, "cuda", 128, has_mask=True, compute_capability=(9, 0))
     assert provider.reasons_against(masked)
+    # over few keys its output runs low (measured on a GPU): refused, saying so
+    for keys, refused in ((333, True), (2047, True), (2048, False), (32760, False)):
+        request = AttentionRequest(torch.bfloat16, "cuda", 128, compute_capability=(9, 0), kv_len=keys)
+        reasons = provider.reasons_against(request)
+        assert bool(reasons) is refused and all(f"not {keys}" in r for r in reasons), reasons
 
 
 @pytest.mark.parametrize(

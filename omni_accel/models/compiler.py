@@ -128,8 +128,9 @@ class BlockCompiler:
         """Starts the compiles queued by earlier eager calls. Called at the start of an eager step, or
         (with CUDA graphs) before a replay: the eager step captured before it then replays at full speed
         while the worker compiles, where eager steps beside the worker ran 5-10x slower (their every
-        operator waits for the GIL)."""
-        if not _capturing():
+        operator waits for the GIL). Not in an eager step a capture waits to follow
+        (``background.capture_waits``): the compile would hold that capture off."""
+        if not _capturing() and not background.capture_waiting():
             self._start_queued()
 
     def wait(self, timeout: float | None = None) -> None:
