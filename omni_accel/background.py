@@ -26,7 +26,9 @@ def nothing_beside() -> Iterator[bool]:
             LOCK.release()
 
 
-_CAPTURE_WAITS: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_accel_capture_waits", default=False)
+_CAPTURE_WAITS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "omni_accel_capture_waits", default=False
+)
 
 
 @contextlib.contextmanager
