@@ -4,6 +4,7 @@ protocol (``knobs.runtime.jit_cache_hook`` called before a compile with these ke
 skipping the compile and the launch, ``JITFunction.preload`` compiling a specialization from its data);
 tests/test_gpu_triton_builds.py runs the real one on a GPU."""
 
+import contextvars
 import sys
 import threading
 import types
@@ -19,6 +20,7 @@ class _JITFunction:
 
     def __init__(self, name: str, compile_seconds: threading.Event | None = None) -> None:
         self.name, self.cache, self.launched, self.compiled_in_call = name, set(), [], []
+        _KERNELS[name] = self
         self.release = compile_seconds or threading.Event()
         self.preload_error: Exception | None = None
 
@@ -45,14 +47,27 @@ class _JITFunction:
         return run
 
     def preload(self, data: str) -> None:
-        assert self.release.wait(10)
-        if self.preload_error is not None:
-            raise self.preload_error
+        """Compiles ``data`` into the cache; under an async-compile mode (``_ASYNC``) through its
+        ``submit(key, compile, finalize)``, the cache entry made by ``finalize``, as Triton 3.6 does."""
+
+        def compile_fn():
+            assert self.release.wait(10)
+            if self.preload_error is not None:
+                raise self.preload_error
+            return types.SimpleNamespace(src=data, metadata=self.name)  # Triton's CompiledKernel has both
+
+        mode = _ASYNC.active_mode.get()
+        if mode is not None:
+            return mode.submit(data, compile_fn, lambda kernel: self.cache.add(data))
+        kernel = compile_fn()
         self.cache.add(data)
-        return types.SimpleNamespace(src=data, metadata=self.name)  # Triton's CompiledKernel has both
+        return kernel
 
 
 _KNOBS = types.SimpleNamespace(jit_cache_hook=None)
+_ASYNC = types.ModuleType("triton.runtime._async_compile")
+_ASYNC.active_mode = contextvars.ContextVar("async_compile_active_mode", default=None)
+_KERNELS: dict[str, "_JITFunction"] = {}  # by name: whether a launcher was built before its kernel was cached
 
 
 class _Driver:
@@ -83,7 +98,8 @@ class _Driver:
         return self
 
     def launcher_cls(self, src, metadata):
-        self.launchers.append((src, metadata, threading.current_thread().name))
+        cached = src in _KERNELS[metadata].cache  # a launch meanwhile would build the launcher itself
+        self.launchers.append((src, metadata, threading.current_thread().name, cached))
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +115,8 @@ def fake_triton(monkeypatch):
     compiler.make_backend = driver.driver.make_backend
     modules = {"triton": triton, "triton.runtime": runtime, "triton.runtime.jit": jit}
     modules.update({"triton.runtime.driver": driver, "triton.compiler.compiler": compiler})
+    modules["triton.runtime._async_compile"] = _ASYNC
+    runtime._async_compile = _ASYNC
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(triton_builds, "_DRIVER", [None])
@@ -127,9 +145,10 @@ def test_a_first_launch_is_served_by_the_reference_while_it_compiles_in_the_back
     assert _op(kernel, "bf16,3072") == "kernel"
     assert kernel.launched == ["bf16,3072"] and kernel.compiled_in_call == []
     assert _KNOBS.jit_cache_hook is None  # set only while our ops run
-    # its launcher (C, compiled on a first launch) was built beside it, into the disk cache
+    # its launcher (C, compiled on a first launch) was built beside it, into the disk cache, before the
+    # kernel entered the JIT's cache (a launch finding it there first would have built the launcher itself)
     assert sys.modules["triton.runtime.driver"].driver.launchers == [
-        ("bf16,3072", "norm_modulate", "omni-build")
+        ("bf16,3072", "norm_modulate", "omni-build", False)
     ]
 
 
