@@ -17,6 +17,14 @@ loop and its longest gaps, against the same loop once the compile is done) and t
 
     python benchmarks/cold_start.py --first-launch
 
+``--first-steps MODEL`` times the first calls of one transformer forward of a ``harness.models`` model in a
+fresh process with empty Triton and inductor caches: a plain Diffusers call first (CUDA, cuBLAS and cuDNN
+warmed as in a process that ran Diffusers before), then ``accelerate`` and each of ``--calls`` calls with
+what served it (CUDA graphs captured and replayed, the background compile's state). It shows whether the
+first steps wait for our kernel builds or run beside a compile.
+
+    python benchmarks/cold_start.py --first-steps zimage --calls 8
+
 ``--host`` runs a toy-size FLUX with FLUX.1-dev's block count (19 + 38) in fp32 on the CPU: what a compiled
 start costs the host (imports, tracing, cache loads) does not depend on the tensors' sizes, so it can be
 worked on without a GPU; each row then also says where the first call's time went (seconds): imports of
@@ -148,6 +156,62 @@ def first_launch_child() -> dict:
     }
 
 
+def first_steps_child(model: str, calls: int, tiny: bool) -> dict:
+    """One fresh process: see ``--first-steps``."""
+    import torch
+    from harness.models import MODELS, Holder, build
+
+    import omni_accel
+
+    device, dtype = ("cpu", torch.float32) if tiny else ("cuda", torch.bfloat16)
+    spec = MODELS[model](tiny)
+    x = spec.inputs(device, dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    with torch.no_grad():
+        plain_s = _plain_calls(build(spec, device, dtype), x, timed)  # freed before ours is built
+        options = {"compile": {"backend": "eager"}} if tiny else {}
+        ours = omni_accel.accelerate(
+            Holder(build(spec, device, dtype)), compile_in_background=True, **options
+        )
+        steps = []
+        for _ in range(calls):
+            seconds = timed(lambda: ours.transformer(**x))
+            served = [
+                line.strip()
+                for line in str(omni_accel.describe(ours)).splitlines()
+                if "cuda graphs:" in line or "compiled:" in line
+            ]
+            steps.append({"s": seconds, "served": served})
+    return {"model": model, "plain_first_s": plain_s[0], "plain_warm_s": plain_s[1], "calls": steps}
+
+
+def _plain_calls(model, x: dict, timed) -> list[float]:
+    return [timed(lambda: model(**x)) for _ in range(2)]
+
+
+def first_steps(model: str, calls: int, tiny: bool) -> dict:
+    """``--first-steps``: the child in a fresh process with new, empty Triton and inductor caches."""
+    caches = {name: tempfile.mkdtemp(prefix=f"{name.lower()}_first_steps_") for name in _CACHES}
+    command = [sys.executable, __file__, "--child", f"first_steps:{model}", "--calls", str(calls)]
+    done = subprocess.run(
+        command + (["--tiny"] if tiny else []), env={**os.environ, **caches}, capture_output=True, text=True
+    )
+    if done.returncode:
+        raise SystemExit(f"first steps failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
 def _main_thread_loop(busy, seconds: float = 0.0) -> dict:
     """A pure-Python loop (the GIL's share of the main thread) while ``busy()`` or for ``seconds``."""
     gaps, start = [], time.perf_counter()
@@ -237,10 +301,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--first-launch", action="store_true", help="our Triton kernels' first launch (one GPU), not an image"
     )
+    parser.add_argument(
+        "--first-steps", metavar="MODEL", help="the first calls of a benchmarks model (one GPU)"
+    )
+    parser.add_argument("--calls", type=int, default=8, help="calls timed by --first-steps")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, nargs=2, default=(19, 38), help=argparse.SUPPRESS)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.child and args.child.startswith("first_steps:"):
+        print(json.dumps(first_steps_child(args.child.split(":", 1)[1], args.calls, args.tiny)))
+        return {}
+    if args.first_steps:
+        results = first_steps(args.first_steps, args.calls, args.tiny)
+        for index, step in enumerate(results["calls"], 1):
+            print(f"call {index}: {step['s']:.3f} s  {' | '.join(step['served'])}", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+        return results
     if args.tiny:
         args.host, args.steps, args.blocks = True, 2, (2, 2)
         args.options = [name for name in args.options if not OPTION_SETS[name].get("compile")]

@@ -3,6 +3,7 @@
     attention-shapes       attention providers (cuDNN, flash, SDPA's dispatch, FlashInfer) per model shape
     masked-attention       a key-padding mask at Qwen-Image's shape: dense mask, pinned kernels, mask-free ways
     attention-beside-gemm  attention and an independent GEMM in turn or on two streams (FLUX single block)
+    lossy-attention        the lossy providers (FlashInfer FP8, SageAttention) against fp64, by key length
     gemm-shapes            the blocks' GEMMs at a rank's token counts: cuBLAS, and Inductor's autotuned pick
     gemm-gelu              cuBLASLt's GELU epilogue against a GEMM then our GELU kernel
     fused-kernels          bandwidth of our fused elementwise kernels against a device copy
@@ -13,6 +14,7 @@
     python benchmarks/kernel_bench.py attention-shapes --out attention_shapes.json
     python benchmarks/kernel_bench.py masked-attention --out masked_attention.json
     python benchmarks/kernel_bench.py attention-beside-gemm --out attention_beside_gemm.json
+    python benchmarks/kernel_bench.py lossy-attention --out lossy_attention.json
     python benchmarks/kernel_bench.py gemm-shapes --models flux --autotune --out gemm_shapes.json
     python benchmarks/kernel_bench.py gemm-gelu
     python benchmarks/kernel_bench.py fused-kernels

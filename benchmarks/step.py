@@ -17,7 +17,8 @@ after the model's own ``fuse_qkv_projections()``), ``projection_cache`` (ours wi
 cache on, every call a repeated request), ``first_block_cache`` / ``mag_cache`` (Diffusers' step cache
 set never to skip, on (a) and on ours, against the same models without it: what a cache costs on the
 steps it computes) and ``provider=NAME`` (ours, and ours FP8 with ``fp8``, under
-``attention_scope(default=NAME)``). ``--lora RANK``
+``attention_scope(per_role={"self": NAME})``: the self-attentions, where the FLOPs are; a cross-attention
+over a short text, which ``flashinfer_fp8`` refuses, stays ``auto``). ``--lora RANK``
 gives every copy the same random LoRA on its attention projections (unfused); ``--per-layer`` adds the
 error after every block (ours, ours FP8, torchao's FP8 run eagerly) against (a)'s. The first call of each
 variant is timed apart (compiles, kernel builds); errors are against (a) in fp32 (max abs diff / max abs).
@@ -176,7 +177,7 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
             for base in [v for v in ("omni", "omni_fp8") if v in models]:
 
                 def scoped(fn=variants[base], provider=provider):
-                    with omni_accel.attention_scope(default=provider):
+                    with omni_accel.attention_scope(per_role={"self": provider}):
                         return fn()
 
                 variants[f"{base}_{provider}"] = scoped

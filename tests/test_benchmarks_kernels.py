@@ -103,3 +103,12 @@ def test_overlap():
     for shape in ("wan", "flux"):
         positive(*results[shape]["sdpa"]["gloo"].values())
     assert "the exchange on a side stream" in results["skipped"]
+
+
+def test_lossy_attention():
+    results = tiny("lossy-attention")
+    for keys in (64, 333):  # the lossless yardstick matches fp64 attention on the CPU
+        row = results["sdpa"][keys]
+        assert row["flat_cosine"] > 0.9999 and abs(row["flat_norm_ratio"] - 1) < 1e-4, row
+        assert row["peaked_cosine"] > 0.9999 and "refused" not in row
+    assert "cuda" in results["skipped"]["flashinfer_fp8"] and "cuda" in results["skipped"]["sage"]

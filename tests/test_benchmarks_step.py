@@ -78,3 +78,12 @@ def test_cold_start_first_launch_says_what_it_needs_on_the_cpu():
     import cold_start
 
     assert "needs CUDA and Triton" in cold_start.main(["--first-launch"])["skipped"]
+
+
+def test_cold_start_first_steps_smoke():
+    import cold_start
+
+    results = cold_start.main(["--first-steps", "zimage", "--calls", "3", "--tiny"])
+    assert results["model"] == "zimage" and results["plain_warm_s"] > 0
+    assert len(results["calls"]) == 3 and all(call["s"] > 0 for call in results["calls"])
+    assert any("zimage_block" in line for line in results["calls"][0]["served"])  # what served each call

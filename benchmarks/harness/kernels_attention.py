@@ -273,6 +273,54 @@ def attention_beside_gemm(run: Run, args: argparse.Namespace) -> None:
         print(name, {key: round(value, 4) for key, value in row.items()}, flush=True)
 
 
+LOSSY = ("flashinfer_fp8", "sage")
+KEY_LENGTHS = (333, 1024, 2048, 4096, 4608, 8192)
+
+
+def _fp64_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    q, k, v = (t.transpose(1, 2).double() for t in (q, k, v))
+    return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1).matmul(v).transpose(1, 2)
+
+
+def lossy_attention(run: Run, args: argparse.Namespace) -> None:
+    """How far the lossy providers are from fp64 attention on the same inputs, by key length.
+
+    Random q/k/v (one sample, 24 heads of 128); per provider and length the cosine similarity and the
+    ratio of output norms against fp64 attention, with a flat softmax (scores of std ~1) and a peaked one
+    (q three times as large). A norm ratio below one is a kernel whose probabilities sum to less than one.
+    ``sdpa`` is the lossless yardstick. Each call goes to the provider's kernel even where its capabilities
+    refuse the length (the row says so): this is what such a refusal is measured from."""
+    heads, head_dim = (4, 128) if run.tiny else (24, 128)
+    for name in ("sdpa", *LOSSY):
+        provider = get_provider(name)
+        unavailable = provider.reasons_against(AttentionRequest(run.dtype, run.device, head_dim))
+        if unavailable:
+            run.skip(name, "; ".join(unavailable))
+            continue
+        rows = {}
+        for keys in args.keys:
+            g = torch.Generator(run.device).manual_seed(keys)
+            q, k, v = (run.randn(1, keys, heads, head_dim, generator=g) for _ in range(3))
+            request = AttentionRequest.for_call(q, k)
+            row = (
+                {"refused": "; ".join(provider.reasons_against(request))}
+                if provider.reasons_against(request)
+                else {}
+            )
+            for softmax, query in (("flat", q), ("peaked", q * 3)):
+                out = provider.forward(query, k, v).double()
+                reference = _fp64_attention(query, k, v, head_dim**-0.5)
+                row[f"{softmax}_cosine"] = F.cosine_similarity(
+                    out.flatten(), reference.flatten(), dim=0
+                ).item()
+                row[f"{softmax}_norm_ratio"] = (out.norm() / reference.norm()).item()
+            rows[keys] = row
+            print(f"{name:15s} {keys:6d} keys  " + "  ".join(
+                f"{key} {value:.4f}" for key, value in row.items() if key != "refused"
+            ) + (f"  (refused: {row['refused']})" if "refused" in row else ""), flush=True)  # fmt: skip
+        run.results[name] = rows
+
+
 def register(commands: Commands) -> None:
     parser = commands.add("attention-shapes", attention_shapes)
     parser.add_argument(
@@ -294,3 +342,6 @@ def register(commands: Commands) -> None:
     option(parser, "--calls", 20, 2, "calls per captured graph")
     option(parser, "--rounds", 5, 1, "interleaved rounds")
     option(parser, "--provider", "sdpa_cudnn", "sdpa", "attention provider", type=str)
+
+    parser = commands.add("lossy-attention", lossy_attention)
+    option(parser, "--keys", list(KEY_LENGTHS), [64, 333], "key lengths", nargs="+")
