@@ -86,8 +86,8 @@ def set_up_in_background() -> None:
 
 def _set_up_driver() -> None:
     """Triton's driver helpers, and its backend's hash: that runs ``ptxas --version`` twice (Triton caches
-    both), two process forks of a few hundred ms together from a process holding a model's memory, which
-    the first launch would otherwise make on the calling thread."""
+    both), two process forks of a few hundred ms together from a process holding a model's memory (a fork
+    holds the GIL), which the first compile would otherwise make during the first call."""
     try:
         from triton.runtime.driver import driver
 
@@ -115,8 +115,8 @@ def _build_launcher(kernel: Any) -> None:
 class _LauncherFirst:
     """Triton's async-compile mode as its JIT calls it (``submit``), in the build thread only: the kernel's
     launcher is built before the kernel enters the JIT's in-process cache. ``preload`` otherwise puts it
-    there first, so a launch meanwhile found it and compiled the launcher on the calling thread (0.46 s,
-    seen on an H100's first Z-Image call)."""
+    there first, so a launch meanwhile found it and compiled the launcher again on the calling thread (a
+    few hundred ms of gcc)."""
 
     def submit(self, key: Any, compile_fn: Any, finalize_fn: Any) -> Any:
         kernel = compile_fn()
