@@ -156,6 +156,9 @@ def first_launch_child() -> dict:
     }
 
 
+_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")  # --first-steps starts with both empty
+
+
 def first_steps_child(model: str, calls: int, tiny: bool) -> dict:
     """One fresh process: see ``--first-steps``."""
     import torch
@@ -207,9 +210,6 @@ def first_steps(model: str, calls: int, tiny: bool) -> dict:
     if done.returncode:
         raise SystemExit(f"first steps failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _main_thread_loop(busy, seconds: float = 0.0) -> dict:

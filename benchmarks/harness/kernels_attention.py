@@ -301,12 +301,8 @@ def lossy_attention(run: Run, args: argparse.Namespace) -> None:
         for keys in args.keys:
             g = torch.Generator(run.device).manual_seed(keys)
             q, k, v = (run.randn(1, keys, heads, head_dim, generator=g) for _ in range(3))
-            request = AttentionRequest.for_call(q, k)
-            row = (
-                {"refused": "; ".join(provider.reasons_against(request))}
-                if provider.reasons_against(request)
-                else {}
-            )
+            refused = provider.reasons_against(AttentionRequest.for_call(q, k))
+            row = {"refused": "; ".join(refused)} if refused else {}
             for softmax, query in (("flat", q), ("peaked", q * 3)):
                 out = provider.forward(query, k, v).double()
                 reference = _fp64_attention(query, k, v, head_dim**-0.5)
