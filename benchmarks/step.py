@@ -14,9 +14,9 @@ process and timed in interleaved rounds (``harness.timing.interleaved``), CUDA e
 ``--extra`` adds variants: ``fp8`` (ours with ``quantize="fp8"``), ``torchao`` ((c): Diffusers' FP8
 recipe, torchao's float8 on (b)), ``no_graphs`` (ours with ``cuda_graphs=False``), ``fused_qkv`` (ours
 after the model's own ``fuse_qkv_projections()``), ``projection_cache`` (ours with the exact projection
-cache on, every call a repeated request), ``first_block_cache`` / ``mag_cache`` (Diffusers' step cache
-set never to skip, on (a) and on ours, against the same models without it: what a cache costs on the
-steps it computes) and ``provider=NAME`` (ours, and ours FP8 with ``fp8``, under
+cache on, every call a repeated request), ``first_block_cache`` / ``mag_cache`` / ``taylorseer_cache``
+(Diffusers' step cache set never to skip, on (a) and on ours, against the same models without it: what a
+cache costs on the steps it computes) and ``provider=NAME`` (ours, and ours FP8 with ``fp8``, under
 ``attention_scope(per_role={"self": NAME})``: the self-attentions, where the FLOPs are; a cross-attention
 over a short text, which ``flashinfer_fp8`` refuses, stays ``auto``). ``--lora RANK``
 gives every copy the same random LoRA on its attention projections (unfused); ``--per-layer`` adds the
@@ -27,7 +27,7 @@ the JSON is written after every model.
 
     python benchmarks/step.py --models flux qwenimage zimage flux2 minimax_h3 --rounds 3 --calls 3
     python benchmarks/step.py --models wan14b --rounds 2 --calls 2 --no-generic --extra fp8 provider=flashinfer_fp8
-    python benchmarks/step.py --models flux --extra fp8 torchao first_block_cache
+    python benchmarks/step.py --models flux --extra fp8 torchao first_block_cache taylorseer_cache
     python benchmarks/step.py --tiny --rounds 1 --calls 1     # CPU, fp32, tiny configs: a smoke run
 """
 
@@ -51,8 +51,8 @@ import omni_accel
 from omni_accel.config import DEFAULT_PROJECTION_CACHE_BYTES
 from omni_accel.models.registry import spec_for
 
-EXTRAS = ("fp8", "torchao", "no_graphs", "fused_qkv", "projection_cache", "first_block_cache", "mag_cache")
-STEP_CACHES = ("first_block_cache", "mag_cache")
+STEP_CACHES = ("first_block_cache", "mag_cache", "taylorseer_cache")
+EXTRAS = ("fp8", "torchao", "no_graphs", "fused_qkv", "projection_cache", *STEP_CACHES)
 
 
 def _extra(value: str) -> str:
@@ -78,6 +78,9 @@ class StepCache:
         elif name == "mag_cache":
             ratios = [1.0] * 1000
             config = diffusers.MagCacheConfig(threshold=-1.0, num_inference_steps=1000, mag_ratios=ratios)
+            self.model.enable_cache(config)
+        elif name == "taylorseer_cache":  # every step in its warm-up: computed, its Taylor factors updated
+            config = diffusers.TaylorSeerCacheConfig(disable_cache_before_step=10**9)
             self.model.enable_cache(config)
         self.current = name
 

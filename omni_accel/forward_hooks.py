@@ -9,7 +9,7 @@ of ours that rewrite an argument into another form of the same thing (``OurHook`
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -141,22 +141,25 @@ def _traced_only(module: nn.Module) -> bool:
     )
 
 
-def _first_hooked_below(module: nn.Module, count_traced: bool = True) -> nn.Module | None:
+def _first_hooked_below(
+    module: nn.Module, count_traced: bool = True, around: Collection[nn.Module] = ()
+) -> nn.Module | None:
     stack = [m for m in module._modules.values() if m is not None]
     while stack:
         child = stack.pop()
-        if is_hooked(child) and (count_traced or not _traced_only(child)):
+        if is_hooked(child) and (count_traced or not _traced_only(child)) and child not in around:
             return child
         stack.extend(m for m in child._modules.values() if m is not None)
     return None
 
 
-def hooked_submodule(block: nn.Module) -> str | None:
+def hooked_submodule(block: nn.Module, around: Collection[nn.Module] = ()) -> str | None:
     """The name of a submodule of ``block`` (not ``block`` itself) with a forward hook, or "a global forward
-    hook"; None when nothing below ``block`` is hooked but by hooks marked ``TRACED``."""
+    hook"; None when nothing below ``block`` is hooked but by hooks marked ``TRACED`` and the hooks of the
+    modules in ``around`` (which the block's math runs around the part that is theirs)."""
     if global_hooks_active():
         return "a global forward hook"
-    hooked = _first_hooked_below(block, count_traced=False)
+    hooked = _first_hooked_below(block, count_traced=False, around=around)
     if hooked is None:
         return None
     return next(name for name, module in block.named_modules() if module is hooked)

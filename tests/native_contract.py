@@ -112,7 +112,7 @@ def _step_cache_config(kind: str, clock: dict, threshold: float, attention: list
     taylor = dict(cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32)
     if kind == "first_block":
         return FirstBlockCacheConfig(threshold=threshold)
-    if kind == "taylorseer":  # hooks every attention module: those blocks run Diffusers' forward
+    if kind == "taylorseer":  # hooks every attention module
         return TaylorSeerCacheConfig(**taylor, cache_identifiers=[re.escape(name) for name in attention])
     if kind == "taylorseer_lite":  # whole blocks skipped, proj_out predicted
         return TaylorSeerCacheConfig(**taylor, use_lite_mode=True)
@@ -139,6 +139,20 @@ def _attention_names(module: nn.Module) -> list[str]:
         for name, child in module.get_submodule(list_name).named_modules()
         if isinstance(child, _ATTENTION_CLASSES)
     ]
+
+
+def _attention_modules_declared(module: nn.Module) -> bool:
+    """Whether every attention module in ``module``'s native blocks is one whose part of the math runs
+    through its hooks (``NativeBlock.attention_modules``)."""
+    from diffusers.hooks._common import _ATTENTION_CLASSES
+
+    for block in module.modules():
+        if isinstance(block, NativeBlock):
+            declared = [block.get_submodule(path) for path in block.attention_modules]
+            for child in block.modules():
+                if isinstance(child, _ATTENTION_CLASSES) and not any(child is d for d in declared):
+                    return False
+    return True
 
 
 def _first_block_threshold(module: nn.Module, steps: list[dict[str, Any]]) -> float:
@@ -427,6 +441,13 @@ class NativeContract:
         runtime = self.runtime(modules["fast"])
         if kind in _BLOCK_LEVEL_CACHES:  # hooks on whole blocks: the blocks themselves stay native
             assert not runtime.fallbacks, dict(runtime.fallbacks)
+        elif kind == "taylorseer":  # native where the math runs the hooks around its attention modules' part
+            if _attention_modules_declared(modules["fast"]):
+                assert not runtime.fallbacks, dict(runtime.fallbacks)
+            else:
+                assert any(reason.startswith("hooks on") for reason in runtime.fallbacks), dict(
+                    runtime.fallbacks
+                )
         for module in modules.values():
             module.disable_cache()
         count = sum(runtime.fallbacks.values())

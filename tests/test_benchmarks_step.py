@@ -34,7 +34,8 @@ def test_step_runs_every_model_with_both_baselines(step):
 
 
 def test_step_extras_build_beside_the_baselines(step):
-    extras = ["fp8", "fused_qkv", "no_graphs", "projection_cache", "first_block_cache", "provider=sdpa_math"]
+    extras = ["fp8", "fused_qkv", "no_graphs", "projection_cache", "first_block_cache", "taylorseer_cache"]
+    extras.append("provider=sdpa_math")
     args = ["--tiny", "--models", "flux", "--rounds", "1", "--calls", "1", "--lora", "4", "--per-layer"]
     r = step.main([*args, "--extra", *extras])["flux"]
     assert "error" not in r, r.get("traceback")
@@ -47,11 +48,13 @@ def test_step_extras_build_beside_the_baselines(step):
         "diffusers+first_block_cache",
         "omni+first_block_cache",
         "omni_fp8+first_block_cache",
+        "omni+taylorseer_cache",
     }
     assert want <= set(r["median_ms"])
     errors = r["rel_err_vs_diffusers"]
     assert all(errors[v] <= 1e-5 for v in ("omni", "omni_no_graphs", "omni_projection_cache")), errors
-    assert errors["diffusers+first_block_cache"] == 0  # a cache that never skips computes every block
+    for cache in ("first_block_cache", "taylorseer_cache"):  # a cache that never skips computes every block
+        assert errors[f"diffusers+{cache}"] == 0 and errors[f"omni+{cache}"] <= 1e-5, errors
     assert 0 < errors["omni_fp8"] < 0.1  # lossy, not broken
     per_layer = r["rel_err_after_each_block"]
     assert len(per_layer["omni"]) == 2 and max(per_layer["omni"]) <= 1e-5 and max(per_layer["omni_fp8"]) > 0

@@ -367,8 +367,9 @@ def _step_caches_under_layouts(video: dict, one) -> None:
     """Diffusers' first-block cache gives what it gives on one GPU under every layout: under cfg=2 each
     rank runs a branch whole; where the tokens are split, its decision is made on every rank's tokens
     (the guidance calls then run apart, each in its cache context). MagCache decides alike on every rank
-    without help; calibrating, it would measure one rank's tokens, so it is refused there."""
-    from diffusers import FirstBlockCacheConfig, MagCacheConfig
+    without help; calibrating, it would measure one rank's tokens, so it is refused there. TaylorSeer on the
+    attention modules decides from the step count: native under ulysses, ring and tp."""
+    from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     cached = dict(video, num_inference_steps=6)
     plain = omni_accel.tiny_wan_pipeline(seed=0)
@@ -401,6 +402,18 @@ def _step_caches_under_layouts(video: dict, one) -> None:
     got = _latents(pipe, **call)
     assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5
     assert not torch.equal(expected, _latents(omni_accel.tiny_flux_pipeline(seed=0), **call))
+    # TaylorSeer (on the attention modules) decides from the step count alone: the native blocks run its
+    # hook around their attention part on every rank, each recording and predicting its own share
+    taylor = dict(cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32)
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    plain.transformer.enable_cache(TaylorSeerCacheConfig(**taylor))
+    expected = _latents(plain, **call)
+    for layout in (ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2)):
+        pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=layout)
+        pipe.transformer.enable_cache(TaylorSeerCacheConfig(**taylor))
+        got = _latents(pipe, **call)
+        assert ((got - expected).abs().max() / expected.abs().max()).item() <= 1e-5, layout
+        assert not omni_accel.describe(pipe).components[0].runtime.fallbacks, layout
 
     # MagCache decides from its ratios and the step count: alike on every rank (not while calibrating)
     def magcache(calibrate: bool = False) -> MagCacheConfig:

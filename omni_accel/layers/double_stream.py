@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,15 @@ class BlockConstants:
     text_rows: Rows | None
     placed: bool  # q, k and v are written where the layout's exchange wants them (peer writes)
     overlaps_work: bool  # attention hides work beside it behind its exchanges (eager blocks, placed)
+    # Runs the part of the math that is the block's attention module through that module's hooks (a step
+    # cache's: it computes the part or predicts its outputs); None: the math calls the part itself.
+    attention_module: Callable[[Callable[[], Any]], Any] | None = None
+
+
+def through_attention_module(c: BlockConstants, compute: Callable[[], Any]) -> Any:
+    """``compute()``, the part of a block's math that its attention module's forward is, as that module's
+    hooks return it (``BlockConstants.attention_module``)."""
+    return compute() if c.attention_module is None else c.attention_module(compute)
 
 
 def double_block(
@@ -64,34 +74,48 @@ def double_block(
         eps,
         [takes_fp8_rows(w["img_qkv"]), takes_fp8_rows(w["txt_qkv"])],
     )
-    iq, ik, iv = apply_linear(hi, w["img_qkv"], i_gather)
-    tq, tk, tv = apply_linear(ht, w["txt_qkv"], t_gather)
-    out = qkv_attention(
-        [(tq, tk, tv), (iq, ik, iv)],
-        [(norms["added_q"], norms["added_k"]), (norms["q"], norms["k"])],
-        head_dim,
-        c.qk_eps,
-        rope,
-        c.site,
-        placed=c.placed,
-        attn_mask=attn_mask,
-    )
-    lengths = [tq.shape[1], iq.shape[1]]
-    if takes_fp8_rows(w["img_out"]) and takes_fp8_rows(w["txt_out"]) and i_rows is None and t_rows is None:
-        txt_attn, img_attn = split_rows(quantize_rows(out.flatten(2, 3).to(iq.dtype)), lengths)
-    else:
-        txt_attn, img_attn = (t.contiguous() for t in out.flatten(2, 3).to(iq.dtype).split(lengths, dim=1))
-    img_out, txt_out = apply_together([(img_attn, w["img_out"], i_rows), (txt_attn, w["txt_out"], t_rows)])
+
+    def attend() -> tuple[torch.Tensor, torch.Tensor]:  # the attention module's forward: (image, text) out
+        iq, ik, iv = apply_linear(hi, w["img_qkv"], i_gather)
+        tq, tk, tv = apply_linear(ht, w["txt_qkv"], t_gather)
+        out = qkv_attention(
+            [(tq, tk, tv), (iq, ik, iv)],
+            [(norms["added_q"], norms["added_k"]), (norms["q"], norms["k"])],
+            head_dim,
+            c.qk_eps,
+            rope,
+            c.site,
+            placed=c.placed,
+            attn_mask=attn_mask,
+        )
+        lengths = [tq.shape[1], iq.shape[1]]
+        if (
+            takes_fp8_rows(w["img_out"])
+            and takes_fp8_rows(w["txt_out"])
+            and i_rows is None
+            and t_rows is None
+        ):
+            txt_attn, img_attn = split_rows(quantize_rows(out.flatten(2, 3).to(iq.dtype)), lengths)
+        else:
+            txt_attn, img_attn = (
+                t.contiguous() for t in out.flatten(2, 3).to(iq.dtype).split(lengths, dim=1)
+            )
+        img_out, txt_out = apply_together(
+            [(img_attn, w["img_out"], i_rows), (txt_attn, w["txt_out"], t_rows)]
+        )
+        return img_out, txt_out
+
+    img_out, txt_out = through_attention_module(c, attend)
     img, txt = gated_residual(img, i_gate, img_out), gated_residual(txt, t_gate, txt_out)
-    (hi, i_gather), (ht, t_gather) = norm_modulate_gathered_together(
+    (mi, mi_gather), (mt, mt_gather) = norm_modulate_gathered_together(  # the MLPs' inputs
         [(img, i_shift2, i_scale2, i_rows), (txt, t_shift2, t_scale2, t_rows)],
         eps,
         [takes_fp8_rows(w["img_up"]), takes_fp8_rows(w["txt_up"])],
     )
     img_ff, txt_ff = feed_forwards_together(
         [
-            (hi, w["img_up"], w["img_down"], i_rows, i_gather is None),
-            (ht, w["txt_up"], w["txt_down"], t_rows, t_gather is None),
+            (mi, w["img_up"], w["img_down"], i_rows, mi_gather is None),
+            (mt, w["txt_up"], w["txt_down"], t_rows, mt_gather is None),
         ],
         activation,
     )

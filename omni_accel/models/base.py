@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from omni_accel.patches import hook_chains
+from omni_accel.patches.hooks_around_native_math import call_through, runs_around
 
 from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
@@ -168,6 +169,10 @@ class NativeBlock:
     sites: ClassVar[tuple[AttentionSite, ...]] = ()  # the block's attention call sites (roles)
     # The names in ``linears`` of its AdaLN projections (``modulate``).
     modulations: ClassVar[tuple[str, ...]] = ()
+    # Paths of the submodules whose whole forward one part of the math computes (the attention modules): a
+    # step cache's hook on one that reads only what it returns (TaylorSeer's) runs around that part
+    # (``attention_module_call``) instead of sending the block to Diffusers' forward.
+    attention_modules: ClassVar[tuple[str, ...]] = ()
     math: ClassVar[Callable[..., Any]]  # the block's pure math over tensors, weights and constants
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
@@ -203,7 +208,20 @@ class NativeBlock:
         prepared = None if self.run_as_diffusers() else prepare()
         if prepared is None:
             return diffusers_forward()
+        if self.hooks_around():  # the hooks decide on the host, mid-block: eager math
+            return run(type(self).math, prepared)
         return run(self.omni_runtime.math(type(self).math, self.omni_name), prepared)
+
+    def hooks_around(self) -> list[nn.Module]:
+        """The attention modules (``attention_modules``) whose hooks the math runs around in this call."""
+        return [module for module in self._modules_at(self.attention_modules) if runs_around(module)]
+
+    def attention_module_call(self, path: str) -> Callable[[Callable[[], Any]], Any] | None:
+        """What runs the part of the math that is the submodule ``path``'s forward through that module's
+        hooks (``patches/hooks_around_native_math.py``), or None where it has none: the math then calls the
+        part itself. ``path`` is one of ``attention_modules``."""
+        module = self._submodule(path)
+        return functools.partial(call_through, module) if runs_around(module) else None
 
     def unsupported_reason(self, *args: Any, **kwargs: Any) -> str | None:
         """A model-specific reason this call must run Diffusers' forward (a custom processor...), or None."""
@@ -283,7 +301,7 @@ class NativeBlock:
     def _block_reason(self, inputs: Sequence[Any]) -> str | None:
         if forward_in_flight() is not self.omni_runtime:
             return "the block was called outside its accelerated transformer's forward"
-        reason = diffusers_only_reason(self, inputs)
+        reason = diffusers_only_reason(self, inputs, around=self.hooks_around())
         if reason is not None:
             return reason
         selector = self.omni_runtime.selector
@@ -373,13 +391,13 @@ def image_output_like(transformer: nn.Module, arguments: dict[str, Any]) -> torc
     return hidden.new_empty(*hidden.shape[:2], transformer.proj_out.out_features)
 
 
-def diffusers_only_reason(block: nn.Module, inputs: Any) -> str | None:
+def diffusers_only_reason(block: nn.Module, inputs: Any, around: Sequence[nn.Module] = ()) -> str | None:
     """Why this call of ``block`` must run Diffusers' own forward eagerly (native math and compiled code
     would not compute what it does), or None. ``inputs``: the call's arguments (tensors nested in tuples,
-    lists or dicts)."""
+    lists or dicts); ``around``: hooked submodules whose hooks the math runs around their part of it."""
     if block.training and _active_dropout(block):
         return "training mode with active dropout"
-    hooked = hooked_submodule(block)
+    hooked = hooked_submodule(block, around)
     if hooked is not None:
         return f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules)"
     if torch.is_grad_enabled():

@@ -33,7 +33,7 @@ from ..layers.attention import (
     places_inputs,
     qkv_attention,
 )
-from ..layers.double_stream import BlockConstants, Rope
+from ..layers.double_stream import BlockConstants, Rope, through_attention_module
 from ..layers.double_stream import double_block as _double_stream
 from ..layers.fused import clip_fp16
 from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed, takes_fp8_rows
@@ -91,11 +91,18 @@ def single_block(
             then=lambda mlp: gelu_tanh(mlp, out=activated), out=attended.unflatten(-1, (heads, c.head_dim)),
         )  # fmt: skip
     else:
-        q, k, v, mlp = apply_linear(h, w["qkv_mlp"], gather)
-        args = (c.head_dim, c.qk_eps, rope, c.site)
-        out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
+        mlp_input = []
+
+        def attend() -> torch.Tensor:  # the attention module's forward (its QKV's GEMM the MLP input's too)
+            q, k, v, mlp = apply_linear(h, w["qkv_mlp"], gather)
+            mlp_input.append(mlp)
+            out = qkv_attention([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, c.site, placed=c.placed)
+            return out.flatten(2, 3).to(q.dtype)
+
+        attended = through_attention_module(c, attend)
+        (mlp,) = mlp_input or apply_linear(h, split_packed(w["qkv_mlp"], 3)[1], gather)  # attend predicted
         fp8 = takes_fp8_rows(w["out"]) and rows is None
-        joined = (concat_gelu_fp8 if fp8 else concat_gelu)(out.flatten(2, 3).to(q.dtype), mlp)
+        joined = (concat_gelu_fp8 if fp8 else concat_gelu)(attended, mlp)
     x = gated_residual(x, gate, apply_one(joined, w["out"], rows))
     return clip_fp16(x)
 
@@ -169,6 +176,7 @@ class _FluxNative(NativeBlock):
         runtime = self.omni_runtime
         modulation = [self.modulate(name, temb, weights) for name in self.modulations]
         placed = places_inputs()  # decided here, eagerly: it may map the peer buffers
+        attention_module = self.attention_module_call("attn")
         constants = BlockConstants(
             self.attn.head_dim,
             self._layer_norm_eps(),
@@ -179,7 +187,8 @@ class _FluxNative(NativeBlock):
             runtime.rows("text"),
             placed,
             # compiled, attention_beside runs attention then the work: one GEMM serves better there
-            placed and runtime.compiler is None and runtime.rows("text") is None,
+            placed and runtime.compiler is None and runtime.rows("text") is None and attention_module is None,
+            attention_module,
         )
         return modulation, weights, self._norms(), constants
 
@@ -217,6 +226,7 @@ class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
         "ff_context.net.2": Rowwise(),
     }
     modulations = ("img_mod", "txt_mod")
+    attention_modules = ("attn",)
     site = AttentionSite("flux.joint", "self")
     sites = (site,)
     math = staticmethod(double_block)
@@ -239,6 +249,7 @@ class NativeFluxSingleTransformerBlock(_FluxNative, FluxSingleTransformerBlock):
         "norm.linear": Colwise(),  # the modulation: gathered whole (NativeBlock.modulate)
     }
     modulations = ("mod",)
+    attention_modules = ("attn",)
     site = AttentionSite("flux.single", "self")
     sites = (site,)
     math = staticmethod(single_block)
@@ -299,9 +310,10 @@ FLUX = NativeModel(
     cfg_pairing=true_cfg_pairs,
     falls_back_on=(
         "IP-adapter processors, Diffusers attention backends set on a processor (or process-wide, where no "
-        "provider of ours runs the same kernel), fuse_qkv_projections(), "
-        "DoRA adapters, hooks on a submodule, active dropout in training mode, gradients flowing through a "
-        "block and a user's torch.compile of the blocks run Diffusers' forward of the block (counted in the "
-        "report, except under torch.compile; an error under tensor or sequence parallelism)"
+        "provider of ours runs the same kernel), fuse_qkv_projections(), DoRA adapters, hooks on a submodule "
+        "(but TaylorSeer's on attention, which runs around the native attention), active dropout in training "
+        "mode, gradients flowing through a block and a user's torch.compile of the blocks run Diffusers' "
+        "forward of the block (counted in the report, except under torch.compile; an error under tensor or "
+        "sequence parallelism)"
     ),
 )

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 
 from ..layers import gated_residual, norm_modulate_gathered
 from ..layers.attention import AttentionSite, places_inputs, qkv_attention
-from ..layers.double_stream import BlockConstants, Rope, double_block
+from ..layers.double_stream import BlockConstants, Rope, double_block, through_attention_module
 from ..layers.fused import clip_fp16, concat_swiglu, swiglu
 from ..layers.projection import LinearWeights, apply_linear, apply_one, takes_fp8_rows
 from ..parallel import ParallelPlan, SequencePlan, Split
@@ -74,11 +74,15 @@ def flux2_single_block(
     shift, scale, gate = mod.chunk(3, dim=-1)
     rows = None if c.text_rows is None else c.text_rows + c.image_rows  # x = [text, image] on every rank
     h, gather = norm_modulate_gathered(x, shift, scale, c.eps, rows, takes_fp8_rows(w["qkv_mlp"]))
-    q, k, v, mlp_gate, mlp_linear = apply_linear(h, w["qkv_mlp"], gather)
-    args = (c.head_dim, c.qk_eps, rope, c.site)
-    out = qkv_attention([(q, k, v)], [(norms["q"], norms["k"])], *args, placed=c.placed)
-    joined = concat_swiglu(out.flatten(2, 3).to(q.dtype), mlp_gate, mlp_linear)
-    x = gated_residual(x, gate, apply_one(joined, w["out"], rows))
+
+    def attend() -> torch.Tensor:  # the attention module's forward: all but the norm and the residual
+        q, k, v, mlp_gate, mlp_linear = apply_linear(h, w["qkv_mlp"], gather)
+        args = (c.head_dim, c.qk_eps, rope, c.site)
+        out = qkv_attention([(q, k, v)], [(norms["q"], norms["k"])], *args, placed=c.placed)
+        joined = concat_swiglu(out.flatten(2, 3).to(q.dtype), mlp_gate, mlp_linear)
+        return apply_one(joined, w["out"], rows)
+
+    x = gated_residual(x, gate, through_attention_module(c, attend))
     return clip_fp16(x)
 
 
@@ -118,6 +122,7 @@ class _Flux2Native(NativeBlock):
             runtime.rows("text"),
             places_inputs(),
             False,
+            self.attention_module_call("attn"),
         )
         return weights, self._norms(), constants
 
@@ -139,6 +144,7 @@ class NativeFlux2TransformerBlock(_Flux2Native, Flux2TransformerBlock):
         "txt_down": "ff_context.linear_out",
     }
     tp_plan = _TP_PLAN["transformer_blocks"]
+    attention_modules = ("attn",)
     site = AttentionSite("flux2.joint", "self")
     sites = (site,)
     math = staticmethod(flux2_double_block)
@@ -172,6 +178,7 @@ class NativeFlux2SingleTransformerBlock(_Flux2Native, Flux2SingleTransformerBloc
     # the one linear's outputs: Q, K, V, the SwiGLU's gate and linear halves (Diffusers' attribute)
     output_parts = {"qkv_mlp": "_tp_packed_col_blocks"}
     tp_plan = _TP_PLAN["single_transformer_blocks"]
+    attention_modules = ("attn",)
     site = AttentionSite("flux2.single", "self")
     sites = (site,)
     math = staticmethod(flux2_single_block)
@@ -245,10 +252,10 @@ FLUX2 = NativeModel(
     falls_back_on=(
         "custom attention processors, Flux2KleinKVPipeline's reference-image KV cache, Diffusers attention "
         "backends set on a processor (or process-wide, where no provider of ours runs the same kernel), "
-        "fuse_qkv_projections(), DoRA adapters, hooks on a submodule, active dropout in training mode, "
-        "gradients flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of "
-        "the block (counted in the report, except under torch.compile; an error under tensor or sequence "
-        "parallelism)"
+        "fuse_qkv_projections(), DoRA adapters, hooks on a submodule (but TaylorSeer's on attention, which "
+        "runs around the native attention), active dropout in training mode, gradients flowing through a "
+        "block and a user's torch.compile of the blocks run Diffusers' forward of the block (counted in the "
+        "report, except under torch.compile; an error under tensor or sequence parallelism)"
     ),
     limitations=(
         "exact projection cache: not used for FLUX.2: its AdaLN projections run once per forward at model "

@@ -110,6 +110,7 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         "txt_mlp.net.2": Rowwise(),
     }
     modulations = ("img_mod", "txt_mod")
+    attention_modules = ("attn",)
     site = AttentionSite("qwenimage.joint", "self")
     sites = (site,)
     math = staticmethod(qwen_block)
@@ -205,6 +206,7 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
             runtime.rows("text"),
             mask is None and places_inputs(),
             False,
+            self.attention_module_call("attn"),
         )
         norms = {name: getattr(self.attn, f"norm_{name}").weight for name in ("q", "k", "added_q", "added_k")}
         return modulation, joint_rope, weights, norms, constants, mask
@@ -254,9 +256,11 @@ QWEN_IMAGE = NativeModel(
     ),
     cfg_pairing=true_cfg_pairs,
     falls_back_on=(
-        "custom attention processors, Diffusers attention backends set on a processor (or process-wide, where "
-        "no provider of ours runs the same kernel), fuse_qkv_projections(), DoRA adapters, hooks on a submodule, active dropout in training mode, gradients "
-        "flowing through a block and a user's torch.compile of the blocks run Diffusers' forward of the block "
-        "(counted in the report, except under torch.compile; an error under tensor parallelism)"
+        "custom attention processors, Diffusers attention backends set on a processor (or process-wide, where"
+        " no provider of ours runs the same kernel), fuse_qkv_projections(), DoRA adapters, hooks on a "
+        "submodule (but TaylorSeer's on attention, which runs around the native attention), active dropout in"
+        " training mode, gradients flowing through a block and a user's torch.compile of the blocks run "
+        "Diffusers' forward of the block (counted in the report, except under torch.compile; an error under "
+        "tensor parallelism)"
     ),
 )
