@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -80,9 +81,22 @@ class StepCache:
             config = diffusers.MagCacheConfig(threshold=-1.0, num_inference_steps=1000, mag_ratios=ratios)
             self.model.enable_cache(config)
         elif name == "taylorseer_cache":  # every step in its warm-up: computed, its Taylor factors updated
-            config = diffusers.TaylorSeerCacheConfig(disable_cache_before_step=10**9)
-            self.model.enable_cache(config)
+            self.model.enable_cache(
+                diffusers.TaylorSeerCacheConfig(
+                    disable_cache_before_step=10**9, cache_identifiers=_attention_names(self.model)
+                )
+            )
         self.current = name
+
+
+def _attention_names(model: torch.nn.Module) -> list[str]:
+    """Every attention module of ``model`` by its full name, as patterns: TaylorSeer's default patterns
+    miss some models' (Wan's ``attn1``, Z-Image's ``attention``) and would hook nothing there."""
+    from diffusers.hooks._common import _ATTENTION_CLASSES
+
+    return [
+        re.escape(name) for name, module in model.named_modules() if isinstance(module, _ATTENTION_CLASSES)
+    ]
 
 
 def block_outputs(model: torch.nn.Module, call: Callable[[], Any]) -> list[list[torch.Tensor]]:

@@ -20,7 +20,7 @@ import contextvars
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -47,6 +47,17 @@ class ForwardRuntime(Protocol):
 _IN_FLIGHT: contextvars.ContextVar[ForwardRuntime | None] = contextvars.ContextVar(
     "omni_accel_native_forward", default=None
 )
+
+
+# Runs a computation as the forward of one of a block's submodules, through that module's hooks (a step
+# cache's: they compute it or predict its outputs): ``NativeBlock.attention_module_call``.
+ModuleCall = Callable[[Callable[[], Any]], Any]
+
+
+def through_module(call: ModuleCall | None, compute: Callable[[], Any]) -> Any:
+    """``compute()``, the part of a block's math that one of its submodules' forward is, as that module's
+    hooks return it where ``call`` runs it through them (None: computed here, as without hooks)."""
+    return compute() if call is None else call(compute)
 
 
 def enter_forward(runtime: ForwardRuntime) -> contextvars.Token:

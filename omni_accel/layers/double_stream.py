@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..parallel.token_rows import Rows
-from .attention import AttentionSite, qkv_attention
+from .attention import AttentionSite, ModuleCall, qkv_attention, through_module
 from .feed_forward import feed_forwards_together
 from .fp8 import quantize_rows, split_rows
 from .fused import gated_residual, gelu_tanh, norm_modulate_gathered_together
@@ -36,13 +35,7 @@ class BlockConstants:
     overlaps_work: bool  # attention hides work beside it behind its exchanges (eager blocks, placed)
     # Runs the part of the math that is the block's attention module through that module's hooks (a step
     # cache's: it computes the part or predicts its outputs); None: the math calls the part itself.
-    attention_module: Callable[[Callable[[], Any]], Any] | None = None
-
-
-def through_attention_module(c: BlockConstants, compute: Callable[[], Any]) -> Any:
-    """``compute()``, the part of a block's math that its attention module's forward is, as that module's
-    hooks return it (``BlockConstants.attention_module``)."""
-    return compute() if c.attention_module is None else c.attention_module(compute)
+    attention_module: ModuleCall | None = None
 
 
 def double_block(
@@ -105,7 +98,7 @@ def double_block(
         )
         return img_out, txt_out
 
-    img_out, txt_out = through_attention_module(c, attend)
+    img_out, txt_out = through_module(c.attention_module, attend)
     img, txt = gated_residual(img, i_gate, img_out), gated_residual(txt, t_gate, txt_out)
     (mi, mi_gather), (mt, mt_gather) = norm_modulate_gathered_together(  # the MLPs' inputs
         [(img, i_shift2, i_scale2, i_rows), (txt, t_shift2, t_scale2, t_rows)],

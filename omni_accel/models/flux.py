@@ -32,8 +32,9 @@ from ..layers.attention import (
     input_placement,
     places_inputs,
     qkv_attention,
+    through_module,
 )
-from ..layers.double_stream import BlockConstants, Rope, through_attention_module
+from ..layers.double_stream import BlockConstants, Rope
 from ..layers.double_stream import double_block as _double_stream
 from ..layers.fused import clip_fp16
 from ..layers.projection import LinearWeights, apply_linear, apply_one, split_packed, takes_fp8_rows
@@ -99,7 +100,7 @@ def single_block(
             out = qkv_attention([(q, k, v)], qk_norms, c.head_dim, c.qk_eps, rope, c.site, placed=c.placed)
             return out.flatten(2, 3).to(q.dtype)
 
-        attended = through_attention_module(c, attend)
+        attended = through_module(c.attention_module, attend)
         (mlp,) = mlp_input or apply_linear(h, split_packed(w["qkv_mlp"], 3)[1], gather)  # attend predicted
         fp8 = takes_fp8_rows(w["out"]) and rows is None
         joined = (concat_gelu_fp8 if fp8 else concat_gelu)(attended, mlp)

@@ -26,8 +26,8 @@ from diffusers.models.transformers.transformer_flux2 import (
 )
 
 from ..layers import gated_residual, norm_modulate_gathered
-from ..layers.attention import AttentionSite, places_inputs, qkv_attention
-from ..layers.double_stream import BlockConstants, Rope, double_block, through_attention_module
+from ..layers.attention import AttentionSite, places_inputs, qkv_attention, through_module
+from ..layers.double_stream import BlockConstants, Rope, double_block
 from ..layers.fused import clip_fp16, concat_swiglu, swiglu
 from ..layers.projection import LinearWeights, apply_linear, apply_one, takes_fp8_rows
 from ..parallel import ParallelPlan, SequencePlan, Split
@@ -82,7 +82,7 @@ def flux2_single_block(
         joined = concat_swiglu(out.flatten(2, 3).to(q.dtype), mlp_gate, mlp_linear)
         return apply_one(joined, w["out"], rows)
 
-    x = gated_residual(x, gate, through_attention_module(c, attend))
+    x = gated_residual(x, gate, through_module(c.attention_module, attend))
     return clip_fp16(x)
 
 

@@ -21,7 +21,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
     MiniMaxH3TransformerBlock,
 )
 
-from ..layers.attention import AttentionSite, attention
+from ..layers.attention import AttentionSite, attention, through_module
 from ..layers.double_stream import BlockConstants
 from ..layers.fused import qkv_norm_rope, swiglu
 from ..layers.projection import LinearWeights, apply_linear, apply_one
@@ -76,7 +76,7 @@ def minimax_block(
     ``rows`` ``[S]`` the table row of every token."""
     shift, scale, gate, shift2, scale2, gate2 = mod.index_select(0, rows).chunk(6, dim=-1)  # [S, D] each
     h = _rms(x, norms["norm1"], c.eps) * (1.0 + scale) + shift
-    x = x + gate * _attend(h, rope, w, norms, c)
+    x = x + gate * through_module(c.attention_module, lambda: _attend(h, rope, w, norms, c))
     h = _rms(x, norms["norm2"], c.eps) * (1.0 + scale2) + shift2
     return x + gate2 * _feed_forward(h, w)
 
@@ -85,7 +85,8 @@ def refiner_block(
     x: torch.Tensor, w: dict[str, LinearWeights], norms: dict[str, torch.Tensor], c: BlockConstants
 ) -> torch.Tensor:
     """Diffusers' MiniMaxH3TokenRefinerBlock.forward: plain pre-norm attention and SwiGLU MLP."""
-    x = x + _attend(_rms(x, norms["norm1"], c.eps), None, w, norms, c)
+    h = _rms(x, norms["norm1"], c.eps)
+    x = x + through_module(c.attention_module, lambda: _attend(h, None, w, norms, c))
     return x + _feed_forward(_rms(x, norms["norm2"], c.eps), w)
 
 
@@ -98,6 +99,7 @@ class _MiniMaxNative(NativeBlock):
         "ff.net.0.proj": Colwise(ratios=(1, 1)),  # the linear half and the gate, each split on its own
         "ff.net.2": Rowwise(),
     }
+    attention_modules = ("attn",)
     site: AttentionSite
 
     def head_dim(self) -> int:
@@ -120,6 +122,7 @@ class _MiniMaxNative(NativeBlock):
             None,
             False,
             False,
+            self.attention_module_call("attn"),
         )
 
     def _norms(self) -> dict[str, torch.Tensor]:

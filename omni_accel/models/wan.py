@@ -19,7 +19,15 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanT
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 
 from ..layers import apply_rope, feed_forward, gated_residual, norm_modulate_gathered
-from ..layers.attention import AttentionSite, attention, places_inputs, qkv_attention
+from ..layers.attention import (
+    AttentionSite,
+    ModuleCall,
+    attention,
+    places_inputs,
+    qkv_attention,
+    through_module,
+)
+from ..layers.fp8 import Fp8Rows
 from ..layers.norms import rms_norm_across_heads
 from ..layers.projection import LinearWeights, apply_linear, apply_one, takes_fp8_rows
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -43,6 +51,10 @@ class BlockConstants:
     inner_dim: int = 0  # all heads' width (the QK norms' size)
     rows: Rows | None = None  # the video tokens this rank holds in its TP group (None: all)
     placed: bool = False  # q, k and v are written where the layout's exchange wants them (peer writes)
+    # What runs the self- and the cross-attention's part of the math through attn1's and attn2's hooks (a
+    # step cache's), or None (``NativeBlock.attention_module_call``)
+    attn1: ModuleCall | None = None
+    attn2: ModuleCall | None = None
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -61,6 +73,50 @@ def _modulations(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor,
     return tuple(m.squeeze(1) for m in (table + temb.float()).chunk(6, dim=1))
 
 
+def _self_attention(
+    h: torch.Tensor | Fp8Rows,
+    gather: Any,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    w: dict[str, LinearWeights],
+    norms: dict[str, torch.Tensor | None],
+    c: BlockConstants,
+) -> torch.Tensor:
+    """attn1's forward: QKV, the QK norms across heads, RoPE, attention and the output projection."""
+    q, k, v = apply_linear(h, w["qkv"], gather)
+    if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
+        qk_norms = [(norms["q"], norms["k"])]
+        args = (c.head_dim, c.qk_eps, rope, SELF, True)
+        out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
+    else:
+        q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
+        k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
+        out = attention(q, k, _heads(v, c.head_dim), SELF, split=True)
+    return apply_one(out.flatten(2, 3).type_as(q), w["out"], c.rows)
+
+
+def _cross_attention(
+    h: torch.Tensor,
+    context: torch.Tensor,
+    w: dict[str, LinearWeights],
+    norms: dict[str, torch.Tensor | None],
+    c: BlockConstants,
+) -> torch.Tensor:
+    """attn2's forward: the queries of ``h`` over the text (for I2V also over the image tokens before it,
+    the two outputs summed), the output projection."""
+    q = _heads(_qk_norm(apply_one(h, w["q2"], c.rows), norms["q2"], c), c.head_dim)
+    image = None
+    if "added_kv" in w:
+        image, context = context[:, : context.shape[1] - _TEXT_TOKENS], context[:, -_TEXT_TOKENS:]
+    k, v = apply_linear(context, w["kv2"])
+    k = _heads(_qk_norm(k, norms["k2"], c), c.head_dim)
+    out = attention(q, k, _heads(v, c.head_dim), CROSS).flatten(2, 3).type_as(q)
+    if image is not None:
+        k_img, v_img = apply_linear(image, w["added_kv"])
+        k_img = _heads(_qk_norm(k_img, norms["added_k"], c), c.head_dim)
+        out = out + attention(q, k_img, _heads(v_img, c.head_dim), CROSS).flatten(2, 3).type_as(q)
+    return apply_one(out, w["out2"], c.rows)
+
+
 def wan_block(
     x: torch.Tensor,
     context: torch.Tensor,
@@ -77,34 +133,14 @@ def wan_block(
 
     # Self-attention.
     h, gather = norm_modulate_gathered(x, shift, scale, c.eps, c.rows, takes_fp8_rows(w["qkv"]))
-    q, k, v = apply_linear(h, w["qkv"], gather)
-    if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
-        qk_norms = [(norms["q"], norms["k"])]
-        args = (c.head_dim, c.qk_eps, rope, SELF, True)
-        out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
-    else:
-        q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
-        k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
-        out = attention(q, k, _heads(v, c.head_dim), SELF, split=True)
-    out = out.flatten(2, 3).type_as(q)
-    x = gated_residual(x, gate, apply_one(out, w["out"], c.rows))
+    x = gated_residual(
+        x, gate, through_module(c.attn1, lambda: _self_attention(h, gather, rope, w, norms, c))
+    )
 
     # Cross-attention over the text (and, for I2V, the image tokens before it). Under sequence parallelism
     # each rank's queries attend to the whole text, which every rank holds: no layout, no communication.
     h = x if norms["cross_norm"] is None else _affine_norm(x, norms, c.eps)
-    q = _heads(_qk_norm(apply_one(h, w["q2"], c.rows), norms["q2"], c), c.head_dim)
-    image = None
-    if "added_kv" in w:
-        image, context = context[:, : context.shape[1] - _TEXT_TOKENS], context[:, -_TEXT_TOKENS:]
-    k, v = apply_linear(context, w["kv2"])
-    k = _heads(_qk_norm(k, norms["k2"], c), c.head_dim)
-    out = attention(q, k, _heads(v, c.head_dim), CROSS).flatten(2, 3).type_as(q)
-    if image is not None:
-        k_img, v_img = apply_linear(image, w["added_kv"])
-        k_img = _heads(_qk_norm(k_img, norms["added_k"], c), c.head_dim)
-        image_out = attention(q, k_img, _heads(v_img, c.head_dim), CROSS).flatten(2, 3).type_as(q)
-        out = out + image_out
-    x = x + apply_one(out, w["out2"], c.rows)
+    x = x + through_module(c.attn2, lambda: _cross_attention(h, context, w, norms, c))
 
     # Feed-forward.
     h, gather = norm_modulate_gathered(x, c_shift, c_scale, c.eps, c.rows, takes_fp8_rows(w["up"]))
@@ -149,6 +185,7 @@ class _WanNative(NativeBlock):
         "qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
         "kv2": ("attn2.to_k", "attn2.to_v"),
     }
+    attention_modules = ("attn1", "attn2")
     linears = {
         "out": "attn1.to_out.0",
         "q2": "attn2.to_q",
@@ -209,6 +246,8 @@ class _WanNative(NativeBlock):
             attn1.inner_dim,
             runtime.rows("video"),
             shard is None and places_inputs(),  # eagerly: it may map the peer buffers
+            self.attention_module_call("attn1"),
+            self.attention_module_call("attn2"),
         )
         return weights, norms, constants
 

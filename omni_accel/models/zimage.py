@@ -21,7 +21,7 @@ from diffusers.models.transformers.transformer_z_image import (
 )
 
 from ..layers import gated_residual
-from ..layers.attention import AttentionSite, qkv_attention
+from ..layers.attention import AttentionSite, qkv_attention, through_module
 from ..layers.double_stream import BlockConstants
 from ..layers.projection import LinearWeights, apply_linear, apply_one
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
@@ -56,10 +56,14 @@ def zimage_block(
         gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
         scale_msa, scale_mlp = (1.0 + scale_msa).unsqueeze(1), (1.0 + scale_mlp).unsqueeze(1)
     h = _rms(x, norms["attention_norm1"], c.eps)
-    q, k, v = apply_linear(h if mod is None else h * scale_msa, w["qkv"])
-    args = (c.head_dim, c.qk_eps, rope, c.site)
-    out = qkv_attention([(q, k, v)], [(norms["q"], norms["k"])], *args, attn_mask=mask)
-    attended = _rms(apply_one(out.flatten(2, 3).to(q.dtype), w["out"]), norms["attention_norm2"], c.eps)
+
+    def attend() -> torch.Tensor:  # the attention module's forward: QKV, attention, output projection
+        q, k, v = apply_linear(h if mod is None else h * scale_msa, w["qkv"])
+        args = (c.head_dim, c.qk_eps, rope, c.site)
+        out = qkv_attention([(q, k, v)], [(norms["q"], norms["k"])], *args, attn_mask=mask)
+        return apply_one(out.flatten(2, 3).to(q.dtype), w["out"])
+
+    attended = _rms(through_module(c.attention_module, attend), norms["attention_norm2"], c.eps)
     x = x + attended if mod is None else gated_residual(x, gate_msa, attended)
     h = _rms(x, norms["ffn_norm1"], c.eps)
     gate, linear = apply_linear(h if mod is None else h * scale_mlp, w["ff_up"])
@@ -94,6 +98,7 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
         "adaLN_modulation.0": Colwise(optional=True),  # the modulation: gathered whole
     }
     modulations = ("mod",)
+    attention_modules = ("attention",)
     site = AttentionSite("zimage.self", "self")
     sites = (site,)
     math = staticmethod(zimage_block)
@@ -160,6 +165,7 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
             None,
             False,
             False,
+            self.attention_module_call("attention"),
         )
         norms = {name: getattr(self, name).weight for name in _NORMS}
         norms.update(q=self.attention.norm_q.weight, k=self.attention.norm_k.weight)
