@@ -110,9 +110,10 @@ def flux_inputs(
     )
 
 
-def _flux(tiny: bool) -> Spec:
-    """FLUX.1-dev (12B), all 19 double and 38 single blocks; 1024x1024 (4096 image tokens), 512 text."""
-    config = dict(FLUX_DEV_TRANSFORMER)
+def _flux(tiny: bool, blocks: tuple[int, int] = (19, 38)) -> Spec:
+    """FLUX.1-dev (12B), all 19 double and 38 single blocks (or ``blocks``); 1024x1024 (4096 image tokens),
+    512 text."""
+    config = dict(FLUX_DEV_TRANSFORMER, num_layers=blocks[0], num_single_layers=blocks[1])
     image, text = 4096, 512
     if tiny:
         config.update(num_layers=1, num_single_layers=1, num_attention_heads=2, joint_attention_dim=32)
@@ -507,6 +508,8 @@ def _minimax_h3(tiny: bool) -> Spec:
 
 MODELS: dict[str, Callable[[bool], Spec]] = {
     "flux": _flux,
+    # half of FLUX.1-dev's blocks: four copies (the baselines, ours, ours FP8) fit an 80 GB card
+    "flux_half": lambda tiny: _flux(tiny, blocks=(10, 19)),
     "wan14b": _wan(WAN_14B, "Wan 2.1 14B"),
     "wan1.3b": _wan(WAN_1_3B, "Wan 2.1 1.3B"),
     "qwenimage": _qwenimage,
