@@ -39,7 +39,7 @@ import threading
 import types
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,11 +48,25 @@ import torch.utils._pytree as pytree
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from torch import nn
 
+from omni_accel.patches.hooks_around_native_math import (
+    Decision,
+    NotDecidedAhead,
+    decide,
+    decided_calls,
+    record,
+)
+
 from . import kernel_builds
 from .attention.selection import current_scope
 from .background import capture_waits, nothing_beside
 from .capture_constants import REFUSED_COPY, CaptureConstants
-from .forward_hooks import InstanceForward, global_hooks_active, has_foreign_torch_hooks, is_hooked
+from .forward_hooks import (
+    InstanceForward,
+    global_hooks_active,
+    has_foreign_torch_hooks,
+    hooked_submodule,
+    is_hooked,
+)
 from .utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -144,7 +158,7 @@ class StepGraphs(InstanceForward):
         return _unpickle, (self.module, self.inner, self.max_graphs, self.enabled, self.hooks)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module, forward = self.module, self._forward()
+        module, forward = self.module, self._step_forward()
         if (
             not self.enabled or torch.compiler.is_dynamo_compiling()
         ):  # a compiler tracing us sees the plain forward
@@ -208,6 +222,10 @@ class StepGraphs(InstanceForward):
 
     def _begin_step(self) -> Hashable:
         return self.hooks.begin_step() if self.hooks is not None else None
+
+    def _step_forward(self) -> Callable[..., Any]:
+        """What a call runs, eagerly or captured: the module's forward."""
+        return self._forward()
 
     def _state(self, seen: _Seen | None = None) -> tuple | None:
         return _module_state(self.module, seen)
@@ -362,7 +380,37 @@ class BlockGraphs(StepGraphs):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling() or getattr(_STEP, "hooked", None) is None:
             return self._forward()(*args, **kwargs)
+        around = _decided_ahead(self.module)
+        if around:
+            return self._decided_call(around, args, kwargs)
         return super().__call__(*args, **kwargs)
+
+    def _decided_call(self, around: list[nn.Module], args: tuple, kwargs: dict) -> Any:
+        """A call of a block whose attention modules carry TaylorSeer's hook (which the native math runs
+        around the attention part): the hooks decide first, so that each decision (which parts compute and
+        which take the hooks' predictions, given as arguments) has its graph; the computed parts' outputs
+        come back beside the block's and the hooks record them, as on Diffusers' modules."""
+        decisions = [decide(module) for module in around]
+        pattern = tuple(decision.computes for decision in decisions)
+        predicted = tuple(decision.predicted for decision in decisions if not decision.computes)
+        _AHEAD.decisions, _AHEAD.around = decisions, frozenset(around)
+        try:
+            result = super().__call__(*args, **kwargs, **{_DECIDED: (pattern, predicted)})
+        except NotDecidedAhead:  # the block runs Diffusers' forward, which calls the hooks: they decide
+            result = None
+        finally:
+            _AHEAD.decisions = _AHEAD.around = None
+        if result is None:
+            for decision in decisions:
+                decision.undo()
+            return super().__call__(*args, **kwargs)
+        out, computed = result
+        for decision, outputs in zip([d for d in decisions if d.computes], computed, strict=True):
+            record(decision, outputs)
+        return out
+
+    def _step_forward(self) -> Callable[..., Any]:
+        return functools.partial(_run_decided, self._forward())
 
     def __deepcopy__(self, memo: dict) -> BlockGraphs:
         twin = BlockGraphs(
@@ -382,7 +430,53 @@ class BlockGraphs(StepGraphs):
     def _state(self, seen: _Seen | None = None) -> tuple | None:
         # A hook registered on the block after us wraps us; one that was there before is what we call.
         outside = self.inner is None or isinstance(self.inner, InstanceForward)
-        return _module_state(self.module, seen, root_hooks_outside=outside)
+        decided = getattr(_AHEAD, "around", None) or frozenset()  # their hooks decided before the call
+        return _module_state(self.module, seen, root_hooks_outside=outside, decided=decided)
+
+
+_AHEAD = threading.local()  # the decisions of the block call in flight (``BlockGraphs._decided_call``)
+_DECIDED = "_omni_accel_decided"  # the keyword that carries them into the forward a graph records
+
+
+def _decided_ahead(block: nn.Module) -> list[nn.Module]:
+    """The submodules of ``block`` whose hooks the native math runs around its parts
+    (``NativeBlock.hooks_around``), when every hook below the block is one of those."""
+    hooks_around = getattr(block, "hooks_around", None)
+    around = hooks_around() if hooks_around is not None else []
+    if not around or hooked_submodule(block, around) is not None:
+        return []
+    return around
+
+
+def _run_decided(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)``; with the decisions of ``BlockGraphs._decided_call`` (``pattern``: which
+    modules compute; ``predicted``: the others' outputs, in the graph's input memory when it is captured)
+    it runs the math with each computed part's outputs kept and each predicted part served from
+    ``predicted``, and returns ``(output, the computed parts' outputs)``."""
+    decided = kwargs.pop(_DECIDED, None)
+    if decided is None:
+        return forward(*args, **kwargs)
+    _, predicted = decided
+    decisions: Sequence[Decision] = _AHEAD.decisions
+    computed: list[Any] = [None] * sum(decision.computes for decision in decisions)
+    calls, served, kept = {}, iter(predicted), iter(range(len(computed)))
+    for decision in decisions:
+        if decision.computes:
+            calls[decision.module] = functools.partial(_keep, computed, next(kept))
+        else:
+            calls[decision.module] = functools.partial(_serve, next(served))
+    with decided_calls(calls):
+        out = forward(*args, **kwargs)
+    return out, tuple(computed)
+
+
+def _keep(computed: list[Any], index: int, compute: Callable[[], Any]) -> Any:
+    computed[index] = compute()
+    return computed[index]
+
+
+def _serve(predicted: Any, compute: Callable[[], Any]) -> Any:
+    return predicted
 
 
 def _unpickle_block(
@@ -478,16 +572,20 @@ _OURS = ("omni_", "_omni")
 
 
 def _module_state(
-    module: nn.Module, seen: _Seen | None = None, root_hooks_outside: bool = False
+    module: nn.Module,
+    seen: _Seen | None = None,
+    root_hooks_outside: bool = False,
+    decided: frozenset[nn.Module] = frozenset(),
 ) -> tuple | None:
     """One walk over the modules per call: their identity, tensors and every other attribute's value (a
     processor's scale, an adapter's state, a flag: anything a call may change), or None at the first hook
     that may decide per call. An attribute whose value cannot be compared raises ``Unkeyable``. ``seen``
     collects what the walk met. ``root_hooks_outside``: the hooks on ``module`` itself wrap the graphs (they
-    run around each call, not inside what is captured)."""
+    run around each call, not inside what is captured). ``decided``: modules whose hooks decided before
+    the call (``BlockGraphs._decided_call``), outside what is captured."""
     state = []
     for child in module.modules():
-        if is_hooked(child) and not (root_hooks_outside and child is module):
+        if is_hooked(child) and not (root_hooks_outside and child is module) and child not in decided:
             layout = _layout_hooks_state(child)
             if layout is None:
                 return None

@@ -9,15 +9,24 @@ points it at the native computation and calls the module with no arguments: the 
 Diffusers' module, records the native outputs or predicts, and the original forward is back before the call
 returns (under a lock, so that two threads calling one module cannot leave each other's computation behind).
 Nothing stays patched between calls.
+
+Where the block's CUDA graphs serve the step (``omni_accel.cuda_graphs.BlockGraphs``), the decision is taken
+before the block runs instead (``decide``: the hook's own ``_measure_should_compute``, and its ``predict``
+where it predicts), so that a graph per decision can replay the block; ``decided_calls`` then serves
+``call_through`` for the block's call, and ``record`` gives the hook the computed outputs, as its
+``new_forward`` does. These read TaylorSeer's internals, within the checked versions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from omni_accel.forward_hooks import has_foreign_torch_hooks
@@ -26,6 +35,7 @@ PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
 
 _LOCK = threading.RLock()
+_DECIDED = threading.local()  # module -> what serves its call_through in the block call in flight
 
 
 @functools.cache
@@ -53,6 +63,8 @@ def runs_around(module: nn.Module) -> bool:
 def call_through(module: nn.Module, compute: Callable[[], Any]) -> Any:
     """What ``module``'s hook returns with ``compute`` as the module's forward: ``compute()``'s outputs,
     recorded, on the steps it computes; its prediction on the others, where ``compute`` is not called."""
+    if decided_ahead(module):
+        return _DECIDED.calls[module](compute)
     (hook,) = module._diffusers_hook.hooks.values()
     reference = hook.fn_ref
     with _LOCK:
@@ -62,3 +74,56 @@ def call_through(module: nn.Module, compute: Callable[[], Any]) -> Any:
             return module()
         finally:
             reference.original_forward = original
+
+
+@dataclass
+class Decision:
+    """What the hook on ``module`` decided for one call: ``computes``, or its ``predicted`` outputs (a
+    tensor or a tuple of them). ``state`` is the hook's state that ``record`` hands the computed outputs."""
+
+    module: nn.Module
+    computes: bool
+    state: Any
+    predicted: Any = None
+
+    def undo(self) -> None:
+        """Takes the decision back (the call it was for did not happen): the hook counts the next call as
+        this one. ``predict`` changed nothing; the decision only counted the step."""
+        self.state.current_step -= 1
+
+
+def decide(module: nn.Module) -> Decision:
+    """The hook's decision for this call of ``module`` (its step counted, as its ``new_forward`` counts it)."""
+    (hook,) = module._diffusers_hook.hooks.values()
+    computes, state = hook._measure_should_compute()
+    if computes:
+        return Decision(module, True, state)
+    outputs = state.predict()
+    return Decision(module, False, state, outputs[0] if len(outputs) == 1 else tuple(outputs))
+
+
+def record(decision: Decision, outputs: Any) -> None:
+    """Hands the hook the outputs computed for a call it decided to compute (its ``new_forward``'s update)."""
+    decision.state.update((outputs,) if isinstance(outputs, torch.Tensor) else outputs)
+
+
+class NotDecidedAhead(Exception):
+    """Raised by a block decided ahead (``decided_calls``) that runs Diffusers' forward after all, whose
+    modules' hooks then decide themselves: the decisions are taken back (``Decision.undo``)."""
+
+
+def decided_ahead(module: nn.Module) -> bool:
+    """Whether ``module``'s hook decided this call before the block ran (``decided_calls``)."""
+    decided = getattr(_DECIDED, "calls", None)
+    return decided is not None and module in decided
+
+
+@contextlib.contextmanager
+def decided_calls(calls: Mapping[nn.Module, Callable[[Callable[[], Any]], Any]]) -> Iterator[None]:
+    """Within it, ``call_through(module, compute)`` on this thread returns ``calls[module](compute)``."""
+    outer = getattr(_DECIDED, "calls", None)
+    _DECIDED.calls = calls
+    try:
+        yield
+    finally:
+        _DECIDED.calls = outer

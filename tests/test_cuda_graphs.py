@@ -145,7 +145,8 @@ def test_diffusers_api_around_the_graph_hook():
 @torch.no_grad()
 def test_block_graphs_serve_steps_whose_hooks_wrap_their_blocks():
     """A step cache's hooks on the blocks keep a step from being one graph; each block's own graph stays
-    keyable, since those hooks wrap it. A hook below a block (TaylorSeer's on attention) does not."""
+    keyable, since those hooks wrap it. A hook below a block (TaylorSeer's on attention) does not, unless
+    it decided before the block ran (``test_taylorseer_decides_before_each_block``)."""
     from diffusers import TaylorSeerCacheConfig
 
     pipe = omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs=True)
@@ -165,6 +166,48 @@ def test_block_graphs_serve_steps_whose_hooks_wrap_their_blocks():
     assert all(graphs._state() is None for graphs in blocks)
     transformer.disable_cache()
     assert "cuda graphs of the blocks" not in str(omni_accel.describe(pipe))  # no counter moved: no line
+
+
+def test_taylorseer_decides_before_each_block(monkeypatch):
+    """On one GPU a block whose attention modules TaylorSeer hooks is served by a graph per decision: the
+    hooks decide before the block runs (the predictions enter as arguments) and record the computed parts'
+    outputs after it. The graphs' host side runs here on the CPU (with the CUDA-only checks patched; every
+    capture fails, so those calls run eagerly): the latents are bitwise plain Diffusers' with TaylorSeer,
+    a block that runs Diffusers' forward (a custom processor) included, its hooks then deciding themselves."""
+    import contextlib
+
+    from diffusers import TaylorSeerCacheConfig
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    from omni_accel import cuda_graphs
+
+    class CustomProcessor(FluxAttnProcessor):
+        pass
+
+    monkeypatch.setattr(cuda_graphs, "_eager_reason", lambda module, leaves: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    decided = []
+    decide = cuda_graphs.decide
+    monkeypatch.setattr(cuda_graphs, "decide", lambda module: decided.append(module) or decide(module))
+    plain = tiny_flux_pipeline()
+    fast = omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs=True)
+    for pipe in (plain, fast):
+        pipe.transformer.single_transformer_blocks[0].attn.set_processor(CustomProcessor())
+        taylor = TaylorSeerCacheConfig(
+            cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32
+        )
+        pipe.transformer.enable_cache(taylor)
+    call = {"prompt": "a cat", "num_inference_steps": 6, "output_type": "latent"}
+    got, expected = (p(**call, generator=torch.Generator().manual_seed(0)).images for p in (fast, plain))
+    assert torch.equal(got, expected)
+    assert not torch.equal(
+        expected, tiny_flux_pipeline()(**call, generator=torch.Generator().manual_seed(0)).images
+    )
+    component = omni_accel.describe(fast).components[0]
+    blocks = len(fast.transformer.transformer_blocks) + len(fast.transformer.single_transformer_blocks)
+    assert len(decided) == 6 * blocks  # every block call decided ahead (the custom one's taken back)
+    (reason,) = component.runtime.fallbacks
+    assert "CustomProcessor" in reason and component.runtime.fallbacks[reason] == 6
 
 
 def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):
@@ -317,6 +360,24 @@ def test_step_caches_replay_the_blocks_they_compute(cache, quantize):
     blocks = block_graph_stats(component.block_graphs)
     assert blocks["captures"] > 0 and blocks["replays"] > 0 and not blocks["eager"], blocks
     assert component.graphs.stats()["replays"] == 0
+    assert component.runtime.fallbacks == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+def test_taylorseer_replays_a_graph_per_decision(quantize):
+    """Under TaylorSeer (on the attention modules) each block replays the graph of its hooks' decision
+    (its attention part computed, or predicted and skipped): bitwise the images with graphs off, where the
+    native math runs the hooks around that part eagerly."""
+    from diffusers import TaylorSeerCacheConfig
+
+    pipe = _gpu_pipeline(quantize=quantize)
+    pipe.transformer.enable_cache(TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1))
+    _replays_match_eager(pipe, num_inference_steps=8)
+    _replays_match_eager(pipe, num_inference_steps=8)
+    component = omni_accel.describe(pipe).components[0]
+    blocks = block_graph_stats(component.block_graphs)
+    assert blocks["captures"] > 0 and blocks["replays"] > 0, blocks
     assert component.runtime.fallbacks == {}
 
 

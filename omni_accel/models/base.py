@@ -32,7 +32,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from omni_accel.patches import hook_chains
-from omni_accel.patches.hooks_around_native_math import call_through, runs_around
+from omni_accel.patches.hooks_around_native_math import (
+    NotDecidedAhead,
+    call_through,
+    decided_ahead,
+    runs_around,
+)
 
 from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
@@ -207,6 +212,8 @@ class NativeBlock:
         ``math`` being the class's math, compiled where the runtime compiles."""
         prepared = None if self.run_as_diffusers() else prepare()
         if prepared is None:
+            if self._decided_ahead():
+                raise NotDecidedAhead
             return diffusers_forward()
         if self.hooks_around():  # the hooks decide on the host, mid-block: eager math
             return run(type(self).math, prepared)
@@ -215,6 +222,10 @@ class NativeBlock:
     def hooks_around(self) -> list[nn.Module]:
         """The attention modules (``attention_modules``) whose hooks the math runs around in this call."""
         return [module for module in self._modules_at(self.attention_modules) if runs_around(module)]
+
+    def _decided_ahead(self) -> bool:
+        """Whether the hooks of this call's attention modules decided before it (``decided_calls``)."""
+        return any(decided_ahead(module) for module in self._modules_at(self.attention_modules))
 
     def attention_module_call(self, path: str) -> Callable[[Callable[[], Any]], Any] | None:
         """What runs the part of the math that is the submodule ``path``'s forward through that module's
@@ -259,6 +270,8 @@ class NativeBlock:
                 "own forward of a block would be wrong (its weights or its sequence are split over the ranks). "
                 "Remove what the reason names, or run without tensor/sequence parallelism."
             )
+        if self._decided_ahead():  # its hooks decided for the native math: Diffusers' forward calls them
+            raise NotDecidedAhead  # the call is made again without (and counted then)
         fallbacks = self.omni_runtime.fallbacks
         fallbacks[reason] += 1
         if fallbacks[reason] == 1:
