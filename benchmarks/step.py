@@ -155,8 +155,11 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
     extras = set(args.extra)
     copy = lambda: _copy(spec, device, dtype, args.lora)  # noqa: E731
     # Cleared at the end, so that the caller's empty_cache() returns the copies' memory.
-    models: dict[str, Any] = {"diffusers": copy(), "diffusers_best": copy()}
-    result["diffusers_best_switches"] = info = best_switches(models["diffusers_best"], args.tiny)
+    models: dict[str, Any] = {"diffusers": copy()}
+    info: dict[str, Any] = {}
+    if not args.no_best:
+        models["diffusers_best"] = copy()
+        result["diffusers_best_switches"] = info = best_switches(models["diffusers_best"], args.tiny)
     if args.tiny:
         options: dict[str, Any] = dict(compile={"backend": "eager"}, compile_in_background=False)
     else:
@@ -246,16 +249,20 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         f"{baseline}/{variant}": ms[baseline] / ms[variant]
         for variant in ms
         for baseline in ("diffusers", "diffusers_best")
-        if variant != baseline and not (baseline == "diffusers_best" and variant == "diffusers")
+        if baseline in ms
+        and variant != baseline
+        and not (baseline == "diffusers_best" and variant == "diffusers")
     }
     for variant in [v for v in ms if "+" in v]:  # a step cache against the same model without it
         result["speedup"][f"{variant.split('+')[0]}/{variant}"] = ms[variant.split("+")[0]] / ms[variant]
     result["omni_report"] = str(omni_accel.describe(models["omni"]))
-    if args.profile and device == "cuda":  # where (b) and ours differ, kernel family by kernel family
+    if (
+        args.profile and device == "cuda" and not args.no_best
+    ):  # where (b) and ours differ, kernel family by kernel family
         from harness.profiling import gaps
 
         result["profile"] = {v: gaps(variants[v], steps=2) for v in ("diffusers_best", "omni")}
-    if args.power and device == "cuda":
+    if args.power and device == "cuda" and not args.no_best:
         result["power"] = [  # interleaved: (b), ours, (b), ours
             {"variant": v, **sustained(variants[v], args.power)}
             for v in ("diffusers_best", "omni", "diffusers_best", "omni")
@@ -310,6 +317,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--no-generic", action="store_true", help="no generic-tier copy of a native model (one copy less)"
     )
+    parser.add_argument(
+        "--no-best",
+        action="store_true",
+        help="no (b) copy, where it would not fit beside the variants compared (a step cache's cost on ours)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=3, help="timed calls per variant per round")
     parser.add_argument("--out", help="JSON results path (written after every model)")
@@ -345,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
             for variant, errors in results[name].get("rel_err_after_each_block", {}).items():
                 shown = " ".join(f"{e:.1e}" for e in errors[:: max(1, len(errors) // 12)])
                 print(f"  {variant} error after blocks 1..{len(errors)} (sampled): {shown}", flush=True)
-            print(json.dumps(results[name]["diffusers_best_switches"]), flush=True)
+            print(json.dumps(results[name].get("diffusers_best_switches", {})), flush=True)
             print(results[name]["omni_report"], flush=True)
         except Exception as exc:  # one model's failure (an OOM, a compile error) keeps the others
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
