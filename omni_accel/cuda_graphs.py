@@ -361,9 +361,10 @@ class BlockGraphs(StepGraphs):
     """CUDA graphs of one repeated block, for the steps whose whole-step graph a hook declines: a step cache
     (FirstBlockCache, MagCache) hooks the blocks and decides on the host between them, so the step cannot be
     one graph; each block it computes can. Installed as the block's instance ``forward``, so a hook on the
-    block wraps it and stays outside what is captured; a hook below the block (TaylorSeer's on attention,
-    which decides on the host in the middle of the block's math) makes the block run eagerly, counted. Off the hooked steps it is the block's plain forward: the
-    whole-step graph captures and replays the blocks as they are."""
+    block wraps it and stays outside what is captured; a hook below the block makes the block run eagerly,
+    counted, but TaylorSeer's on the attention modules the native math runs around: those decide before the
+    block, and each decision has its graph (``_decided_call``). Off the hooked steps it is the block's plain
+    forward: the whole-step graph captures and replays the blocks as they are."""
 
     def __init__(self, block: nn.Module, pool: _SharedPool, hooks: StepHooks | None = None) -> None:
         self._shared = pool

@@ -42,7 +42,7 @@ from omni_accel.patches.hooks_around_native_math import (
 from ..attention.selection import AttentionSelector
 from ..cache import ExactProjectionCache
 from ..forward_hooks import hooked_submodule
-from ..layers.attention import AttentionSite, forward_in_flight
+from ..layers.attention import AttentionSite, ModuleCall, forward_in_flight
 from ..layers.fp8 import Fp8Weights
 from ..layers.projection import (
     LinearWeights,
@@ -227,7 +227,7 @@ class NativeBlock:
         """Whether the hooks of this call's attention modules decided before it (``decided_calls``)."""
         return any(decided_ahead(module) for module in self._modules_at(self.attention_modules))
 
-    def attention_module_call(self, path: str) -> Callable[[Callable[[], Any]], Any] | None:
+    def attention_module_call(self, path: str) -> ModuleCall | None:
         """What runs the part of the math that is the submodule ``path``'s forward through that module's
         hooks (``patches/hooks_around_native_math.py``), or None where it has none: the math then calls the
         part itself. ``path`` is one of ``attention_modules``."""
