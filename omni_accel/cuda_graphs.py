@@ -254,7 +254,7 @@ class StepGraphs(InstanceForward):
         return forward(*args, **kwargs)
 
     def _capture(self, key: tuple, forward, leaves: list[Any], spec) -> _Graph | None:
-        inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        inputs = static_inputs(leaves, [graph.inputs for graph in self.graphs.values()])
         args, kwargs = pytree.tree_unflatten(inputs, spec)
         constants = None
         try:
@@ -311,6 +311,33 @@ class StepGraphs(InstanceForward):
             "graphs": len(self.graphs),
             "eager": dict(self.eager),
         }
+
+
+def static_inputs(leaves: list[Any], kept: list[list[Any]]) -> list[Any]:
+    """The memory a new graph reads its argument leaves from: for each tensor, the static input of a kept
+    graph (``kept``: their inputs) at the same position with the same shape, dtype, device and strides,
+    else a copy. Graphs of one ``StepGraphs`` replay one after another, each after copying its call's
+    arguments in, so they may share it (a block's graph per step-cache decision, a graph per LoRA scale)."""
+    inputs = []
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            inputs.append(leaf)
+            continue
+        shared = (other[index] for other in kept if index < len(other) and _same_layout(other[index], leaf))
+        inputs.append(next(shared, None))
+        if inputs[-1] is None:
+            inputs[-1] = leaf.clone()
+    return inputs
+
+
+def _same_layout(static: Any, leaf: torch.Tensor) -> bool:
+    return (
+        isinstance(static, torch.Tensor)
+        and static.shape == leaf.shape
+        and static.dtype == leaf.dtype
+        and static.device == leaf.device
+        and static.stride() == leaf.stride()
+    )
 
 
 def _refused_copy(exc: BaseException | None) -> bool:

@@ -570,3 +570,20 @@ def test_split_modulation_on_one_gpu_is_each_blocks_own_and_replays():
     from multirank import run_multirank
 
     run_multirank(_split_modulation_on_one_gpu, 1, timeout=200, backend="nccl")
+
+
+def test_graphs_of_one_module_share_their_static_inputs():
+    """A new graph reads an argument from a kept graph's static input where it has the same position and
+    memory layout (they replay one after another, each copying its arguments in first), else a copy."""
+    from omni_accel.cuda_graphs import static_inputs
+
+    hidden, text = torch.randn(2, 8, 4), torch.randn(2, 3, 4)
+    first = static_inputs([hidden, text, 0.5], [])
+    assert all(s is not t and torch.equal(s, t) for s, t in zip(first[:2], (hidden, text), strict=True))
+    predicted = torch.randn(2, 8, 4)
+    second = static_inputs([hidden.clone(), text[:, :2], 0.5, predicted], [first])
+    assert second[0] is first[0]  # same position and layout: shared
+    assert second[1] is not first[1] and second[1].shape == (2, 2, 4)  # another shape: its own copy
+    assert second[2] == 0.5 and second[3] is not predicted and torch.equal(second[3], predicted)
+    transposed = hidden.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, other strides
+    assert static_inputs([transposed], [first])[0] is not first[0]
