@@ -408,7 +408,7 @@ class BlockGraphs(StepGraphs):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling() or getattr(_STEP, "hooked", None) is None:
             return self._forward()(*args, **kwargs)
-        around = _decided_ahead(self.module)
+        around = _hooks_deciding_ahead(self.module)
         if around:
             return self._decided_call(around, args, kwargs)
         return super().__call__(*args, **kwargs)
@@ -466,7 +466,7 @@ _AHEAD = threading.local()  # the decisions of the block call in flight (``Block
 _DECIDED = "_omni_accel_decided"  # the keyword that carries them into the forward a graph records
 
 
-def _decided_ahead(block: nn.Module) -> list[nn.Module]:
+def _hooks_deciding_ahead(block: nn.Module) -> list[nn.Module]:
     """The submodules of ``block`` whose hooks the native math runs around its parts
     (``NativeBlock.hooks_around``), when every hook below the block is one of those."""
     hooks_around = getattr(block, "hooks_around", None)
