@@ -212,8 +212,6 @@ class NativeBlock:
         ``math`` being the class's math, compiled where the runtime compiles."""
         prepared = None if self.run_as_diffusers() else prepare()
         if prepared is None:
-            if self._decided_ahead():
-                raise NotDecidedAhead
             return diffusers_forward()
         if self.hooks_around():  # the hooks decide on the host, mid-block: eager math
             return run(type(self).math, prepared)
@@ -270,8 +268,8 @@ class NativeBlock:
                 "own forward of a block would be wrong (its weights or its sequence are split over the ranks). "
                 "Remove what the reason names, or run without tensor/sequence parallelism."
             )
-        if self._decided_ahead():  # its hooks decided for the native math: Diffusers' forward calls them
-            raise NotDecidedAhead  # the call is made again without (and counted then)
+        if self._decided_ahead():  # its hooks decided for the native math; Diffusers' forward calls them
+            raise NotDecidedAhead  # itself: the call is made again undecided (and counted then)
         fallbacks = self.omni_runtime.fallbacks
         fallbacks[reason] += 1
         if fallbacks[reason] == 1:

@@ -75,7 +75,7 @@ def _modulations(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor,
 
 def _self_attention(
     h: torch.Tensor | Fp8Rows,
-    gather: Any,
+    gather: Rows | None,
     rope: tuple[torch.Tensor, torch.Tensor],
     w: dict[str, LinearWeights],
     norms: dict[str, torch.Tensor | None],
