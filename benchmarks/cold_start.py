@@ -159,8 +159,9 @@ def first_launch_child() -> dict:
 _CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")  # --first-steps starts with both empty
 
 
-def first_steps_child(model: str, calls: int, tiny: bool) -> dict:
-    """One fresh process: see ``--first-steps``."""
+def first_steps_child(model: str, calls: int, tiny: bool, profile: bool = False) -> dict:
+    """One fresh process: see ``--first-steps``; ``profile``: the first call of ours under cProfile (its
+    time then is the profiler's, not a figure), the functions that took longest by their own time."""
     import torch
     from harness.models import MODELS, Holder, build
 
@@ -184,26 +185,55 @@ def first_steps_child(model: str, calls: int, tiny: bool) -> dict:
         ours = omni_accel.accelerate(
             Holder(build(spec, device, dtype)), compile_in_background=True, **options
         )
-        steps = []
-        for _ in range(calls):
-            seconds = timed(lambda: ours.transformer(**x))
+        steps, profiled = [], None
+        for index in range(calls):
+            if profile and index == 0:
+                profiled = _profiled(lambda: timed(lambda: ours.transformer(**x)))
+                seconds = profiled.pop("s")
+            else:
+                seconds = timed(lambda: ours.transformer(**x))
             served = [
                 line.strip()
                 for line in str(omni_accel.describe(ours)).splitlines()
                 if "cuda graphs:" in line or "compiled:" in line
             ]
             steps.append({"s": seconds, "served": served})
-    return {"model": model, "plain_first_s": plain_s[0], "plain_warm_s": plain_s[1], "calls": steps}
+    results = {"model": model, "plain_first_s": plain_s[0], "plain_warm_s": plain_s[1], "calls": steps}
+    return results if profiled is None else {**results, "first_call_profile": profiled}
+
+
+def _profiled(call, rows: int = 25) -> dict:
+    """``{"s": call(), "top": [...]}``: the ``rows`` functions with the most own time under cProfile."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    seconds = profiler.runcall(call)
+    stats = pstats.Stats(profiler).stats
+    top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:rows]
+    return {
+        "s": seconds,
+        "top": [
+            {
+                "function": f"{path}:{line}({name})",
+                "calls": counts[1],
+                "own_s": counts[2],
+                "cumulative_s": counts[3],
+            }
+            for (path, line, name), counts in top
+        ],
+    }
 
 
 def _plain_calls(model, x: dict, timed) -> list[float]:
     return [timed(lambda: model(**x)) for _ in range(2)]
 
 
-def first_steps(model: str, calls: int, tiny: bool) -> dict:
+def first_steps(model: str, calls: int, tiny: bool, profile: bool = False) -> dict:
     """``--first-steps``: the child in a fresh process with new, empty Triton and inductor caches."""
     caches = {name: tempfile.mkdtemp(prefix=f"{name.lower()}_first_steps_") for name in _CACHES}
     command = [sys.executable, __file__, "--child", f"first_steps:{model}", "--calls", str(calls)]
+    command += ["--profile-first"] if profile else []
     done = subprocess.run(
         command + (["--tiny"] if tiny else []), env={**os.environ, **caches}, capture_output=True, text=True
     )
@@ -305,17 +335,30 @@ def main(argv: list[str] | None = None) -> dict:
         "--first-steps", metavar="MODEL", help="the first calls of a benchmarks model (one GPU)"
     )
     parser.add_argument("--calls", type=int, default=8, help="calls timed by --first-steps")
+    parser.add_argument(
+        "--profile-first",
+        action="store_true",
+        help="--first-steps: cProfile our first call (and print where)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, nargs=2, default=(19, 38), help=argparse.SUPPRESS)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.child and args.child.startswith("first_steps:"):
-        print(json.dumps(first_steps_child(args.child.split(":", 1)[1], args.calls, args.tiny)))
+        name = args.child.split(":", 1)[1]
+        print(json.dumps(first_steps_child(name, args.calls, args.tiny, args.profile_first)))
         return {}
     if args.first_steps:
-        results = first_steps(args.first_steps, args.calls, args.tiny)
+        results = first_steps(args.first_steps, args.calls, args.tiny, args.profile_first)
+        print(
+            f"plain Diffusers: first {results['plain_first_s']:.3f} s, then {results['plain_warm_s']:.3f} s"
+        )
         for index, step in enumerate(results["calls"], 1):
             print(f"call {index}: {step['s']:.3f} s  {' | '.join(step['served'])}", flush=True)
+        for row in results.get("first_call_profile", {}).get("top", []):
+            print(
+                f"  {row['own_s']:.3f} own  {row['cumulative_s']:.3f} cum  {row['calls']:>6}  {row['function']}"
+            )
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)

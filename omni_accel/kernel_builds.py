@@ -82,6 +82,13 @@ def compiled(key: Hashable, build: Callable[[], None], what: str, wait: float = 
     return key in _READY
 
 
+def join(key: Hashable) -> None:
+    """Waits for the build of ``key`` if it is in flight."""
+    thread = _BUILDING.get(key)
+    if thread is not None:
+        thread.join()
+
+
 def wait(timeout: float | None = None) -> None:
     """Waits for the builds in flight (benchmarks and tests that time the built kernels)."""
     for thread in list(_BUILDING.values()):

@@ -86,7 +86,9 @@ def test_cold_start_first_launch_says_what_it_needs_on_the_cpu():
 def test_cold_start_first_steps_smoke():
     import cold_start
 
-    results = cold_start.main(["--first-steps", "zimage", "--calls", "3", "--tiny"])
+    results = cold_start.main(["--first-steps", "zimage", "--calls", "3", "--tiny", "--profile-first"])
     assert results["model"] == "zimage" and results["plain_warm_s"] > 0
     assert len(results["calls"]) == 3 and all(call["s"] > 0 for call in results["calls"])
     assert any("zimage_block" in line for line in results["calls"][0]["served"])  # what served each call
+    top = results["first_call_profile"]["top"]
+    assert top and all(row["own_s"] <= row["cumulative_s"] for row in top)

@@ -119,7 +119,7 @@ def fake_triton(monkeypatch):
     runtime._async_compile = _ASYNC
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(triton_builds, "_DRIVER", [None])
+    monkeypatch.setattr(triton_builds, "_DRIVER_KEY", ("triton", "driver", object()))  # not set up yet
     monkeypatch.setattr(_KNOBS, "jit_cache_hook", None)
     monkeypatch.setattr(triton_builds, "_WARM_DISK", [False])  # a cold disk cache: no wait
     yield
@@ -129,7 +129,8 @@ def fake_triton(monkeypatch):
 def _op(kernel: _JITFunction, key: str) -> str:
     """An op as ours are written: the kernel, or its reference where the launch was deferred."""
     with triton_builds.first_launches() as launches:
-        kernel[(1,)](key)
+        if not launches.deferred:
+            kernel[(1,)](key)
     return "reference" if launches.deferred else "kernel"
 
 
@@ -152,18 +153,37 @@ def test_a_first_launch_is_served_by_the_reference_while_it_compiles_in_the_back
     ]
 
 
-def test_the_driver_is_set_up_in_the_background_and_a_first_launch_waits_for_the_rest(monkeypatch):
+def test_the_driver_is_set_up_in_the_background_and_the_references_serve_meanwhile(monkeypatch):
+    monkeypatch.setattr(triton_builds.torch.cuda, "is_available", lambda: True)
+    driver = sys.modules["triton.runtime.driver"].driver
+    driver.release.clear()
+    generation = kernel_builds.generation()
+    triton_builds.set_up_in_background()
+    triton_builds.set_up_in_background()  # once per process
+    kernel = _JITFunction("first")
+    kernel.cache.add("a")  # built already: only the driver holds it back
+    assert _op(kernel, "a") == "reference"
+    assert kernel.launched == [] and driver.utils_threads == []  # nothing touched the driver meanwhile
+    assert kernel_builds.in_flight()  # no CUDA graph is captured meanwhile
+    driver.release.set()
+    triton_builds.wait_for_driver()
+    assert kernel_builds.generation() > generation  # cached choices and graph keys resolve anew
+    assert _op(kernel, "a") == "kernel"
+    assert driver.utils_threads == ["omni-build"]  # off the calling thread
+    assert driver.hash_threads == ["omni-build"]  # its ptxas probes too
+
+
+def test_under_a_parallel_layout_a_launch_waits_for_the_driver(monkeypatch):
     monkeypatch.setattr(triton_builds.torch.cuda, "is_available", lambda: True)
     driver = sys.modules["triton.runtime.driver"].driver
     driver.release.clear()
     triton_builds.set_up_in_background()
-    triton_builds.set_up_in_background()  # once per process
+    monkeypatch.setattr(kernel_builds, "parallel", lambda: True)  # ranks launch alike
     threading.Timer(0.2, driver.release.set).start()
-    kernel = _JITFunction("first")
+    kernel = _JITFunction("rank_after_driver")
     kernel.cache.add("a")
     assert _op(kernel, "a") == "kernel"
-    assert driver.utils_threads == ["omni-triton-driver"]  # done before the launch
-    assert driver.hash_threads == ["omni-triton-driver"]  # its ptxas probes too, off the calling thread
+    assert driver.utils_threads == ["omni-build"]  # done before the launch
 
 
 def test_a_compile_found_on_disk_is_waited_for(monkeypatch):

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils.triton_builds import wait_for_driver
+
 
 @triton.jit
 def _merge_kernel(
@@ -47,6 +49,7 @@ def merge_attention(
     merged = torch.empty((batch, seq, heads, head_dim), dtype=out_dtype, device=out.device)
     total = torch.empty((batch, heads, seq), dtype=torch.float32, device=out.device)
     if merged.numel():
+        wait_for_driver()
         block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
         _merge_kernel[(batch * seq,)](
             out, lse, block_out, block_lse, merged, total, seq, heads,

@@ -199,9 +199,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, s = _outputs(rows, dim, x.device)
     if rows and dim:
         with first_launches() as launches:
-            _quantize_rows_kernel[(rows,)](
-                x, q, s, dim, x.stride(0), BLOCK=min(_TILE, triton.next_power_of_2(dim))
-            )
+            if not launches.deferred:
+                _quantize_rows_kernel[(rows,)](
+                    x, q, s, dim, x.stride(0), BLOCK=min(_TILE, triton.next_power_of_2(dim))
+                )
         if launches.deferred:
             return quantize_rows_reference(x)
     return q, s
@@ -222,10 +223,11 @@ def norm_modulate_fp8(
     q, s = _outputs(batch * seq, dim, x.device)
     if batch * seq:
         with first_launches() as launches:
-            _norm_modulate_fp8_kernel[(batch * seq,)](
-                x, shift, scale, q, s, seq, dim, x.stride(0), x.stride(1), shift.stride(0), scale.stride(0),
-                eps, BLOCK=triton.next_power_of_2(dim), DTYPE=_TRITON_DTYPES[x.dtype],
-            )  # fmt: skip
+            if not launches.deferred:
+                _norm_modulate_fp8_kernel[(batch * seq,)](
+                    x, shift, scale, q, s, seq, dim, x.stride(0), x.stride(1), shift.stride(0),
+                    scale.stride(0), eps, BLOCK=triton.next_power_of_2(dim), DTYPE=_TRITON_DTYPES[x.dtype],
+                )  # fmt: skip
         if launches.deferred:
             return quantize_rows_reference(fused.norm_modulate(x, shift, scale, eps).reshape(-1, dim))
     return q, s
@@ -251,7 +253,9 @@ def concat_gelu_fp8(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
             q, s = quantize_rows(a.reshape(batch * seq, dim_a))
     else:
         with first_launches() as launches:
-            if tile_a + sum(tiles_b) <= _HELD:
+            if launches.deferred:
+                pass
+            elif tile_a + sum(tiles_b) <= _HELD:
                 _concat_gelu_fp8_held_kernel[(batch * seq,)](
                     a, b, q, s, dim_a, dim_b, a.stride(1), b.stride(1), tile_a, *tiles_b, DTYPE=dtype,
                     num_warps=8,

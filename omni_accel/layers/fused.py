@@ -144,7 +144,8 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return concat_gelu(x[..., :0], x)
     if _gelu_kernel_serves(x, out) and not torch.compiler.is_dynamo_compiling():
         with first_launches() as launches:
-            fused_kernels.concat_gelu_into(x[..., :0], x, out)
+            if not launches.deferred:
+                fused_kernels.concat_gelu_into(x[..., :0], x, out)
         if not launches.deferred:
             return out
     return out.copy_(F.gelu(x, approximate="tanh"))

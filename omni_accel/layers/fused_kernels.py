@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..parallel.placement import HeadPieces
-from ..utils.triton_builds import first_launches
+from ..utils.triton_builds import first_launches, wait_for_driver
 from . import fused
 
 # Diffusers' GELU(tanh) constants as PyTorch's CUDA kernel has them, rounded to float32.
@@ -209,7 +209,8 @@ def _scattered(TABLE, which, h, heads, b, token, ALIGN: tl.constexpr):
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     with first_launches() as launches:
-        norm_modulate_into(x, shift, scale, eps, [out])
+        if not launches.deferred:
+            norm_modulate_into(x, shift, scale, eps, [out])
     return fused.norm_modulate_reference(x, shift, scale, eps) if launches.deferred else out
 
 
@@ -221,6 +222,7 @@ def norm_modulate_into(
     batch, seq, dim = x.shape
     if not batch * seq:
         return
+    wait_for_driver()
     stride_ob = outs[0].stride(0)
     if any(
         out.shape != x.shape or out.stride()[1:] != (dim, 1) or out.stride(0) != stride_ob for out in outs
@@ -251,9 +253,10 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
     if numel:
         block = 1024
         with first_launches() as launches:
-            _gated_residual_kernel[(triton.cdiv(numel, block),)](
-                x, gate, y, out, x.shape[1], x.shape[2], gate.stride(0), numel, BLOCK=block
-            )
+            if not launches.deferred:
+                _gated_residual_kernel[(triton.cdiv(numel, block),)](
+                    x, gate, y, out, x.shape[1], x.shape[2], gate.stride(0), numel, BLOCK=block
+                )
         if launches.deferred:
             return fused.gated_residual_reference(x, gate, y)
     return out
@@ -269,7 +272,8 @@ def concat_gelu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Rows evenly spaced across samples (contiguous, or columns of a packed projection)."""
     out = torch.empty((*b.shape[:2], a.shape[2] + b.shape[2]), dtype=b.dtype, device=b.device)
     with first_launches() as launches:
-        concat_gelu_into(a, b, out)
+        if not launches.deferred:
+            concat_gelu_into(a, b, out)
     return fused.concat_gelu_reference(a, b) if launches.deferred else out
 
 
@@ -279,6 +283,7 @@ def concat_gelu_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Non
     batch, seq, dim_a = a.shape
     dim_b = b.shape[2]
     if out.numel():
+        wait_for_driver()
         block = 1024
         _concat_gelu_kernel[(batch * seq, triton.cdiv(dim_a + dim_b, block))](
             a, b, out, dim_a, dim_b, a.stride(1), b.stride(1), out.stride(1), BLOCK=block
@@ -316,7 +321,8 @@ def qkv_norm_rope(
     outs = [first.new_empty(batch, total, heads, head_dim) for _ in range(3 if vs else 2)]
     args = (qs, ks, vs, q_weights, k_weights, head_dim, eps, cos, sin, across_heads)
     with first_launches() as launches:
-        qkv_norm_rope_into(*args, [((0, out),) for out in outs])
+        if not launches.deferred:
+            qkv_norm_rope_into(*args, [((0, out),) for out in outs])
     if launches.deferred:  # a segment's launch, or more: the whole from the reference
         return fused.qkv_norm_rope_reference(
             qs, ks, vs, q_weights, k_weights, head_dim, eps, (cos, sin), across_heads
@@ -341,6 +347,7 @@ def qkv_norm_rope_into(
     pieces covering the heads (``parallel.placement``), each destination ``[B, S, heads, D]`` (maybe a
     peer's memory). One piece per tensor with each sample's tokens contiguous, k and v alike, is written
     with plain strides; any other layout through a table of where each head goes."""
+    wait_for_driver()
     first = qs[0]
     batch, heads = first.shape[0], first.shape[2] // head_dim
     eps = torch.finfo(first.dtype).eps if eps is None else eps

@@ -70,6 +70,8 @@ def few_rows_linear(
     block_n, block_k, warps = _CONFIGS[weight.element_size()]
     with first_launches() as launches:
         for first in range(0, rows, MAX_ROWS):
+            if launches.deferred:
+                break
             _few_rows_linear_kernel[(triton.cdiv(n, block_n),)](
                 x[first:], weight, scale, bias, y[first:], n, k, x.stride(0), weight.stride(0), y.stride(0),
                 TWO_ROWS=rows - first > 1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=scale is not None,

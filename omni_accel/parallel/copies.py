@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..utils.kernels import HAS_TRITON, INTERPRETED
+from ..utils.triton_builds import wait_for_driver
 
 _KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"  # the interpreter (CPU tests) takes CPU tensors
 _MIN_ROW = 64  # shorter contiguous runs are left to PyTorch
@@ -24,6 +25,7 @@ def copy_rows_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if plan is None:
         return dst.copy_(src)
     sizes, dst_strides, src_strides, length = plan
+    wait_for_driver()
     block = min(triton.next_power_of_2(length), 4096)
     grid = (sizes[0] * sizes[1] * sizes[2], triton.cdiv(length, block))
     _copy_rows_kernel[grid](dst, src, sizes[1], sizes[2], *dst_strides, *src_strides, length, BLOCK=block)

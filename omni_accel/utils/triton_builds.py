@@ -36,26 +36,30 @@ _DISK_WAIT = 0.05  # seconds: a compile served from the disk cache is done well 
 
 
 class FirstLaunches:
-    """What ``first_launches()`` yields: ``deferred`` says whether a launch inside it was skipped."""
+    """What ``first_launches()`` yields: ``deferred`` says whether a launch inside it was skipped. It is
+    True from the start while Triton's driver is still being set up in the background: the op launches
+    nothing then (``if not launches.deferred``), since a launch would set the driver up a second time."""
 
     __slots__ = ("deferred",)
 
-    def __init__(self) -> None:
-        self.deferred = False
+    def __init__(self, deferred: bool = False) -> None:
+        self.deferred = deferred
 
 
 @contextlib.contextmanager
 def first_launches() -> Iterator[FirstLaunches]:
     """Launches inside it whose kernel is not yet built in this process are skipped, their compile started
     in the background; the caller computes the reference where the yielded ``deferred`` is True."""
-    launches = FirstLaunches()
     knobs = _knobs()
     if knobs is None:
-        yield launches
+        yield FirstLaunches()
         return
-    driver = _DRIVER[0]
-    if driver is not None and driver.is_alive():
-        driver.join()  # what is left of it: a launch beside it would compile the same helpers again
+    if driver_setting_up():
+        if not kernel_builds.parallel():
+            yield FirstLaunches(deferred=True)
+            return
+        wait_for_driver()  # ranks launch alike: a rank serving a reference would differ from its replicas
+    launches = FirstLaunches()
     outer = getattr(_LOCAL, "launches", None)
     _LOCAL.launches = launches
     _hold(knobs)
@@ -71,17 +75,27 @@ _HOOK_LOCK = threading.Lock()
 _HOLDERS = [0]  # ops inside ``first_launches`` now, in every thread
 _PREVIOUS: list[Any] = [None]  # the hook ours chains to
 _WARM_DISK = [True]  # every compile waited for so far finished within ``_DISK_WAIT``
-_DRIVER: list[threading.Thread | None] = [None]  # ``set_up_in_background``'s thread
+_DRIVER_KEY = ("triton", "driver")
 
 
 def set_up_in_background() -> None:
-    """Starts Triton's driver set-up in a thread: with a cold disk cache it compiles its C helpers (about a
-    second), which the first launch would otherwise wait for. ``accelerate`` calls it, so that it runs while
-    the first call encodes its prompt; the first launch joins what is left of it."""
-    if _DRIVER[0] is not None or not torch.cuda.is_available() or _knobs() is None:
-        return
-    _DRIVER[0] = threading.Thread(target=_set_up_driver, daemon=True, name="omni-triton-driver")
-    _DRIVER[0].start()
+    """Starts Triton's driver set-up as a background build: with a cold disk cache it compiles its C helpers
+    (about a second), which the first launch would otherwise wait for. ``accelerate`` calls it, so that it
+    runs while the first call encodes its prompt; ops whose launches come meanwhile serve their references,
+    and no CUDA graph is captured until it is done (``kernel_builds.in_flight``)."""
+    if torch.cuda.is_available() and _knobs() is not None:
+        kernel_builds.compiled(_DRIVER_KEY, _set_up_driver, "Triton's driver set-up")
+
+
+def driver_setting_up() -> bool:
+    """Whether ``set_up_in_background``'s build is still at work."""
+    return kernel_builds.state(_DRIVER_KEY) == "building"
+
+
+def wait_for_driver() -> None:
+    """Waits for what is left of the background set-up: for launches that have no reference to serve
+    instead (they would set the driver up a second time beside it)."""
+    kernel_builds.join(_DRIVER_KEY)
 
 
 def _set_up_driver() -> None:
