@@ -50,6 +50,11 @@ def in_flight() -> bool:
     return bool(_BUILDING)
 
 
+def building() -> list[str]:
+    """What is being built now, by name (``describe`` and the cold-start benchmark show it)."""
+    return [thread.name.removeprefix("omni-build: ") for thread in list(_BUILDING.values())]
+
+
 def state(key: Hashable) -> str:
     """``"ready"``, ``"building"``, ``"failed: <why>"`` or ``"not started"``."""
     if key in _READY:
@@ -120,7 +125,7 @@ def _ready(
         if key not in _BUILDING and key not in _READY and key not in _FAILED:
             logger.log(level, notice, what)
             thread = threading.Thread(
-                target=_run, args=(key, build, what, held), daemon=True, name="omni-build"
+                target=_run, args=(key, build, what, held), daemon=True, name=f"omni-build: {what}"
             )
             _BUILDING[key] = thread
             thread.start()

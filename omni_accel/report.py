@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import kernel_builds
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
 from .cuda_graphs import BlockGraphs, StepGraphs, block_graph_stats
@@ -90,6 +91,9 @@ class ComponentReport:
             )
             for reason, count in sorted(stats["eager"].items()):
                 out.append(f"  cuda graphs: {count} calls ran eagerly ({reason})")
+        building = kernel_builds.building()
+        if stats is not None and building:
+            out.append(f"  kernels being built in the background now: {', '.join(sorted(building))}")
         stats = block_graph_stats(self.block_graphs) if self.block_graphs else None
         if stats is not None and _happened(stats):
             out.append(

@@ -93,7 +93,7 @@ def test_what_keys_a_graph():
 
 
 @torch.no_grad()
-def test_calls_a_graph_cannot_serve_run_eagerly_and_are_counted():
+def test_calls_a_graph_cannot_serve_run_eagerly_and_are_counted(monkeypatch):
     plain = random_flux_transformer()
     pipe = omni_accel.accelerate(_bare(random_flux_transformer()), cuda_graphs=True)
     x = flux_inputs(plain)
@@ -105,6 +105,10 @@ def test_calls_a_graph_cannot_serve_run_eagerly_and_are_counted():
     ) in report
     assert "cuda graphs: 0 captured, 0 replays, 0 kept" in report
     assert "cuda graphs: 3 calls ran eagerly (arguments not all on one CUDA device)" in report
+    assert "kernels being built" not in report
+    monkeypatch.setattr(omni_accel.kernel_builds, "building", lambda: ["Triton kernel b", "Triton kernel a"])
+    report = str(omni_accel.describe(pipe))  # what holds a capture off, by name
+    assert "kernels being built in the background now: Triton kernel a, Triton kernel b" in report
     cache = omni_accel.describe(pipe).components[0].cache
     assert cache is not None and cache.hits > 0  # eager calls keep the exact projection cache
 

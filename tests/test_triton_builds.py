@@ -149,7 +149,7 @@ def test_a_first_launch_is_served_by_the_reference_while_it_compiles_in_the_back
     # its launcher (C, compiled on a first launch) was built beside it, into the disk cache, before the
     # kernel entered the JIT's cache (a launch finding it there first would have built the launcher itself)
     assert sys.modules["triton.runtime.driver"].driver.launchers == [
-        ("bf16,3072", "norm_modulate", "omni-build", False)
+        ("bf16,3072", "norm_modulate", "omni-build: Triton kernel norm_modulate", False)
     ]
 
 
@@ -165,12 +165,13 @@ def test_the_driver_is_set_up_in_the_background_and_the_references_serve_meanwhi
     assert _op(kernel, "a") == "reference"
     assert kernel.launched == [] and driver.utils_threads == []  # nothing touched the driver meanwhile
     assert kernel_builds.in_flight()  # no CUDA graph is captured meanwhile
+    assert kernel_builds.building() == ["Triton's driver set-up"]  # what describe says waits
     driver.release.set()
     triton_builds.wait_for_driver()
     assert kernel_builds.generation() > generation  # cached choices and graph keys resolve anew
     assert _op(kernel, "a") == "kernel"
-    assert driver.utils_threads == ["omni-build"]  # off the calling thread
-    assert driver.hash_threads == ["omni-build"]  # its ptxas probes too
+    assert driver.utils_threads == ["omni-build: Triton's driver set-up"]  # off the calling thread
+    assert driver.hash_threads == ["omni-build: Triton's driver set-up"]  # its ptxas probes too
 
 
 def test_under_a_parallel_layout_a_launch_waits_for_the_driver(monkeypatch):
@@ -183,7 +184,7 @@ def test_under_a_parallel_layout_a_launch_waits_for_the_driver(monkeypatch):
     kernel = _JITFunction("rank_after_driver")
     kernel.cache.add("a")
     assert _op(kernel, "a") == "kernel"
-    assert driver.utils_threads == ["omni-build"]  # done before the launch
+    assert driver.utils_threads == ["omni-build: Triton's driver set-up"]  # done before the launch
 
 
 def test_a_compile_found_on_disk_is_waited_for(monkeypatch):
