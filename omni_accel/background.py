@@ -34,7 +34,7 @@ _CAPTURE_WAITS: contextvars.ContextVar[bool] = contextvars.ContextVar(
 @contextlib.contextmanager
 def capture_waits() -> Iterator[None]:
     """Marks an eager step that CUDA graphs will capture once what holds the capture off is over (the step's
-    warm-up, kernels being built, other background work): no compile starts beside it. A compile started
+    warm-up, a provider's kernel build, other background work): no compile starts beside it. A compile started
     there would hold the capture off in turn, so every step until it ended would run eagerly beside it, each
     operator waiting for the GIL (Z-Image 6B on an H100: steps of 0.9-2.5 s against 0.15, eight steps and
     no capture); the compile starts at the first replay instead."""

@@ -205,9 +205,6 @@ class StepGraphs(InstanceForward):
                     return self._eager(
                         "compiled blocks are being built in the background", forward, args, kwargs
                     )
-                if kernel_builds.in_flight():  # a graph now would keep what serves until they are done
-                    with capture_waits():
-                        return self._eager(_BUILDS_BESIDE, forward, args, kwargs)
                 with nothing_beside() as free:
                     if not free:
                         with capture_waits():
@@ -551,7 +548,6 @@ def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
 
 _HOOKED = "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
 _COMPILE_BESIDE = "a background compile or kernel build runs in this process (no capture beside it)"
-_BUILDS_BESIDE = "kernels are being built in the background (the graph waits for them)"
 
 
 def step_key(
@@ -685,7 +681,8 @@ def _layout_hooks_state(module: nn.Module) -> tuple | None:
 def _global_state() -> tuple:
     """The process-wide switches a step's kernels are picked by: autocast, reduced-precision matmuls, which
     SDPA kernels PyTorch may use, determinism, an ``attention_scope``, Diffusers' attention backend and the
-    kernels built so far (``auto`` picks a kernel once its background build is done)."""
+    kernel builds settled so far (what served while builds ran is replaced once they are all done:
+    ``kernel_builds.settled``)."""
     cuda = torch.backends.cuda
     return (
         torch.is_autocast_enabled("cuda"),
@@ -701,5 +698,5 @@ def _global_state() -> tuple:
         torch.are_deterministic_algorithms_enabled(),
         current_scope(),
         _AttentionBackendRegistry._active_backend,
-        kernel_builds.generation(),
+        kernel_builds.settled(),
     )

@@ -7,10 +7,15 @@ process launches it with a new specialization (0.1-0.5 s each with a cold disk c
 the op's PyTorch reference while ``compiled`` builds it (``utils/triton_builds.py``). Either way a first call
 never waits for a compiler, which would break the rule that it costs at most two warm ones.
 
-Once a build is done, ``generation()`` moves on, which every cached resolution and CUDA graph key reads, so
-the calls after it resolve (and capture) anew with the built kernel; no graph is captured while a build is in
-flight (``in_flight``). A step during which a build finishes runs both kernels; each computes the same
-function, so it agrees with either to rounding, not bitwise.
+Once a build is done, ``generation()`` moves on, which every cached resolution reads, so the calls after it
+resolve anew with the built kernel. CUDA graphs key on ``settled()`` instead, which moves on when the last
+build in flight is done: a step captured while builds run keeps what served meanwhile until then, and is
+captured anew once, with every kernel built, rather than once per build (a fresh machine's first Z-Image
+steps met a dozen Triton builds finishing one after another over several seconds). A kernel built between
+a step's warm-up and its capture is first launched inside the capture, which loads its module there (CUDA
+12.3+ drivers allow it; an older one fails the capture and the step runs eagerly until the builds settle). A
+step during which a build finishes runs both kernels; each computes the same function, so it agrees with
+either to rounding, not bitwise.
 
 Under a parallel layout (a process group of more than one rank) the caller builds instead and waits: every
 rank must pick the same kernel at the same call, or ranks that compute the same tokens (the tokens a layout
@@ -38,6 +43,7 @@ _READY: set[Hashable] = set()
 _FAILED: dict[Hashable, str] = {}
 _BUILDING: dict[Hashable, threading.Thread] = {}
 _GENERATION = [0]
+_SETTLED = [0]
 
 
 def generation() -> int:
@@ -45,8 +51,13 @@ def generation() -> int:
     return _GENERATION[0]
 
 
+def settled() -> int:
+    """How many times every build in flight has been done: what a CUDA graph's key reads (module docstring)."""
+    return _SETTLED[0]
+
+
 def in_flight() -> bool:
-    """Whether a build runs now (a graph captured now would keep the calls it serves meanwhile)."""
+    """Whether a build runs now (a graph captured now keeps what serves meanwhile until they settle)."""
     return bool(_BUILDING)
 
 
@@ -150,3 +161,5 @@ def _run(
         with _LOCK:
             _BUILDING.pop(key, None)
             _GENERATION[0] += 1
+            if not _BUILDING:
+                _SETTLED[0] += 1

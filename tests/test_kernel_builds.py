@@ -3,7 +3,9 @@ and ``auto`` switches to them once built; where FlashInfer goes first. CPU: the 
 and FlashInfer's build is replaced by one the test controls (tests/test_gpu_providers.py builds the real
 one on a GPU)."""
 
+import contextlib
 import threading
+import types
 import uuid
 
 import pytest
@@ -79,3 +81,40 @@ def test_under_a_parallel_layout_the_caller_builds_and_waits(monkeypatch):
     with background.LOCK:  # as a CUDA graph capture holds it: the caller's build must not wait for it
         assert kernel_builds.ready(key, lambda: built.append(threading.current_thread()), "a rank's kernel")
     assert built == [threading.current_thread()] and kernel_builds.state(key) == "ready"
+
+
+@torch.no_grad()
+def test_a_step_is_captured_while_builds_run_and_once_more_when_they_are_all_done(monkeypatch):
+    """A graph captured while kernels build keeps what served meanwhile until the last build is done (not one
+    capture per build): the graphs' host side on the CPU, the capture and replay replaced by stand-ins."""
+    kernel_builds.wait(30)
+    assert not kernel_builds.in_flight()
+    monkeypatch.setattr(cuda_graphs, "_eager_reason", lambda module, leaves: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    captured = []
+
+    def capture(self, key, forward, leaves, spec):
+        captured.append(kernel_builds.building())
+        graph = self.graphs[key] = types.SimpleNamespace(key=key, may_replay_early=False)
+        return graph
+
+    monkeypatch.setattr(cuda_graphs.StepGraphs, "_capture", capture)
+    monkeypatch.setattr(cuda_graphs.StepGraphs, "_replay", lambda self, graph, leaves: "replayed")
+    module = torch.nn.Linear(4, 4)
+    cuda_graphs.StepGraphs(module).install()
+    x = torch.randn(2, 4)
+    releases = {uuid.uuid4().hex: threading.Event() for _ in range(2)}
+    for index, (key, release) in enumerate(releases.items()):
+        kernel_builds.compiled(key, lambda release=release: release.wait(30), f"kernel {index}")
+    assert isinstance(module(x), torch.Tensor)  # a new key runs eagerly once
+    assert module(x) == "replayed"  # then is captured, the builds still running
+    assert captured == [["kernel 0", "kernel 1"]]
+    first, second = releases
+    releases[first].set()
+    kernel_builds.join(first)
+    assert module(x) == "replayed" and len(captured) == 1  # one build done, the other still running
+    releases[second].set()
+    kernel_builds.wait(10)
+    assert isinstance(module(x), torch.Tensor)  # all done: the step runs once more with the built kernels
+    assert module(x) == "replayed" and captured[1:] == [[]]  # and is captured anew
+    assert module(x) == "replayed" and len(captured) == 2

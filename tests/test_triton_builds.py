@@ -164,11 +164,12 @@ def test_the_driver_is_set_up_in_the_background_and_the_references_serve_meanwhi
     kernel.cache.add("a")  # built already: only the driver holds it back
     assert _op(kernel, "a") == "reference"
     assert kernel.launched == [] and driver.utils_threads == []  # nothing touched the driver meanwhile
-    assert kernel_builds.in_flight()  # no CUDA graph is captured meanwhile
+    settled = kernel_builds.settled()  # a CUDA graph captured meanwhile is captured anew after it
     assert kernel_builds.building() == ["Triton's driver set-up"]  # what describe says waits
     driver.release.set()
     triton_builds.wait_for_driver()
-    assert kernel_builds.generation() > generation  # cached choices and graph keys resolve anew
+    assert kernel_builds.generation() > generation  # cached choices resolve anew
+    assert kernel_builds.settled() > settled  # and graph keys
     assert _op(kernel, "a") == "kernel"
     assert driver.utils_threads == ["omni-build: Triton's driver set-up"]  # off the calling thread
     assert driver.hash_threads == ["omni-build: Triton's driver set-up"]  # its ptxas probes too

@@ -82,7 +82,7 @@ def set_up_in_background() -> None:
     """Starts Triton's driver set-up as a background build: with a cold disk cache it compiles its C helpers
     (about a second), which the first launch would otherwise wait for. ``accelerate`` calls it, so that it
     runs while the first call encodes its prompt; ops whose launches come meanwhile serve their references,
-    and no CUDA graph is captured until it is done (``kernel_builds.in_flight``)."""
+    and a CUDA graph captured meanwhile is captured anew once it is done (``kernel_builds.settled``)."""
     if torch.cuda.is_available() and _knobs() is not None:
         kernel_builds.compiled(_DRIVER_KEY, _set_up_driver, "Triton's driver set-up")
 
