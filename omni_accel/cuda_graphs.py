@@ -8,7 +8,9 @@ edit is seen by the graph, as it is by eager code); the value of every other att
 (adapter state, an IP-adapter processor's scale, training flags, a processor's backend...); and the global
 switches that pick kernels (autocast, reduced-precision matmuls, SDPA kernels, an ``attention_scope``,
 Diffusers' attention backend). The key fails closed: an argument or attribute whose value it cannot name
-makes the call run eagerly. A new key runs eagerly once (lazy initialisation, compilation and weight
+makes the call run eagerly. Kernels built in the background since a capture (``kernel_builds``) are not in
+the key: that graph computes the same function with what served while they were built, so it serves on
+while no capture may run (a compile beside it) and is captured anew at the first call where one may. A new key runs eagerly once (lazy initialisation, compilation and weight
 packing happen there), is captured on its next call and replayed after that. Calls a graph cannot serve
 exactly run eagerly and are counted by reason: hooks that decide per call (step caches, offload),
 autograd, tensors off the GPU, capture errors.
@@ -56,7 +58,7 @@ from omni_accel.patches.hooks_around_native_math import (
     record,
 )
 
-from . import kernel_builds
+from . import background, kernel_builds
 from .attention.selection import current_scope
 from .background import capture_waits, nothing_beside
 from .capture_constants import REFUSED_COPY, CaptureConstants
@@ -107,6 +109,7 @@ class _Graph:
     reads: tuple = ()
     may_replay_early: bool = False
     constants: tuple = ()  # the pinned host tensors its copies read (``capture_constants``)
+    settled: int = 0  # ``kernel_builds.settled()`` when it was captured: kernels built since are not in it
 
     def in_place(self) -> bool:
         """Every tensor the graph was keyed on is alive at its address: a replay reads valid memory."""
@@ -189,17 +192,20 @@ class StepGraphs(InstanceForward):
                 return self._eager(_HOOKED, forward, args, kwargs)
         with self._lock, torch.cuda.device(device):  # capture and replay on the arguments' GPU
             graph = self.graphs.get(key)
+            settled = kernel_builds.settled()
+            if graph is not None and graph.settled != settled and self._may_capture():
+                graph = None  # kernels were built since its capture: captured anew (it serves meanwhile)
             if graph is None:
-                if key in self.uncapturable:
-                    return self._eager(self.uncapturable[key], forward, args, kwargs)
-                if key not in self.warmed:
+                if (key, settled) in self.uncapturable:
+                    return self._eager(self.uncapturable[key, settled], forward, args, kwargs)
+                if (key, settled) not in self.warmed:  # each kernel built so far launched before a capture
                     with capture_waits():
                         out = forward(*args, **kwargs)
                     if len(self.warmed) >= 64:
                         self.warmed.clear()
                     with contextlib.suppress(Unkeyable):  # the key as the call left it (weights packed...)
                         left = self._state()
-                        self.warmed.add(None if left is None else (call, left))
+                        self.warmed.add((None if left is None else (call, left), settled))
                     return out
                 if self.hooks is not None and not self.hooks.may_capture():
                     return self._eager(
@@ -209,7 +215,7 @@ class StepGraphs(InstanceForward):
                     if not free:
                         with capture_waits():
                             return self._eager(_COMPILE_BESIDE, forward, args, kwargs)
-                    graph = self._capture(key, forward, leaves, spec)
+                    graph = self._capture(key, forward, leaves, spec, settled)
                 if graph is None:
                     return forward(*args, **kwargs)
             else:
@@ -219,6 +225,10 @@ class StepGraphs(InstanceForward):
 
     def _begin_step(self) -> Hashable:
         return self.hooks.begin_step() if self.hooks is not None else None
+
+    def _may_capture(self) -> bool:
+        """Whether a capture may run now: no compile or kernel build that plans on the GPU runs beside it."""
+        return (self.hooks is None or self.hooks.may_capture()) and not background.LOCK.locked()
 
     def _step_forward(self) -> Callable[..., Any]:
         """What a call runs, eagerly or captured: the module's forward."""
@@ -236,7 +246,9 @@ class StepGraphs(InstanceForward):
         alive at its address (the replay reads valid memory) and no layout hook was keyed (every rank of a
         layout must launch the same collectives)."""
         graph = self.latest.get(call)
-        if graph is None or not graph.may_replay_early or not graph.in_place():
+        if graph is None or not graph.may_replay_early or graph.settled != kernel_builds.settled():
+            return None  # a graph older than the latest kernel builds may be replaced: the full path decides
+        if not graph.in_place():
             return None
         with self._lock, torch.cuda.device(device):
             if self.graphs.get(graph.key) is not graph:  # evicted or released since
@@ -250,7 +262,7 @@ class StepGraphs(InstanceForward):
             logger.info("CUDA graphs: a call runs eagerly: %s (counted in describe)", reason)
         return forward(*args, **kwargs)
 
-    def _capture(self, key: tuple, forward, leaves: list[Any], spec) -> _Graph | None:
+    def _capture(self, key: tuple, forward, leaves: list[Any], spec, settled: int) -> _Graph | None:
         inputs = static_inputs(leaves, [graph.inputs for graph in self.graphs.values()])
         args, kwargs = pytree.tree_unflatten(inputs, spec)
         constants = None
@@ -263,11 +275,11 @@ class StepGraphs(InstanceForward):
                 constants = CaptureConstants()
                 graph, output = self._record(forward, args, kwargs, constants)
         except Exception as exc:  # e.g. a host synchronisation inside the forward
-            self.uncapturable[key] = f"the step failed to capture: {_first_line(exc)}"
+            self.uncapturable[key, settled] = f"the step failed to capture: {_first_line(exc)}"
             logger.warning("CUDA graphs: this step cannot be captured, it runs eagerly: %s", exc)
             return None
         if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(output)):
-            self.uncapturable[key] = "the forward returned no tensor a replay could copy out"
+            self.uncapturable[key, settled] = "the forward returned no tensor a replay could copy out"
             logger.warning("CUDA graphs: the forward returned no tensor we can copy out; it runs eagerly")
             return None
         self.pool = graph.pool()
@@ -277,7 +289,8 @@ class StepGraphs(InstanceForward):
             if self._state(seen) is not None:
                 reads = tuple((weakref.ref(t), t.data_ptr()) for t in seen.tensors)
         pinned = tuple(constants.pinned) if constants is not None else ()
-        captured = self.graphs[key] = _Graph(graph, inputs, output, key, reads, not seen.layouts, pinned)
+        captured = _Graph(graph, inputs, output, key, reads, not seen.layouts, pinned, settled)
+        self.graphs[key] = captured  # in place of one captured before kernels built since
         while len(self.graphs) > self.max_graphs:
             _, evicted = self.graphs.popitem(last=False)
             self.latest = {call: kept for call, kept in self.latest.items() if kept is not evicted}
@@ -680,9 +693,10 @@ def _layout_hooks_state(module: nn.Module) -> tuple | None:
 
 def _global_state() -> tuple:
     """The process-wide switches a step's kernels are picked by: autocast, reduced-precision matmuls, which
-    SDPA kernels PyTorch may use, determinism, an ``attention_scope``, Diffusers' attention backend and the
-    kernel builds settled so far (what served while builds ran is replaced once they are all done:
-    ``kernel_builds.settled``)."""
+    SDPA kernels PyTorch may use, determinism, an ``attention_scope`` and Diffusers' attention backend. Kernels
+    built since a capture are not part of the key: its graph computes the same function with what served
+    while they were built, and is captured anew at the first call where a capture may run
+    (``kernel_builds.settled``)."""
     cuda = torch.backends.cuda
     return (
         torch.is_autocast_enabled("cuda"),
@@ -698,5 +712,4 @@ def _global_state() -> tuple:
         torch.are_deterministic_algorithms_enabled(),
         current_scope(),
         _AttentionBackendRegistry._active_backend,
-        kernel_builds.settled(),
     )

@@ -53,11 +53,11 @@ def test_the_next_provider_serves_until_the_background_build_is_done(flashinfer)
     first = selector.resolve("self", "self", request)
     assert first.name == "sdpa_cudnn" and "flashinfer waits for its kernel" in first.reason
     assert selector.resolve("self", "self", request) is first  # cached while the build runs
-    state_before = cuda_graphs._global_state()
+    settled = kernel_builds.settled()
     flashinfer.set()
     kernel_builds.wait(10)
     assert kernel_builds.generation() > before
-    assert cuda_graphs._global_state() != state_before  # replays are captured anew with the built kernel
+    assert kernel_builds.settled() > settled  # replays are captured anew with the built kernel
     assert selector.resolve("self", "self", request).name == "flashinfer"
     assert resolve(AttentionConfig(), "self", "self", request).name == "flashinfer"
 
@@ -86,16 +86,17 @@ def test_under_a_parallel_layout_the_caller_builds_and_waits(monkeypatch):
 @torch.no_grad()
 def test_a_step_is_captured_while_builds_run_and_once_more_when_they_are_all_done(monkeypatch):
     """A graph captured while kernels build keeps what served meanwhile until the last build is done (not one
-    capture per build): the graphs' host side on the CPU, the capture and replay replaced by stand-ins."""
+    capture per build), and after that until a capture may run: the graphs' host side on the CPU, the
+    capture and replay replaced by stand-ins."""
     kernel_builds.wait(30)
     assert not kernel_builds.in_flight()
     monkeypatch.setattr(cuda_graphs, "_eager_reason", lambda module, leaves: None)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     captured = []
 
-    def capture(self, key, forward, leaves, spec):
+    def capture(self, key, forward, leaves, spec, settled):
         captured.append(kernel_builds.building())
-        graph = self.graphs[key] = types.SimpleNamespace(key=key, may_replay_early=False)
+        graph = self.graphs[key] = types.SimpleNamespace(key=key, may_replay_early=False, settled=settled)
         return graph
 
     monkeypatch.setattr(cuda_graphs.StepGraphs, "_capture", capture)
@@ -115,6 +116,8 @@ def test_a_step_is_captured_while_builds_run_and_once_more_when_they_are_all_don
     assert module(x) == "replayed" and len(captured) == 1  # one build done, the other still running
     releases[second].set()
     kernel_builds.wait(10)
-    assert isinstance(module(x), torch.Tensor)  # all done: the step runs once more with the built kernels
+    with background.LOCK:  # a compile runs: no capture may, and the graph serves on
+        assert module(x) == "replayed" and module(x) == "replayed" and len(captured) == 1
+    assert isinstance(module(x), torch.Tensor)  # then the step runs once more with the built kernels
     assert module(x) == "replayed" and captured[1:] == [[]]  # and is captured anew
     assert module(x) == "replayed" and len(captured) == 2
