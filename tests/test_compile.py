@@ -276,6 +276,31 @@ def test_no_compile_starts_in_a_step_a_capture_waits_to_follow():
     assert compiler.begin_step() == 1 and compiler.calls() == {"f": (3, 0), "g": (3, 0)}
 
 
+def test_every_input_shape_the_eager_steps_met_compiles_in_the_background():
+    """A block function called with several shapes in a step (Z-Image's refiners and main layers) has each
+    compiled by the worker before the switch, none left to compile in the call that meets it after."""
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    compiled_in = []
+
+    def backend(gm, example_inputs):
+        compiled_in.append(threading.current_thread().name)
+        return gm.forward
+
+    compiler = BlockCompiler({"backend": backend})
+    blocks = {"a": torch.randn(4), "b": torch.randn(6), "c": torch.randn(2, 3), "d": torch.randn(6)}
+    for _ in range(2):  # the compile starts at the second step, with every shape of the first
+        for block, x in blocks.items():
+            compiler.math(f, block)(x)
+    compiler.wait()
+    assert compiler.begin_step() == 1
+    for block, x in blocks.items():
+        assert torch.equal(compiler.math(f, block)(x), f(x))
+    assert compiler.calls() == {"f": (8, 4)}
+    assert compiled_in == ["omni_accel-compile-f"] * 3  # one per shape, none in the calling thread
+
+
 def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():
     from omni_accel.models.compiler import BlockCompiler
 

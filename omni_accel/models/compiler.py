@@ -3,8 +3,11 @@
 A compiled first call traces and compiles each block function, and the first image waits for it: seconds
 of host work even with a warm on-disk cache (docs/archive/performance-history.md). In the background mode (``compile_in_background=True``, on
 one device) the first steps run the eager math, the same fused kernels, and a worker thread compiles each
-block function by calling it once with its first call's arguments (on the caller's stream, the result
-thrown away; block math never writes to its inputs). The compile starts after the first step (whose
+block function by calling it once with the arguments of each input shape the eager steps met, up to
+``_SHAPES_COMPILED_AHEAD`` (on the caller's stream, the results thrown away; block math never writes to its
+inputs): a model whose blocks of one class see several shapes in a step (Z-Image's refiners and main layers)
+then has them all compiled before the switch, where the first shape alone left the others to compile in
+the call that met them after it (2.4 s of a fresh machine's Z-Image step on an H100). The compile starts after the first step (whose
 one-time work it slowed 3-4x when beside it), and with CUDA graphs only once a step has been captured, so
 that it runs beside replays: eager steps beside it ran 5-10x slower, since each operator waits for the GIL.
 A capture never runs beside it (the worker's run of the compiled code then fails with "operation not
@@ -12,7 +15,8 @@ permitted when stream is capturing"). The compiled code is switched in at a step
 is in flight, so the blocks of one step run one kind of code. Eager and compiled blocks agree to rounding,
 not bitwise: an image made while the switch happens is as accurate as either, but not bitwise the image of
 a run that switched at another step (``compile_in_background=False`` compiles at the first call, and every
-step runs compiled). Later input shapes recompile at their first call, each into static code of its own
+step runs compiled). Input shapes met after the compile started recompile at their first call, each into
+static code of its own
 (``dynamic=False`` unless the options say otherwise; torch's limit of 8 compiled variants per block
 function then applies, beyond which a block runs its eager math).
 
@@ -34,8 +38,8 @@ import contextlib
 import contextvars
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,7 +58,8 @@ class _Function:
 
     at_first_call: bool = False  # compiled where first called (no background), as torch.compile does
     compiled: Callable | None = None  # in the background made by the worker, off the steps' path
-    queued: tuple | None = None  # a call's arguments, state and context: compiled from the next step on
+    # per input signature, a call's arguments and state, and the first one's context: compiled together
+    queued: dict[Hashable, tuple] = field(default_factory=dict)
     compiling: bool = False
     ready: bool = False  # compiled, switched in at the next step boundary
     active: bool = False  # the blocks call ``compiled``
@@ -105,11 +110,21 @@ class BlockCompiler:
 
         def eager_meanwhile(*args: Any, **kwargs: Any) -> Any:
             function.eager_calls += 1
-            if not (function.queued or function.compiling or function.ready or function.failed):
-                function.queued = (args, kwargs, _CallerState.of((args, kwargs)), contextvars.copy_context())
+            if not (function.compiling or function.ready or function.failed):
+                self._queue(function, args, kwargs)
             return fn(*args, **kwargs)
 
         return eager_meanwhile
+
+    @staticmethod
+    def _queue(function: _Function, args: tuple, kwargs: dict) -> None:
+        """Keeps the arguments of a call whose input signature is new, up to ``_SHAPES_COMPILED_AHEAD``."""
+        if len(function.queued) >= _SHAPES_COMPILED_AHEAD:
+            return
+        signature = _signature(args, kwargs)
+        if signature not in function.queued:
+            state = _CallerState.of((args, kwargs))
+            function.queued[signature] = (args, kwargs, state, contextvars.copy_context())
 
     def begin_step(self) -> int:
         """Switches in the code compiled since the last step once no compile is in flight; returns the
@@ -217,29 +232,28 @@ class BlockCompiler:
 
     def _start_queued(self) -> None:
         with self._lock:  # pipelines may be called from several threads
-            queued = [(fn, f, f.queued) for fn, f in self._functions.items() if f.queued is not None]
+            queued = [(fn, f, list(f.queued.values())) for fn, f in self._functions.items() if f.queued]
             for _, function, _ in queued:
-                function.queued, function.compiling = None, True
-        for fn, function, (args, kwargs, state, context) in queued:
+                function.queued, function.compiling = {}, True
+        for fn, function, calls in queued:
             logger.warning(  # shown by default: says why the first steps are not yet compiled
                 "compiling %s in the background: its calls run eagerly until the code is ready (seconds; "
                 "cached on disk)",
                 fn.__qualname__,
             )
+            context = calls[0][3]  # the first call's: what the compile runs in
             thread = threading.Thread(
                 target=context.run,
-                args=(self._compile, fn, function, args, kwargs, state),
+                args=(self._compile, fn, function, [call[:3] for call in calls]),
                 name=f"omni_accel-compile-{fn.__qualname__}",
             )  # not a daemon: an interpreter exiting mid-compile waits for it instead of aborting
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
 
-    def _compile(
-        self, fn: Callable, function: _Function, args: tuple, kwargs: dict, state: _CallerState
-    ) -> None:
+    def _compile(self, fn: Callable, function: _Function, calls: list[tuple]) -> None:
         start = time.perf_counter()
         try:
-            compiled = self._build(fn, args, kwargs, state, self.options)
+            compiled = self._build(fn, calls, self.options)
         except BaseException as exc:  # raised at the next step boundary, in the caller's thread
             with self._lock:
                 function.error, function.compiling, self._pending = exc, False, True
@@ -253,12 +267,14 @@ class BlockCompiler:
         logger.info("%s compiled in the background; used from the next step", fn.__qualname__)
 
     @staticmethod
-    def _build(fn: Callable, args: tuple, kwargs: dict, state: _CallerState, options: dict) -> Callable:
-        """``torch.compile(fn)``, compiled by calling it once in the caller's state."""
-        with background.LOCK, contextlib.ExitStack() as stack:
-            state.enter(stack)
+    def _build(fn: Callable, calls: list[tuple], options: dict) -> Callable:
+        """``torch.compile(fn)``, compiled by calling it once per ``(args, kwargs, state)`` in that state."""
+        with background.LOCK:
             compiled = torch.compile(fn, **options)
-            compiled(*args, **kwargs)
+            for args, kwargs, state in calls:
+                with contextlib.ExitStack() as stack:
+                    state.enter(stack)
+                    compiled(*args, **kwargs)
         return compiled
 
 
@@ -356,6 +372,29 @@ class _CallerState:
         if self.stream is not None:
             stack.enter_context(torch.cuda.device(self.stream.device))
             stack.enter_context(torch.cuda.stream(self.stream))
+
+
+# Input shapes of one block function compiled before its switch; Dynamo's recompile limit (8 by default,
+# counted over every compile of the block class in the process) keeps room for later resolutions.
+_SHAPES_COMPILED_AHEAD = 4
+
+
+def _signature(args: tuple, kwargs: dict) -> Hashable:
+    """What Dynamo's guards tell calls apart by, as far as a static compile goes: each tensor's shape,
+    strides, dtype, device and grad flag, and the type of every other argument (its value where hashable)."""
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    parts: list[Hashable] = [spec]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                parts.append(type(leaf))
+            else:
+                parts.append((type(leaf), leaf))
+    return tuple(parts)
 
 
 def _reason(error: BaseException) -> str:
