@@ -8,10 +8,11 @@ the op's PyTorch reference while ``compiled`` builds it (``utils/triton_builds.p
 never waits for a compiler, which would break the rule that it costs at most two warm ones.
 
 Once a build is done, ``generation()`` moves on, which every cached resolution reads, so the calls after it
-resolve anew with the built kernel. CUDA graphs key on ``settled()`` instead, which moves on when the last
+resolve anew with the built kernel. CUDA graphs read ``settled()`` instead, which moves on when the last
 build in flight is done: a step captured while builds run keeps what served meanwhile until then, and is
 captured anew once, with every kernel built, rather than once per build (a fresh machine's first Z-Image
-steps met a dozen Triton builds finishing one after another over several seconds). A kernel built between
+steps met a dozen Triton builds finishing one after another over several seconds); until a capture may run
+(none beside a compile) the older graph serves on. A kernel built between
 a step's warm-up and its capture is first launched inside the capture, which loads its module there (CUDA
 12.3+ drivers allow it; an older one fails the capture and the step runs eagerly until the builds settle). A
 step during which a build finishes runs both kernels; each computes the same function, so it agrees with
@@ -52,7 +53,7 @@ def generation() -> int:
 
 
 def settled() -> int:
-    """How many times every build in flight has been done: what a CUDA graph's key reads (module docstring)."""
+    """How many times every build in flight has been done: what a CUDA graph is captured anew after."""
     return _SETTLED[0]
 
 

@@ -1,32 +1,31 @@
 """``compile=True`` for the native blocks' math: compiled at the first call, or beside the running pipeline.
 
-A compiled first call traces and compiles each block function, and the first image waits for it: seconds
-of host work even with a warm on-disk cache (docs/archive/performance-history.md). In the background mode (``compile_in_background=True``, on
-one device) the first steps run the eager math, the same fused kernels, and a worker thread compiles each
-block function by calling it once with the arguments of each input shape the eager steps met, up to
-``_SHAPES_COMPILED_AHEAD`` (on the caller's stream, the results thrown away; block math never writes to its
-inputs): a model whose blocks of one class see several shapes in a step (Z-Image's refiners and main layers)
-then has them all compiled before the switch, where the first shape alone left the others to compile in
-the call that met them after it (2.4 s of a fresh machine's Z-Image step on an H100). The compile starts after the first step (whose
-one-time work it slowed 3-4x when beside it), and with CUDA graphs only once a step has been captured, so
-that it runs beside replays: eager steps beside it ran 5-10x slower, since each operator waits for the GIL.
-A capture never runs beside it (the worker's run of the compiled code then fails with "operation not
-permitted when stream is capturing"). The compiled code is switched in at a step boundary once no compile
-is in flight, so the blocks of one step run one kind of code. Eager and compiled blocks agree to rounding,
-not bitwise: an image made while the switch happens is as accurate as either, but not bitwise the image of
-a run that switched at another step (``compile_in_background=False`` compiles at the first call, and every
-step runs compiled). Input shapes met after the compile started recompile at their first call, each into
-static code of its own
-(``dynamic=False`` unless the options say otherwise; torch's limit of 8 compiled variants per block
-function then applies, beyond which a block runs its eager math).
+A compiled first call traces and compiles each block function, and the first image waits for it: seconds of
+host work even with a warm on-disk cache (docs/archive/performance-history.md). In the background mode
+(``compile_in_background=True``, on one device) the first steps run the eager math, the same fused kernels,
+and a worker thread compiles each block function by calling it once with the arguments of each input shape the
+eager steps met, up to ``_SHAPES_COMPILED_AHEAD`` (on the caller's stream, the results thrown away; block math
+never writes to its inputs): a model whose blocks of one class see several shapes in a step (Z-Image's
+refiners and main layers) then has them all compiled before the switch, where the first shape alone left the
+others to compile in the call that met them after it (2.4 s of a fresh machine's Z-Image step on an H100). The
+compile starts after the first step (whose one-time work it slowed 3-4x when beside it), and with CUDA graphs
+only once a step has been captured, so that it runs beside replays: eager steps beside it ran 5-10x slower,
+since each operator waits for the GIL. A capture never runs beside it (the worker's run of the compiled code
+then fails with "operation not permitted when stream is capturing"). The compiled code is switched in at a
+step boundary once no compile is in flight, so the blocks of one step run one kind of code. Eager and compiled
+blocks agree to rounding, not bitwise: an image made while the switch happens is as accurate as either, but
+not bitwise the image of a run that switched at another step (``compile_in_background=False`` compiles at the
+first call, and every step runs compiled). Input shapes met after the compile started recompile at their first
+call, each into static code of its own (``dynamic=False`` unless the options say otherwise; torch's limit of 8
+compiled variants per block function then applies, beyond which a block runs its eager math).
 
 Not the default: torch.compile saves process-wide state when a compile starts (torch's CPU and CUDA random
 state, the deterministic-algorithms flag, the default dtype, the matmul precision; Python's ``random`` state
 in its frame evaluation) and restores it when it ends, so what another thread set meanwhile is undone: a
 ``torch.manual_seed`` before building a model or before a pipeline call without a generator, a
-``torch.use_deterministic_algorithms`` switch (``tests/test_compile.py`` shows it; pytorch issue 111569 is
-the thread-safety of this state). A GPU run of many pipelines beside background compiles gave wrong images
-that way: models built with a seeded random init got other weights.
+``torch.use_deterministic_algorithms`` switch (``tests/test_compile.py`` shows it; pytorch issue 111569 is the
+thread-safety of this state). A GPU run of many pipelines beside background compiles gave wrong images that
+way: models built with a seeded random init got other weights.
 
 Under a parallel layout the ranks must run the same code at every step, so the compile waits (as in the
 first-call mode) whatever the option says.
@@ -379,21 +378,22 @@ class _CallerState:
 _SHAPES_COMPILED_AHEAD = 4
 
 
+_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
 def _signature(args: tuple, kwargs: dict) -> Hashable:
-    """What Dynamo's guards tell calls apart by, as far as a static compile goes: each tensor's shape,
-    strides, dtype, device and grad flag, and the type of every other argument (its value where hashable)."""
+    """What tells calls apart for a static compile: each tensor's shape, strides, dtype, device and grad
+    flag, each plain value (Dynamo specializes on it), and the type of anything else (an object passed to
+    every block alike, whose identity must not make each block's call look new)."""
     leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     parts: list[Hashable] = [spec]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif isinstance(leaf, _PLAIN_VALUES):
+            parts.append((type(leaf), leaf))
         else:
-            try:
-                hash(leaf)
-            except TypeError:
-                parts.append(type(leaf))
-            else:
-                parts.append((type(leaf), leaf))
+            parts.append(type(leaf))
     return tuple(parts)
 
 
