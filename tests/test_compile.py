@@ -301,6 +301,17 @@ def test_every_input_shape_the_eager_steps_met_compiles_in_the_background():
     assert compiled_in == ["omni_accel-compile-f"] * 3  # one per shape, none in the calling thread
 
 
+def test_a_block_calls_signature_tells_apart_what_a_static_compile_does():
+    from omni_accel.models.compiler import _signature
+
+    x = torch.randn(2, 3)
+    site_a, site_b = object(), object()  # passed to every block alike: their identity is not a new shape
+    assert _signature((x, site_a), {"eps": 1e-6}) == _signature((x.clone(), site_b), {"eps": 1e-6})
+    assert _signature((x,), {"eps": 1e-6}) != _signature((x,), {"eps": 1e-5})  # Dynamo specializes on it
+    assert _signature((x,), {}) != _signature((x.t(),), {})  # strides
+    assert _signature((x,), {}) != _signature((x[:1],), {})
+
+
 def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():
     from omni_accel.models.compiler import BlockCompiler
 
