@@ -301,6 +301,27 @@ def test_every_input_shape_the_eager_steps_met_compiles_in_the_background():
     assert compiled_in == ["omni_accel-compile-f"] * 3  # one per shape, none in the calling thread
 
 
+def test_zimage_blocks_compile_every_shape_in_the_background():
+    """Z-Image runs one block function at three shapes a step (its noise and caption refiners, its main
+    layers): all compile in the worker, none in the step after the switch."""
+    torch._dynamo.reset()
+    compiled_in = []
+
+    def backend(gm, example_inputs):
+        compiled_in.append(threading.current_thread().name)
+        return gm.forward
+
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_zimage_pipeline(seed=0), compile={"backend": backend}, compile_in_background=True
+    )
+    _latents(pipe)
+    compiler = omni_accel.describe(pipe).components[0].runtime.compiler
+    compiler.wait()
+    _latents(pipe)
+    assert compiler.calls()["zimage_block"][1] > 0  # the second image ran the compiled code
+    assert compiled_in == ["omni_accel-compile-zimage_block"] * 3
+
+
 def test_a_block_calls_signature_tells_apart_what_a_static_compile_does():
     from omni_accel.models.compiler import _signature
 
