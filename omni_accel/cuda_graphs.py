@@ -1,26 +1,28 @@
-"""Whole-step CUDA graphs for an accelerated transformer: one graph launch per denoising step instead of one
-launch per kernel, eager or compiled.
+"""Whole-step CUDA graphs for an accelerated transformer: one graph launch per denoising step instead of
+one launch per kernel, eager or compiled.
 
-A graph replays the kernels it recorded, with the pointers and host-side values of that moment. So a graph is
-keyed by everything the host decides a step with: the arguments' structure, shapes, dtypes and non-tensor
-values; each parameter's storage (a reloaded or re-packed weight is a new graph; an in-place edit is seen by
-the graph, as it is by eager code); the value of every other attribute of every module (adapter state, an
-IP-adapter processor's scale, training flags, a processor's backend...); and the global switches that pick
-kernels (autocast, reduced-precision matmuls, SDPA kernels, an ``attention_scope``, Diffusers' attention
-backend). The key fails closed: an argument or attribute whose value it cannot name makes the call run
-eagerly. Kernels built in the background since a capture (``kernel_builds``) are not in the key: that graph
-computes the same function with what served while they were built, so it serves on while no capture may run (a
-compile beside it) and is captured anew at the first call where one may. A new key runs eagerly once (lazy
-initialisation, compilation and weight packing happen there), is captured on its next call and replayed after
-that. Calls a graph cannot serve exactly run eagerly and are counted by reason: hooks that decide per call
-(step caches, offload), autograd, tensors off the GPU, capture errors.
+A graph replays the kernels it recorded, with the pointers and host-side values of that moment. So a graph
+is keyed by everything the host decides a step with: the arguments' structure, shapes, dtypes and
+non-tensor values; each parameter's storage (a reloaded or re-packed weight is a new graph; an in-place
+edit is seen by the graph, as it is by eager code); the value of every other attribute of every module
+(adapter state, an IP-adapter processor's scale, training flags, a processor's backend...); and the global
+switches that pick kernels (autocast, reduced-precision matmuls, SDPA kernels, an ``attention_scope``,
+Diffusers' attention backend). The key fails closed: an argument or attribute whose value it cannot name
+makes the call run eagerly. Kernels built in the background since a capture (``kernel_builds``) are not
+in the key: that graph computes the same function with what served while they were built, so it serves
+on while no capture may run (a compile beside it) and is captured anew at the first call where one may.
+A new key runs eagerly once (lazy initialisation, compilation and weight
+packing happen there), is captured on its next call and replayed after that. Calls a graph cannot serve
+exactly run eagerly and are counted by reason: hooks that decide per call (step caches, offload),
+autograd, tensors off the GPU, capture errors.
 
 Under a parallel layout the step's collectives (NCCL all-reduces, all-to-alls, ring transfers) are captured
-with its kernels. Our layout hooks decide only from shapes, and say what they decided (``replay_key``): which
-slice of each sequence this rank holds is part of the key, since an uneven split can give two sequence lengths
-the same local shape. Every rank sees the same calls with keys that match, so the ranks capture and replay the
-same steps and their collectives stay paired. Outputs are copied out of the graph's memory, so a caller may
-keep them across calls (pipelines hold the conditional result while the unconditional one runs).
+with its kernels. Our layout hooks decide only from shapes, and say what they decided (``replay_key``):
+which slice of each sequence this rank holds is part of the key, since an uneven split can give two
+sequence lengths the same local shape. Every rank sees the same calls with keys that match, so the ranks
+capture and replay the same steps and their collectives stay paired. Outputs are copied out of the graph's
+memory, so a caller may keep them across calls (pipelines hold the conditional result while the
+unconditional one runs).
 
 Reading the module's state is one walk over every module (milliseconds of host time on a large model:
 docs/archive/performance-history.md), which would leave the GPU idle before each replay. So on one GPU the

@@ -1,31 +1,31 @@
 """``compile=True`` for the native blocks' math: compiled at the first call, or beside the running pipeline.
 
-A compiled first call traces and compiles each block function, and the first image waits for it: seconds of
-host work even with a warm on-disk cache (docs/archive/performance-history.md). In the background mode
-(``compile_in_background=True``, on one device) the first steps run the eager math, the same fused kernels,
-and a worker thread compiles each block function by calling it once with the arguments of each input shape the
-eager steps met, up to ``_SHAPES_COMPILED_AHEAD`` (on the caller's stream, the results thrown away; block math
-never writes to its inputs): a model whose blocks of one class see several shapes in a step (Z-Image's
-refiners and main layers) then has them all compiled before the switch, where the first shape alone left the
-others to compile in the call that met them after it (2.4 s of a fresh machine's Z-Image step on an H100). The
-compile starts after the first step (whose one-time work it slowed 3-4x when beside it), and with CUDA graphs
-only once a step has been captured, so that it runs beside replays: eager steps beside it ran 5-10x slower,
-since each operator waits for the GIL. A capture never runs beside it (the worker's run of the compiled code
-then fails with "operation not permitted when stream is capturing"). The compiled code is switched in at a
-step boundary once no compile is in flight, so the blocks of one step run one kind of code. Eager and compiled
-blocks agree to rounding, not bitwise: an image made while the switch happens is as accurate as either, but
-not bitwise the image of a run that switched at another step (``compile_in_background=False`` compiles at the
-first call, and every step runs compiled). Input shapes met after the compile started recompile at their first
-call, each into static code of its own (``dynamic=False`` unless the options say otherwise; torch's limit of 8
-compiled variants per block function then applies, beyond which a block runs its eager math).
+A compiled first call traces and compiles each block function, and the first image waits for it: seconds
+of host work even with a warm on-disk cache (docs/archive/performance-history.md). In the background mode (``compile_in_background=True``, on
+one device) the first steps run the eager math, the same fused kernels, and a worker thread compiles each
+block function by calling it once per input shape the eager steps met, up to ``_SHAPES_COMPILED_AHEAD``
+(on the caller's stream, the results thrown away; block math never writes to its inputs): Z-Image's
+refiners and main layers run one block function at three shapes a step, and with the first shape alone
+compiled the others compiled in the call that met them after the switch (2.4 s of a fresh machine's step
+on an H100). The compile starts after the first step (whose
+one-time work it slowed 3-4x when beside it), and with CUDA graphs only once a step has been captured, so
+that it runs beside replays: eager steps beside it ran 5-10x slower, since each operator waits for the GIL.
+A capture never runs beside it (the worker's run of the compiled code then fails with "operation not
+permitted when stream is capturing"). The compiled code is switched in at a step boundary once no compile
+is in flight, so the blocks of one step run one kind of code. Eager and compiled blocks agree to rounding,
+not bitwise: an image made while the switch happens is as accurate as either, but not bitwise the image of
+a run that switched at another step (``compile_in_background=False`` compiles at the first call, and every
+step runs compiled). Shapes met later recompile at their first call, each into static code of its own
+(``dynamic=False`` unless the options say otherwise; torch's limit of 8 compiled variants per block
+function then applies, beyond which a block runs its eager math).
 
 Not the default: torch.compile saves process-wide state when a compile starts (torch's CPU and CUDA random
 state, the deterministic-algorithms flag, the default dtype, the matmul precision; Python's ``random`` state
 in its frame evaluation) and restores it when it ends, so what another thread set meanwhile is undone: a
 ``torch.manual_seed`` before building a model or before a pipeline call without a generator, a
-``torch.use_deterministic_algorithms`` switch (``tests/test_compile.py`` shows it; pytorch issue 111569 is the
-thread-safety of this state). A GPU run of many pipelines beside background compiles gave wrong images that
-way: models built with a seeded random init got other weights.
+``torch.use_deterministic_algorithms`` switch (``tests/test_compile.py`` shows it; pytorch issue 111569 is
+the thread-safety of this state). A GPU run of many pipelines beside background compiles gave wrong images
+that way: models built with a seeded random init got other weights.
 
 Under a parallel layout the ranks must run the same code at every step, so the compile waits (as in the
 first-call mode) whatever the option says.
@@ -70,6 +70,15 @@ class _Function:
     # perf_counter() when its worker started (it may first wait for another function's compile) and ended
     window: tuple[float, float] | None = None
 
+    def queue(self, args: tuple, kwargs: dict) -> None:
+        """Keeps the arguments of a call whose input signature is new, up to ``_SHAPES_COMPILED_AHEAD``."""
+        if len(self.queued) >= _SHAPES_COMPILED_AHEAD:
+            return
+        signature = _signature(args, kwargs)
+        if signature not in self.queued:
+            state = _CallerState.of((args, kwargs))
+            self.queued[signature] = (args, kwargs, state, contextvars.copy_context())
+
 
 class BlockCompiler:
     """Compiles the block functions of one accelerated transformer (see the module docstring)."""
@@ -110,20 +119,10 @@ class BlockCompiler:
         def eager_meanwhile(*args: Any, **kwargs: Any) -> Any:
             function.eager_calls += 1
             if not (function.compiling or function.ready or function.failed):
-                self._queue(function, args, kwargs)
+                function.queue(args, kwargs)
             return fn(*args, **kwargs)
 
         return eager_meanwhile
-
-    @staticmethod
-    def _queue(function: _Function, args: tuple, kwargs: dict) -> None:
-        """Keeps the arguments of a call whose input signature is new, up to ``_SHAPES_COMPILED_AHEAD``."""
-        if len(function.queued) >= _SHAPES_COMPILED_AHEAD:
-            return
-        signature = _signature(args, kwargs)
-        if signature not in function.queued:
-            state = _CallerState.of((args, kwargs))
-            function.queued[signature] = (args, kwargs, state, contextvars.copy_context())
 
     def begin_step(self) -> int:
         """Switches in the code compiled since the last step once no compile is in flight; returns the
