@@ -593,6 +593,7 @@ class Unkeyable(TypeError):
 
 # Values compared as they are: immutable, with an equality that says what the host decides with.
 _VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+_PLAIN = frozenset(_VALUES) - {enum.Enum}  # most attributes: found by type alone, before any isinstance
 
 
 def _argument(leaf: Any) -> Hashable:
@@ -620,28 +621,71 @@ def _module_state(
     that may decide per call. An attribute whose value cannot be compared raises ``Unkeyable``. ``seen``
     collects what the walk met. ``root_hooks_outside``: the hooks on ``module`` itself wrap the graphs (they
     run around each call, not inside what is captured). ``decided``: modules whose hooks decided before
-    the call (``BlockGraphs._decided_call``), outside what is captured."""
+    the call (``BlockGraphs._decided_call``), outside what is captured.
+
+    It runs before every replay (per block under a step cache), so it is written for host time: no module
+    names are built (``nn.Module.modules`` builds each one's dotted name), and which attributes to read
+    is looked up by the module's attribute names rather than worked out again (``_attributes_read``)."""
     state = []
-    for child in module.modules():
-        if is_hooked(child) and not (root_hooks_outside and child is module) and child not in decided:
+    append = state.append
+    visited = {id(module)}
+    stack = [module]
+    while stack:
+        child = stack.pop()
+        attrs = child.__dict__
+        hooked = _hooks_in(attrs) and is_hooked(child)
+        if hooked and not (root_hooks_outside and child is module) and child not in decided:
             layout = _layout_hooks_state(child)
             if layout is None:
                 return None
-            state.append(layout)
+            append(layout)
             if seen is not None:
                 seen.layouts = True
-        attrs = child.__dict__
-        state.append(id(child))
-        for tensor in (*attrs["_parameters"].values(), *attrs["_buffers"].values()):
-            if tensor is not None:
-                state.append((tensor.data_ptr(), tensor.dtype, tensor.shape))
-                if seen is not None:
-                    seen.tensors.append(tensor)
-        for name in sorted(attrs.keys() - _MODULE_INTERNALS):  # the few attributes besides nn.Module's own
-            if not name.startswith(_OURS):
-                state.append(name)
-                state.append(_value(attrs[name], name, 0, seen))
+        append(id(child))
+        for tensors in (attrs["_parameters"], attrs["_buffers"]):
+            for tensor in tensors.values():
+                if tensor is not None:
+                    append((tensor.data_ptr(), tensor.dtype, tensor.shape))
+                    if seen is not None:
+                        seen.tensors.append(tensor)
+        names = _attributes_read(attrs)
+        if names:
+            append(names)
+            for name in names:
+                value = attrs[name]
+                append(value if type(value) in _PLAIN else _value(value, name, 0, seen))
+        children = [sub for sub in attrs["_modules"].values() if sub is not None and id(sub) not in visited]
+        visited.update(map(id, children))
+        stack.extend(reversed(children))  # depth first, children in order, each module once
     return tuple(state)  # compared whole, not by a hash that could collide
+
+
+def _hooks_in(attrs: dict) -> bool:
+    """Whether a module's attributes hold any hook at all (``is_hooked`` then tells which count)."""
+    return bool(
+        attrs["_forward_hooks"]
+        or attrs["_forward_pre_hooks"]
+        or "_hf_hook" in attrs
+        or "_diffusers_hook" in attrs
+    )
+
+
+def _attributes_read(attrs: dict) -> tuple[str, ...]:
+    """The attributes of a module that its state reads, sorted: those besides nn.Module's bookkeeping and
+    ours, looked up by the module's attribute names (modules of one class share them)."""
+    keys = tuple(attrs)
+    names = _ATTRIBUTES_READ.get(keys)
+    if names is None:
+        if len(_ATTRIBUTES_READ) >= 4096:
+            _ATTRIBUTES_READ.clear()
+        names = tuple(
+            sorted(name for name in keys if name not in _MODULE_INTERNALS and not name.startswith(_OURS))
+        )
+        _ATTRIBUTES_READ[keys] = names
+    return names
+
+
+_ATTRIBUTES_READ: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
 def _value(value: Any, where: str, depth: int = 0, seen: _Seen | None = None) -> Hashable:

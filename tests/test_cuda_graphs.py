@@ -80,6 +80,11 @@ def test_what_keys_a_graph():
     key = differs_after("the processor's class again", lambda: None)
     current = transformer.transformer_blocks[0].attn.processor
     key = differs_after("a processor's backend", lambda: setattr(current, "_attention_backend", "x"))
+    attn = transformer.single_transformer_blocks[-1].attn
+    key = differs_after("a new attribute on a submodule", lambda: setattr(attn, "a_flag", True))
+    key = differs_after("its value", lambda: setattr(attn, "a_flag", False))
+    key = differs_after("a submodule replaced", lambda: setattr(attn, "norm_q", copy.deepcopy(attn.norm_q)))
+    key = differs_after("a submodule shared", lambda: setattr(attn, "norm_k", attn.norm_q))
     current._attention_backend = None
     with omni_accel.attention_scope(default="sdpa"):
         assert _key(transformer, **x) != key, "an attention scope"
