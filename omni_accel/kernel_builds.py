@@ -20,9 +20,10 @@ either to rounding, not bitwise.
 
 Under a parallel layout (a process group of more than one rank) the caller builds instead and waits: every
 rank must pick the same kernel at the same call, or ranks that compute the same tokens (the tokens a layout
-leaves whole) would round differently. A provider's build plans on the GPU, so it holds ``background.LOCK``
-(no CUDA graph captured beside it); a Triton compile runs on the host alone and holds nothing. A failed build
-is logged once and never retried.
+leaves whole) would round differently. A provider's build plans on the GPU, so that part holds
+``background.LOCK`` (no CUDA graph captured beside it); its JIT compile before it (FlashInfer's nvcc run,
+~90 s on a fresh machine) and a Triton compile run on the host alone and hold nothing. A failed build is
+logged once and never retried.
 """
 
 from __future__ import annotations
@@ -76,22 +77,24 @@ def state(key: Hashable) -> str:
     return "building" if key in _BUILDING else "not started"
 
 
-def ready(key: Hashable, build: Callable[[], None], what: str) -> bool:
-    """Whether the provider kernel ``key`` names is built in this process. If not, starts ``build()``
-    (once, in a background thread holding ``background.LOCK``; in the caller under a parallel layout) and
-    says False until it has finished."""
+def ready(key: Hashable, build: Callable[[], None], what: str, jit: Callable[[], None] | None = None) -> bool:
+    """Whether the provider kernel ``key`` names is built in this process. If not, starts the build (once,
+    in a background thread; in the caller under a parallel layout) and says False until it has finished:
+    ``jit()`` first, holding nothing (a JIT compile is host work: CUDA graphs and compiles go on beside
+    it), then ``build()``, which may plan on the GPU, holding ``background.LOCK``."""
     notice = (
         "%s: building it in the background (JIT-compiled on its first use on a machine: about a minute, "
         "cached on disk afterwards); the next provider serves meanwhile"
     )
-    return _ready(key, build, what, background.LOCK, logging.WARNING, notice)
+    steps = (jit, build) if jit is not None else (build,)
+    return _ready(key, steps, what, background.LOCK, logging.WARNING, notice)
 
 
 def compiled(key: Hashable, build: Callable[[], None], what: str, wait: float = 0.0) -> bool:
     """``ready`` for a build that runs on the host alone (a Triton kernel's compile): it holds no lock, and
     the caller waits up to ``wait`` seconds for it (a compile found in the disk cache takes milliseconds)."""
     notice = "%s: compiling it in the background; PyTorch's ops serve meanwhile"
-    if _ready(key, build, what, contextlib.nullcontext(), logging.DEBUG, notice) or not wait:
+    if _ready(key, (build,), what, contextlib.nullcontext(), logging.DEBUG, notice) or not wait:
         return key in _READY
     thread = _BUILDING.get(key)
     if thread is not None:
@@ -120,7 +123,7 @@ def parallel() -> bool:
 
 def _ready(
     key: Hashable,
-    build: Callable[[], None],
+    steps: tuple[Callable[[], None], ...],
     what: str,
     held: contextlib.AbstractContextManager,
     level: int,
@@ -131,13 +134,13 @@ def _ready(
     if key in _FAILED:
         return False
     if parallel():  # nothing runs beside the caller's build: no lock (a capture may hold it)
-        _run(key, build, what, contextlib.nullcontext())
+        _run(key, steps, what, contextlib.nullcontext())
         return key in _READY
     with _LOCK:
         if key not in _BUILDING and key not in _READY and key not in _FAILED:
             logger.log(level, notice, what)
             thread = threading.Thread(
-                target=_run, args=(key, build, what, held), daemon=True, name=f"omni-build: {what}"
+                target=_run, args=(key, steps, what, held), daemon=True, name=f"omni-build: {what}"
             )
             _BUILDING[key] = thread
             thread.start()
@@ -145,9 +148,16 @@ def _ready(
 
 
 def _run(
-    key: Hashable, build: Callable[[], None], what: str, held: contextlib.AbstractContextManager
+    key: Hashable,
+    steps: tuple[Callable[[], None], ...],
+    what: str,
+    held: contextlib.AbstractContextManager,
 ) -> None:
+    """Runs the build's steps: all but the last holding nothing, the last holding ``held``."""
+    *host_work, build = steps
     try:
+        for step in host_work:
+            step()
         with held:
             build()
             if held is background.LOCK and torch.cuda.is_available():

@@ -194,6 +194,9 @@ def test_auto_serves_with_cudnn_while_flashinfers_kernel_builds_then_switches():
     flashinfer = get_provider("flashinfer")
     if flashinfer.unavailable_reason() is not None:
         pytest.skip(flashinfer.unavailable_reason())
+    from flashinfer.prefill import get_batch_prefill_module
+
+    modules_before = get_batch_prefill_module.cache_info()
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 4429, 38, 64, generator=generator, device="cuda", dtype=DTYPE) for _ in "qkv")
     selector = AttentionSelector()
@@ -204,4 +207,6 @@ def test_auto_serves_with_cudnn_while_flashinfers_kernel_builds_then_switches():
     served = {name: reason for _, _, name, reason in selector.decisions()}
     if "sdpa_cudnn" in served:  # unless an earlier test built the kernel in this process (then no wait)
         assert "flashinfer waits for its kernel" in served["sdpa_cudnn"], served
+        # the JIT (holding nothing) built the very module the plan (holding the lock) then found
+        assert get_batch_prefill_module.cache_info().misses == modules_before.misses + 1
     torch.testing.assert_close(later, first, **SAME)

@@ -83,6 +83,34 @@ def test_under_a_parallel_layout_the_caller_builds_and_waits(monkeypatch):
     assert built == [threading.current_thread()] and kernel_builds.state(key) == "ready"
 
 
+def test_a_jit_compile_holds_nothing_and_only_the_plan_after_it_holds_the_lock():
+    """FlashInfer's nvcc run (about 90 s on a fresh machine) must not hold captures and compiles off."""
+    key, seen, jit_may_end = uuid.uuid4().hex, {}, threading.Event()
+
+    def jit() -> None:
+        seen["jit"] = background.LOCK.locked()
+        with background.nothing_beside() as free:  # a capture may run meanwhile
+            seen["capture beside the jit"] = free
+        jit_may_end.wait(30)
+
+    def build() -> None:
+        seen["build"] = background.LOCK.locked()
+
+    assert not kernel_builds.ready(key, build, "a JIT-compiled kernel", jit=jit)
+    assert kernel_builds.state(key) == "building" and "a JIT-compiled kernel" in kernel_builds.building()
+    jit_may_end.set()
+    kernel_builds.wait(10)
+    assert seen == {"jit": False, "capture beside the jit": True, "build": True}
+    assert kernel_builds.state(key) == "ready"
+
+    broken, planned = uuid.uuid4().hex, []  # a failed JIT is a failed build: its plan never runs
+    assert not kernel_builds.ready(
+        broken, lambda: planned.append(1), "a kernel nvcc refuses", jit=lambda: 1 / 0
+    )
+    kernel_builds.wait(10)
+    assert kernel_builds.state(broken) == "failed: ZeroDivisionError: division by zero" and not planned
+
+
 @torch.no_grad()
 def test_a_step_is_captured_while_builds_run_and_once_more_when_they_are_all_done(monkeypatch):
     """A graph captured while kernels build keeps what served meanwhile until the last build is done (not one

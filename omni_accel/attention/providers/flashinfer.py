@@ -85,12 +85,34 @@ def natural_lse(lse_log2: torch.Tensor, batch: int) -> torch.Tensor:
     return lse_log2.view(batch, rows // batch, heads).transpose(1, 2).mul(_LN2).contiguous()
 
 
+def _backend(device: torch.device) -> str:
+    # fa3 is FlashInfer's Hopper kernel; elsewhere FlashInfer knows best (fa2 on Ampere/Ada/Blackwell).
+    return "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "auto"
+
+
 def _new_wrapper(workspace: torch.Tensor, device: torch.device):
     import flashinfer
 
-    # fa3 is FlashInfer's Hopper kernel; elsewhere FlashInfer knows best (fa2 on Ampere/Ada/Blackwell).
-    backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "auto"
-    return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+    return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        workspace, kv_layout="NHD", backend=_backend(device)
+    )
+
+
+def _jit_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """JIT-compiles (or loads from the disk cache) the module ``_build_kernel``'s plan then finds built: the
+    arguments ``plan`` passes FlashInfer's module cache for our calls (no positional encoding, sliding
+    window, soft cap or fp16 reduction; int32 indptr). Host work alone (nvcc, a library load), so it runs
+    holding nothing, and the plan after it takes milliseconds."""
+    from flashinfer.prefill import get_batch_prefill_module
+    from flashinfer.utils import PosEncodingMode, determine_attention_backend
+
+    no_rope = PosEncodingMode.NONE.value
+    backend = _backend(device)
+    if backend == "auto":
+        backend = determine_attention_backend(device, no_rope, False, False, dtype, dtype)
+    get_batch_prefill_module(
+        backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, no_rope, False, False, False
+    )
 
 
 def _build_kernel(
@@ -218,7 +240,12 @@ class FlashInferProvider(AttentionProvider):
         device = torch.device("cuda", torch.cuda.current_device())
         key = ("flashinfer", request.head_dim, request.dtype, torch.cuda.get_device_capability(device))
         what = f"flashinfer's kernel for head size {request.head_dim} in {str(request.dtype).removeprefix('torch.')}"
-        return kernel_builds.ready(key, lambda: _build_kernel(request.head_dim, request.dtype, device), what)
+        return kernel_builds.ready(
+            key,
+            lambda: _build_kernel(request.head_dim, request.dtype, device),
+            what,
+            jit=lambda: _jit_kernel(request.head_dim, request.dtype, device),
+        )
 
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
         if attn_mask is not None:
