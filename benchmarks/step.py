@@ -256,12 +256,16 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
     for variant in [v for v in ms if "+" in v]:  # a step cache against the same model without it
         result["speedup"][f"{variant.split('+')[0]}/{variant}"] = ms[variant.split("+")[0]] / ms[variant]
     result["omni_report"] = str(omni_accel.describe(models["omni"]))
-    if (
-        args.profile and device == "cuda" and not args.no_best
-    ):  # where (b) and ours differ, kernel family by kernel family
-        from harness.profiling import gaps
+    if args.profile and device == "cuda":  # where (b) and ours differ, kernel family by kernel family
+        from harness.profiling import gaps, host_ms
 
-        result["profile"] = {v: gaps(variants[v], steps=2) for v in ("diffusers_best", "omni")}
+        result["profile"] = {}
+        for variant in [v for v in variants if v == "diffusers_best" or v.startswith("omni")]:
+            if variant in before:
+                before[variant]()
+            result["profile"][variant] = gaps(variants[variant], steps=2)
+            # above the GPU's busy time: the step waits for the host
+            result["profile"][variant]["host_ms"] = host_ms(variants[variant], device)
     if args.power and device == "cuda" and not args.no_best:
         result["power"] = [  # interleaved: (b), ours, (b), ours
             {"variant": v, **sustained(variants[v], args.power)}
@@ -326,7 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=3, help="timed calls per variant per round")
     parser.add_argument("--out", help="JSON results path (written after every model)")
     parser.add_argument(
-        "--profile", action="store_true", help="also profile (b) and ours: kernel families, top kernels"
+        "--profile",
+        action="store_true",
+        help="also profile (b) and each variant of ours: kernel families, top kernels, GPU idle, host time",
     )
     parser.add_argument(
         "--power",
