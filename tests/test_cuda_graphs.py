@@ -19,7 +19,7 @@ from diffusers import FirstBlockCacheConfig, FluxPipeline
 
 import omni_accel
 from omni_accel import LayoutTuning, ParallelConfig
-from omni_accel.cuda_graphs import StepGraphs, block_graph_stats, step_key
+from omni_accel.cuda_graphs import StepGraphs, _module_state, _Seen, block_graph_stats, step_key
 from omni_accel.models.tiny_pipelines import tiny_flux_pipeline, tiny_sd3_pipeline
 
 
@@ -95,6 +95,24 @@ def test_what_keys_a_graph():
     key = differs_after("disabled adapters", pipe.disable_lora)
     key = differs_after("enabled adapters", pipe.enable_lora)
     key = differs_after("a fused LoRA", pipe.fuse_lora)
+
+
+def test_the_state_walk_reads_every_module_once_and_every_tensor_of_each():
+    """The walk that keys a graph is written for host time (no ``modules()``): it must still meet every
+    submodule, a shared one once, and key every parameter and buffer of each."""
+    shared = torch.nn.LayerNorm(4)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), shared, torch.nn.ModuleList([shared, None]))
+    model = torch.nn.Sequential(inner, torch.nn.BatchNorm1d(4), shared, torch.nn.Linear(4, 2, bias=False))
+    model.register_module("absent", None)
+    seen = _Seen()
+    state = _module_state(model, seen)
+    expected = [
+        t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
+    ]
+    assert sorted(map(id, seen.tensors)) == sorted(map(id, expected))
+    modules = {id(m) for m in model.modules()}
+    assert sorted(x for x in state if isinstance(x, int) and x in modules) == sorted(modules), "each once"
+    assert _module_state(model) == state
 
 
 @torch.no_grad()
