@@ -110,9 +110,10 @@ def _jit_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> None
     backend = _backend(device)
     if backend == "auto":
         backend = determine_attention_backend(device, no_rope, False, False, dtype, dtype)
-    get_batch_prefill_module(
-        backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, no_rope, False, False, False
-    )
+    with torch.cuda.device(device):  # the JIT targets the current device's architecture
+        get_batch_prefill_module(
+            backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, no_rope, False, False, False
+        )
 
 
 def _build_kernel(
