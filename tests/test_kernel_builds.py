@@ -111,6 +111,19 @@ def test_a_jit_compile_holds_nothing_and_only_the_plan_after_it_holds_the_lock()
     assert kernel_builds.state(broken) == "failed: ZeroDivisionError: division by zero" and not planned
 
 
+def test_flashinfers_ahead_compile_steps_aside_where_its_internals_moved(monkeypatch, caplog):
+    """``_jit_kernel`` calls FlashInfer internals; where they are not what 0.6.1 has (here: no flashinfer
+    at all, as a moved module would look), it says so and leaves the compile to the plan, which always can."""
+    import sys
+
+    from omni_accel.attention.providers import flashinfer
+
+    monkeypatch.setitem(sys.modules, "flashinfer.prefill", None)  # importing it raises ImportError
+    with caplog.at_level("WARNING", logger="omni_accel"):
+        flashinfer._jit_kernel(64, torch.bfloat16, torch.device("cuda", 0))
+    assert "the plan compiles it" in caplog.text and "ModuleNotFoundError" in caplog.text
+
+
 @torch.no_grad()
 def test_a_step_is_captured_while_builds_run_and_once_more_when_they_are_all_done(monkeypatch):
     """A graph captured while kernels build keeps what served meanwhile until the last build is done (not one
