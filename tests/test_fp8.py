@@ -8,6 +8,7 @@ of that oracle, through weight edits, LoRA, fuse/unfuse, deepcopy and restore; a
 from __future__ import annotations
 
 import copy
+import gc
 import types
 
 import pytest
@@ -217,6 +218,38 @@ def test_in_place_requantization_keeps_the_copy_where_it_is():
     assert torch.equal(first.scale, expected.scale) and torch.equal(first.data.float(), expected.data.float())
     store.release()
     assert type(weight) is nn.Parameter
+
+
+def test_refresh_remakes_a_copy_only_after_its_weight_was_written():
+    """``refresh`` runs before every replay and checks every weight at once: nothing is re-made while
+    nothing was written, and every kind of change is still seen (a write, through ``.data`` too, a weight
+    dropped, a copy made after the last check)."""
+    store = fp8.Fp8Weights()
+    a, b = nn.Parameter(torch.randn(32, 64)), nn.Parameter(torch.randn(32, 64))
+    store.of(a, [a])
+    store.of(b, [b])
+    store.refresh()
+    assert store.quantized == 2
+    with torch.no_grad():
+        b.add_(1)
+    store.refresh()
+    store.refresh()
+    assert store.quantized == 3
+    a.data.mul_(2)
+    store.refresh()
+    assert store.quantized == 4
+    del b
+    gc.collect()
+    store.refresh()
+    store.refresh()
+    assert store.copies == 1
+    c = nn.Parameter(torch.randn(32, 64))
+    store.of(c, [c])
+    with torch.no_grad():
+        c.mul_(2)
+    store.refresh()
+    assert store.quantized == 6 and store.copies == 2
+    store.release()
 
 
 def test_lora_runs_beside_the_fp8_gemm_and_fuses_into_it():
