@@ -71,6 +71,7 @@ from .forward_hooks import (
     is_hooked,
 )
 from .utils.logging import get_logger
+from .utils.values import PLAIN_VALUES
 
 logger = get_logger(__name__)
 
@@ -591,15 +592,13 @@ class Unkeyable(TypeError):
     """A call's argument or a module's attribute whose value a key cannot name (fail closed: eager)."""
 
 
-# Values compared as they are: immutable, with an equality that says what the host decides with.
-_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
-_PLAIN = frozenset(_VALUES) - {enum.Enum}  # most attributes: found by type alone, before any isinstance
+_PLAIN = frozenset(PLAIN_VALUES) - {enum.Enum}  # most attributes: found by type alone, before any isinstance
 
 
 def _argument(leaf: Any) -> Hashable:
     if isinstance(leaf, torch.Tensor):
         return (leaf.shape, leaf.dtype, leaf.device)
-    if isinstance(leaf, _VALUES):
+    if isinstance(leaf, PLAIN_VALUES):
         return leaf
     raise Unkeyable(f"an argument of type {type(leaf).__name__}")
 
@@ -633,8 +632,7 @@ def _module_state(
     while stack:
         child = stack.pop()
         attrs = child.__dict__
-        hooked = _hooks_in(attrs) and is_hooked(child)
-        if hooked and not (root_hooks_outside and child is module) and child not in decided:
+        if is_hooked(child) and not (root_hooks_outside and child is module) and child not in decided:
             layout = _layout_hooks_state(child)
             if layout is None:
                 return None
@@ -660,16 +658,6 @@ def _module_state(
     return tuple(state)  # compared whole, not by a hash that could collide
 
 
-def _hooks_in(attrs: dict) -> bool:
-    """Whether a module's attributes hold any hook at all (``is_hooked`` then tells which count)."""
-    return bool(
-        attrs["_forward_hooks"]
-        or attrs["_forward_pre_hooks"]
-        or "_hf_hook" in attrs
-        or "_diffusers_hook" in attrs
-    )
-
-
 def _attributes_read(attrs: dict) -> tuple[str, ...]:
     """The attributes of a module that its state reads, sorted: those besides nn.Module's bookkeeping and
     ours, looked up by the module's attribute names (modules of one class share them)."""
@@ -690,7 +678,7 @@ _ATTRIBUTES_READ: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 def _value(value: Any, where: str, depth: int = 0, seen: _Seen | None = None) -> Hashable:
     """``value`` as something that compares equal exactly when a call would see the same thing."""
-    if isinstance(value, _VALUES):
+    if isinstance(value, PLAIN_VALUES):
         return value
     if isinstance(value, nn.Module | type | types.FunctionType | types.BuiltinFunctionType):
         return id(value)  # a submodule is walked on its own; functions and classes are what they are

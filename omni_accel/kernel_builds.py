@@ -86,15 +86,14 @@ def ready(key: Hashable, build: Callable[[], None], what: str, jit: Callable[[],
         "%s: building it in the background (JIT-compiled on its first use on a machine: about a minute, "
         "cached on disk afterwards); the next provider serves meanwhile"
     )
-    steps = (jit, build) if jit is not None else (build,)
-    return _ready(key, steps, what, background.LOCK, logging.WARNING, notice)
+    return _ready(key, build, what, background.LOCK, logging.WARNING, notice, jit)
 
 
 def compiled(key: Hashable, build: Callable[[], None], what: str, wait: float = 0.0) -> bool:
     """``ready`` for a build that runs on the host alone (a Triton kernel's compile): it holds no lock, and
     the caller waits up to ``wait`` seconds for it (a compile found in the disk cache takes milliseconds)."""
     notice = "%s: compiling it in the background; PyTorch's ops serve meanwhile"
-    if _ready(key, (build,), what, contextlib.nullcontext(), logging.DEBUG, notice) or not wait:
+    if _ready(key, build, what, contextlib.nullcontext(), logging.DEBUG, notice) or not wait:
         return key in _READY
     thread = _BUILDING.get(key)
     if thread is not None:
@@ -123,24 +122,25 @@ def parallel() -> bool:
 
 def _ready(
     key: Hashable,
-    steps: tuple[Callable[[], None], ...],
+    build: Callable[[], None],
     what: str,
     held: contextlib.AbstractContextManager,
     level: int,
     notice: str,
+    jit: Callable[[], None] | None = None,
 ) -> bool:
     if key in _READY:
         return True
     if key in _FAILED:
         return False
     if parallel():  # nothing runs beside the caller's build: no lock (a capture may hold it)
-        _run(key, steps, what, contextlib.nullcontext())
+        _run(key, build, what, contextlib.nullcontext(), jit)
         return key in _READY
     with _LOCK:
         if key not in _BUILDING and key not in _READY and key not in _FAILED:
             logger.log(level, notice, what)
             thread = threading.Thread(
-                target=_run, args=(key, steps, what, held), daemon=True, name=f"omni-build: {what}"
+                target=_run, args=(key, build, what, held, jit), daemon=True, name=f"omni-build: {what}"
             )
             _BUILDING[key] = thread
             thread.start()
@@ -149,15 +149,15 @@ def _ready(
 
 def _run(
     key: Hashable,
-    steps: tuple[Callable[[], None], ...],
+    build: Callable[[], None],
     what: str,
     held: contextlib.AbstractContextManager,
+    jit: Callable[[], None] | None,
 ) -> None:
-    """Runs the build's steps: all but the last holding nothing, the last holding ``held``."""
-    *host_work, build = steps
+    """``jit()`` (if any) holding nothing, then ``build()`` holding ``held``."""
     try:
-        for step in host_work:
-            step()
+        if jit is not None:
+            jit()
         with held:
             build()
             if held is background.LOCK and torch.cuda.is_available():

@@ -46,6 +46,7 @@ import torch
 from .. import background
 from ..capture_constants import outside_capture_constants
 from ..utils.logging import get_logger
+from ..utils.values import PLAIN_VALUES
 from .complex_products import RealComplexProducts
 
 logger = get_logger(__name__)
@@ -377,9 +378,6 @@ class _CallerState:
 _SHAPES_COMPILED_AHEAD = 4
 
 
-_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
 def _signature(args: tuple, kwargs: dict) -> Hashable:
     """What tells calls apart for a static compile: each tensor's shape, strides, dtype, device and grad
     flag, each plain value (Dynamo specializes on it), and the type of anything else (an object passed to
@@ -389,7 +387,7 @@ def _signature(args: tuple, kwargs: dict) -> Hashable:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
-        elif isinstance(leaf, _PLAIN_VALUES):
+        elif isinstance(leaf, PLAIN_VALUES):
             parts.append((type(leaf), leaf))
         else:
             parts.append(type(leaf))
