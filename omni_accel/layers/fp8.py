@@ -165,7 +165,7 @@ class Fp8Weights:
     def __init__(self) -> None:
         self._entries: dict[tuple, _Entry] = {}
         # every entry's sources and their versions in one flat pair of lists (None: to be made again)
-        self._versions: tuple[list[weakref.ref], list[int]] | None = None
+        self._snapshot: tuple[list[weakref.ref], list[int]] | None = None
         self._watcher = Watcher()
         self._lock = threading.Lock()
         self.quantized = 0  # copies made, in place or new
@@ -199,7 +199,7 @@ class Fp8Weights:
                     tuple(s._version for s in sources),
                 )
                 self.quantized += 1
-                self._versions = None
+                self._snapshot = None
             elif entry.versions != tuple(s._version for s in sources):
                 self._requantize(entry, weight)
             return entry.fp8
@@ -210,7 +210,7 @@ class Fp8Weights:
         with self._lock:
             if self._unchanged():
                 return
-            self._versions = None
+            self._snapshot = None
             for key, entry in list(self._entries.items()):
                 sources = [ref() for ref in entry.sources]
                 if any(s is None for s in sources):
@@ -229,7 +229,7 @@ class Fp8Weights:
         """Drops every copy and stops watching the parameters (``restore``)."""
         with self._lock:
             self._entries.clear()
-            self._versions = None
+            self._snapshot = None
             self._watcher.release()
 
     def _requantize(self, entry: _Entry, weight: torch.Tensor) -> None:
@@ -238,17 +238,17 @@ class Fp8Weights:
         entry.fp8.scale.copy_(fresh.scale)
         entry.versions = tuple(ref()._version for ref in entry.sources)
         self.quantized += 1
-        self._versions = None
+        self._snapshot = None
 
     def _unchanged(self) -> bool:
         """Whether every parameter behind a copy is alive at the version its copy was made from. Before each
         CUDA graph replay, on the host (about 900 parameters in FLUX.1-dev): one comprehension over a flat
         list rather than a check per copy."""
-        if self._versions is None:
+        if self._snapshot is None:
             entries = list(self._entries.values())
             refs = [ref for entry in entries for ref in entry.sources]
-            self._versions = (refs, [version for entry in entries for version in entry.versions])
-        refs, versions = self._versions
+            self._snapshot = (refs, [version for entry in entries for version in entry.versions])
+        refs, versions = self._snapshot
         try:
             return [ref()._version for ref in refs] == versions
         except AttributeError:  # a parameter is gone: its reference gives None
