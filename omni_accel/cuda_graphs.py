@@ -131,6 +131,7 @@ class StepGraphs(InstanceForward):
         module: nn.Module,
         max_graphs: int = 4,
         hooks: StepHooks | None = None,
+        memory: GraphMemory | None = None,
     ) -> None:
         super().__init__(module)
         self.hooks = hooks
@@ -138,8 +139,9 @@ class StepGraphs(InstanceForward):
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.warmed: set[tuple] = set()
         self.uncapturable: dict[tuple, str] = {}  # key -> why its capture failed
-        self.pool: Any = None
+        self.memory = GraphMemory() if memory is None else memory
         self.captures = self.replays = self.early_replays = self.early_misses = 0
+        self.inputs_in_place = 0  # arguments a replay read where a graph before wrote them (``GraphMemory``)
         self.latest: dict[tuple, _Graph] = {}  # the graph last replayed per key without the module state
         self.eager: Counter = Counter()
         self._lock = threading.Lock()
@@ -151,7 +153,7 @@ class StepGraphs(InstanceForward):
             self.graphs.clear()
             self.latest.clear()
             self.warmed.clear()
-            self.pool = None
+            self.memory.pool = None
 
     def __deepcopy__(self, memo: dict) -> StepGraphs:
         # Graphs hold this module's pointers: a copy starts empty and captures its own.
@@ -266,6 +268,9 @@ class StepGraphs(InstanceForward):
 
     def _capture(self, key: tuple, forward, leaves: list[Any], spec, settled: int) -> _Graph | None:
         inputs = static_inputs(leaves, [graph.inputs for graph in self.graphs.values()])
+        with self.memory.lock:  # an argument that graph memory holds is read there (``GraphMemory``)
+            held = [self.memory.holding(leaf) for leaf in leaves]
+        inputs = [static if memory is None else memory for static, memory in zip(inputs, held, strict=True)]
         args, kwargs = pytree.tree_unflatten(inputs, spec)
         constants = None
         try:
@@ -284,7 +289,7 @@ class StepGraphs(InstanceForward):
             self.uncapturable[key, settled] = "the forward returned no tensor a replay could copy out"
             logger.warning("CUDA graphs: the forward returned no tensor we can copy out; it runs eagerly")
             return None
-        self.pool = graph.pool()
+        self.memory.pool = graph.pool()
         self.captures += 1
         seen, reads = _Seen(), ()
         with contextlib.suppress(Unkeyable):
@@ -300,19 +305,30 @@ class StepGraphs(InstanceForward):
 
     def _record(self, forward, args: tuple, kwargs: dict, mode: contextlib.AbstractContextManager):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), mode:
+        with torch.cuda.graph(graph, pool=self.memory.pool, capture_error_mode="thread_local"), mode:
             output = forward(*args, **kwargs)
         return graph, output
 
     def _replay(self, graph: _Graph, leaves: list[Any]) -> Any:
-        if self.hooks is not None:
-            self.hooks.before_replay()
-        for static, leaf in zip(graph.inputs, leaves, strict=True):
-            if isinstance(leaf, torch.Tensor) and static is not leaf:
-                static.copy_(leaf)
-        graph.graph.replay()
-        self.replays += 1
-        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, graph.output)
+        memory, known = self.memory, _known_hooks_only(self.module)
+        with memory.lock:
+            if self.hooks is not None:
+                self.hooks.before_replay()
+            for static, leaf in zip(graph.inputs, leaves, strict=True):
+                if isinstance(leaf, torch.Tensor):
+                    if known and memory.holds(static, leaf):
+                        self.inputs_in_place += 1
+                    elif static is not leaf:
+                        static.copy_(leaf)
+                    memory.forget(static)  # the replay may write what it reads
+            graph.graph.replay()
+            self.replays += 1
+            statics, spec = pytree.tree_flatten(graph.output)
+            copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in statics]
+            for static, copied in zip(statics, copies, strict=True):
+                if known and isinstance(copied, torch.Tensor):
+                    memory.copied_out(static, copied)
+            return pytree.tree_unflatten(copies, spec)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -320,6 +336,7 @@ class StepGraphs(InstanceForward):
             "replays": self.replays,
             "early_replays": self.early_replays,
             "early_misses": self.early_misses,
+            "inputs_in_place": self.inputs_in_place,
             "graphs": len(self.graphs),
             "eager": dict(self.eager),
         }
@@ -386,14 +403,62 @@ def _hooked_step(state: Hashable):
         _STEP.hooked = outer
 
 
-class _SharedPool:
-    """One memory pool for the graphs of every block of a transformer: they replay one after another, each
-    output copied out, so a graph's intermediates may reuse the memory of the block's before it."""
+def _known_hooks_only(module: nn.Module) -> bool:
+    """Every hook on ``module`` is Diffusers' or ours. Those make new tensors and write in place only
+    through PyTorch ops, which move the version counters ``GraphMemory`` reads; a user's hook might write
+    an output in place through ``.data`` or a raw kernel launch, which do not."""
+    registry = module.__dict__.get("_diffusers_hook")
+    hooks = registry.hooks.values() if registry is not None else ()
+    return not has_foreign_torch_hooks(module) and all(
+        type(hook).__module__.startswith(("diffusers.", "omni_accel.")) for hook in hooks
+    )
 
-    pool: Any = None
 
-    def __deepcopy__(self, memo: dict) -> _SharedPool:
-        return _SharedPool()
+class GraphMemory:
+    """The memory of a ``StepGraphs``' graphs, or of every block's of a transformer (``BlockGraphs``): its
+    pool (blocks replay one after another, each output copied out, so a graph's intermediates may reuse
+    the memory of the block's before it), and what the graphs' outputs hold between replays.
+
+    A step passes each block's output on to the next block unchanged: the next graph reads it where the
+    graph before wrote it (a graph captured with such an argument takes that memory as its static input)
+    instead of having it copied in, for 2 x 28 MB less traffic per FLUX block at 1024x1024 under a step
+    cache. Only where the output was not written since it was copied out (its version counter) and only
+    Diffusers' hooks and ours ran on either block (``_known_hooks_only``)."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.lock = threading.Lock()  # what memory holds is checked and relied on under it
+        # id(output memory) -> (that memory, the tensor the last replay copied it out to, its version)
+        self._holds: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
+
+    def holds(self, memory: torch.Tensor, leaf: torch.Tensor) -> bool:
+        """Whether ``memory`` holds exactly ``leaf``'s values: ``leaf`` is what the last replay that wrote
+        ``memory`` copied it out to, and neither was written since."""
+        held = self._holds.get(id(memory))
+        return held is not None and held[0]() is memory and held[1]() is leaf and leaf._version == held[2]
+
+    def holding(self, leaf: Any) -> torch.Tensor | None:
+        """The output memory that holds exactly ``leaf``'s values (``holds``), or None."""
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        self._holds = {key: held for key, held in self._holds.items() if held[0]() is not None}
+        for memory_ref, _, _ in self._holds.values():
+            if self.holds(memory_ref(), leaf):
+                return memory_ref()
+        return None
+
+    def copied_out(self, memory: torch.Tensor, copy: torch.Tensor) -> None:
+        self._holds[id(memory)] = (weakref.ref(memory), weakref.ref(copy), copy._version)
+
+    def forget(self, memory: torch.Tensor) -> None:
+        """``memory`` may be written (an argument copied in, a replay that reads it): it holds nothing known."""
+        self._holds.pop(id(memory), None)
+
+    def __deepcopy__(self, memo: dict) -> GraphMemory:
+        return GraphMemory()
+
+    def __reduce__(self):
+        return GraphMemory, ()
 
 
 class BlockGraphs(StepGraphs):
@@ -405,17 +470,8 @@ class BlockGraphs(StepGraphs):
     block, and each decision has its graph (``_decided_call``). Off the hooked steps it is the block's plain
     forward: the whole-step graph captures and replays the blocks as they are."""
 
-    def __init__(self, block: nn.Module, pool: _SharedPool, hooks: StepHooks | None = None) -> None:
-        self._shared = pool
-        super().__init__(block, max_graphs=2, hooks=hooks)
-
-    @property
-    def pool(self) -> Any:
-        return self._shared.pool
-
-    @pool.setter
-    def pool(self, value: Any) -> None:
-        self._shared.pool = value
+    def __init__(self, block: nn.Module, memory: GraphMemory, hooks: StepHooks | None = None) -> None:
+        super().__init__(block, max_graphs=2, hooks=hooks, memory=memory)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling() or getattr(_STEP, "hooked", None) is None:
@@ -455,14 +511,14 @@ class BlockGraphs(StepGraphs):
     def __deepcopy__(self, memo: dict) -> BlockGraphs:
         twin = BlockGraphs(
             copy.deepcopy(self.module, memo),
-            copy.deepcopy(self._shared, memo),
+            copy.deepcopy(self.memory, memo),
             copy.deepcopy(self.hooks, memo),
         )
         twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
         return twin
 
     def __reduce__(self):
-        return _unpickle_block, (self.module, self.inner, self._shared, self.enabled, self.hooks)
+        return _unpickle_block, (self.module, self.inner, self.memory, self.enabled, self.hooks)
 
     def _begin_step(self) -> Hashable:
         return _STEP.hooked[0]  # the step's, read once by the transformer's graphs
@@ -520,17 +576,17 @@ def _serve(predicted: Any, compute: Callable[[], Any]) -> Any:
 
 
 def _unpickle_block(
-    module: nn.Module, inner: Any, pool: _SharedPool, enabled: bool, hooks: Any
+    module: nn.Module, inner: Any, memory: GraphMemory, enabled: bool, hooks: Any
 ) -> BlockGraphs:
-    graphs = BlockGraphs(module, pool, hooks)
+    graphs = BlockGraphs(module, memory, hooks)
     graphs.inner, graphs.enabled = inner, enabled
     return graphs
 
 
 def install_block_graphs(blocks: list[nn.Module], hooks: StepHooks | None) -> list[BlockGraphs]:
-    """A ``BlockGraphs`` on every block of ``blocks`` (one transformer's, sharing one pool), installed."""
-    pool = _SharedPool()
-    installed = [BlockGraphs(block, pool, hooks) for block in blocks]
+    """A ``BlockGraphs`` on every block of ``blocks`` (one transformer's, sharing their memory), installed."""
+    memory = GraphMemory()
+    installed = [BlockGraphs(block, memory, hooks) for block in blocks]
     for graphs in installed:
         graphs.install()
     return installed
@@ -538,10 +594,16 @@ def install_block_graphs(blocks: list[nn.Module], hooks: StepHooks | None) -> li
 
 def block_graph_stats(blocks: list[BlockGraphs]) -> dict[str, Any]:
     """``StepGraphs.stats`` summed over the blocks."""
-    total: dict[str, Any] = {"captures": 0, "replays": 0, "graphs": 0, "eager": Counter()}
+    total: dict[str, Any] = {
+        "captures": 0,
+        "replays": 0,
+        "graphs": 0,
+        "inputs_in_place": 0,
+        "eager": Counter(),
+    }
     for graphs in blocks:
         stats = graphs.stats()
-        for name in ("captures", "replays", "graphs"):
+        for name in ("captures", "replays", "graphs", "inputs_in_place"):
             total[name] += stats[name]
         total["eager"].update(stats["eager"])
     return total

@@ -98,7 +98,8 @@ class ComponentReport:
         if stats is not None and _happened(stats):
             out.append(
                 f"  cuda graphs of the blocks, for hooked steps: {stats['captures']} captured, "
-                f"{stats['replays']} replays, {stats['graphs']} kept"
+                f"{stats['replays']} replays, {stats['graphs']} kept, {stats['inputs_in_place']} arguments read "
+                "where the block before wrote them (not copied in)"
             )
             for reason, count in sorted(stats["eager"].items()):
                 out.append(f"  cuda graphs of the blocks: {count} block calls ran eagerly ({reason})")

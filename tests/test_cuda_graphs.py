@@ -195,14 +195,44 @@ def test_block_graphs_serve_steps_whose_hooks_wrap_their_blocks():
     assert "cuda graphs of the blocks" not in str(omni_accel.describe(pipe))  # no counter moved: no line
 
 
+class _ReplayedOnTheCpu:
+    """A CUDA graph as the CPU can play it: a replay runs the recorded forward again on the static inputs
+    and writes its outputs into the recorded output tensors, so it reads and writes the memory a real
+    replay would."""
+
+    def __init__(self, forward, args: tuple, kwargs: dict, output) -> None:
+        self.forward, self.args, self.kwargs, self.output = forward, args, kwargs, output
+
+    def replay(self) -> None:
+        fresh = pytree.tree_leaves(self.forward(*self.args, **self.kwargs))
+        for static, value in zip(pytree.tree_leaves(self.output), fresh, strict=True):
+            if isinstance(static, torch.Tensor):
+                static.copy_(value)
+
+    def pool(self) -> None:
+        return None
+
+
+def _graphs_played_on_the_cpu(monkeypatch) -> None:
+    import contextlib
+
+    from omni_accel import cuda_graphs
+
+    def record(self, forward, args, kwargs, mode):
+        output = forward(*args, **kwargs)
+        return _ReplayedOnTheCpu(forward, args, kwargs, output), output
+
+    monkeypatch.setattr(cuda_graphs, "_eager_reason", lambda module, leaves: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_graphs.StepGraphs, "_record", record)
+
+
 def test_taylorseer_decides_before_each_block(monkeypatch):
     """On one GPU a block whose attention modules TaylorSeer hooks is served by a graph per decision: the
     hooks decide before the block runs (the predictions enter as arguments) and record the computed parts'
-    outputs after it. The graphs' host side runs here on the CPU (with the CUDA-only checks patched; every
-    capture fails, so those calls run eagerly): the latents are bitwise plain Diffusers' with TaylorSeer,
-    a block that runs Diffusers' forward (a custom processor) included, its hooks then deciding themselves."""
-    import contextlib
-
+    outputs after it. Graphs played on the CPU (``_ReplayedOnTheCpu``): the latents are bitwise plain
+    Diffusers' with TaylorSeer, a block that runs Diffusers' forward (a custom processor) included, its
+    hooks then deciding themselves."""
     from diffusers import TaylorSeerCacheConfig
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
@@ -211,8 +241,7 @@ def test_taylorseer_decides_before_each_block(monkeypatch):
     class CustomProcessor(FluxAttnProcessor):
         pass
 
-    monkeypatch.setattr(cuda_graphs, "_eager_reason", lambda module, leaves: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    _graphs_played_on_the_cpu(monkeypatch)
     decided = []
     decide = cuda_graphs.decide
     monkeypatch.setattr(cuda_graphs, "decide", lambda module: decided.append(module) or decide(module))
@@ -235,6 +264,60 @@ def test_taylorseer_decides_before_each_block(monkeypatch):
     assert len(decided) == 6 * blocks  # every block call decided ahead (the custom one's taken back)
     (reason,) = component.runtime.fallbacks
     assert "CustomProcessor" in reason and component.runtime.fallbacks[reason] == 6
+    stats = block_graph_stats(component.block_graphs)
+    assert stats["replays"] > 0 and stats["inputs_in_place"] > 0, stats
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("threshold", [-1.0, 0.3])
+def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, threshold):
+    """Under a step cache each block's graph reads the previous block's output in the graph memory it was
+    written to, instead of a copy of it. Graphs played on the CPU (``_ReplayedOnTheCpu``): the latents are
+    bitwise plain Diffusers' with the same cache. A user's hook that writes a block's output through
+    ``.data`` (which no version counter sees) stops it for that block: still bitwise."""
+    _graphs_played_on_the_cpu(monkeypatch)
+    call = {"prompt": "a cat", "num_inference_steps": 6, "output_type": "latent"}
+
+    def scale_through_data(module, args, out) -> None:
+        out[1].data.mul_(1.5)
+
+    def images(user_hook: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        plain = tiny_flux_pipeline()
+        fast = omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs=True)
+        for pipe in (plain, fast):
+            if user_hook:
+                pipe.transformer.transformer_blocks[0].register_forward_hook(scale_through_data)
+            pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        want, got = (p(**call, generator=torch.Generator().manual_seed(0)).images for p in (plain, fast))
+        return want, got, block_graph_stats(omni_accel.describe(fast).components[0].block_graphs)
+
+    want, got, stats = images(user_hook=False)
+    assert torch.equal(got, want)
+    assert stats["replays"] > 0 and not stats["eager"], stats
+    assert stats["inputs_in_place"] > 0, stats
+    hooked_want, hooked_got, hooked_stats = images(user_hook=True)
+    assert torch.equal(hooked_got, hooked_want) and not torch.equal(hooked_want, want)
+    assert hooked_stats["inputs_in_place"] < stats["inputs_in_place"], (hooked_stats, stats)
+
+
+def test_graph_memory_knows_what_an_output_still_holds():
+    """The memory a replay copied an output out of holds that copy's values until either is written
+    (version counters) or the memory is written by a copy in or a replay that reads it (``forget``)."""
+    from omni_accel.cuda_graphs import GraphMemory
+
+    memory, output = GraphMemory(), torch.randn(4, 8)
+    copied = output.clone()
+    memory.copied_out(output, copied)
+    assert memory.holds(output, copied) and memory.holding(copied) is output
+    assert not memory.holds(output, copied.clone()) and memory.holding(torch.randn(4, 8)) is None
+    copied[:, :2].add_(1)  # a write through a view moves the copy's version
+    assert not memory.holds(output, copied) and memory.holding(copied) is None
+    memory.copied_out(output, copied)
+    memory.forget(output)
+    assert not memory.holds(output, copied)
+    memory.copied_out(output, copied)
+    del output
+    assert memory.holding(copied) is None  # the memory is gone (its id may be another tensor's)
 
 
 def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):
@@ -386,6 +469,7 @@ def test_step_caches_replay_the_blocks_they_compute(cache, quantize):
     component = omni_accel.describe(pipe).components[0]
     blocks = block_graph_stats(component.block_graphs)
     assert blocks["captures"] > 0 and blocks["replays"] > 0 and not blocks["eager"], blocks
+    assert blocks["inputs_in_place"] > 0, blocks  # each block's output read where its graph wrote it
     assert component.graphs.stats()["replays"] == 0
     assert component.runtime.fallbacks == {}
 
