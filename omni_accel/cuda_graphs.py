@@ -270,7 +270,11 @@ class StepGraphs(InstanceForward):
         inputs = static_inputs(leaves, [graph.inputs for graph in self.graphs.values()])
         with self.memory.lock:  # an argument that graph memory holds is read there (``GraphMemory``)
             held = [self.memory.holding(leaf) for leaf in leaves]
-        inputs = [static if memory is None else memory for static, memory in zip(inputs, held, strict=True)]
+        taken = {id(static) for static in inputs}
+        for index, memory in enumerate(held):
+            if memory is not None and id(memory) not in taken:  # never one memory for two arguments
+                inputs[index] = memory
+                taken.add(id(memory))
         args, kwargs = pytree.tree_unflatten(inputs, spec)
         constants = None
         try:
@@ -320,14 +324,13 @@ class StepGraphs(InstanceForward):
                         self.inputs_in_place += 1
                     elif static is not leaf:
                         static.copy_(leaf)
-                    memory.forget(static)  # the replay may write what it reads
+            memory.forget()  # the replay may write any of the pool's memory
             graph.graph.replay()
             self.replays += 1
             statics, spec = pytree.tree_flatten(graph.output)
             copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in statics]
-            for static, copied in zip(statics, copies, strict=True):
-                if known and isinstance(copied, torch.Tensor):
-                    memory.copied_out(static, copied)
+            if known:
+                memory.copied_out(statics, copies)
             return pytree.tree_unflatten(copies, spec)
 
     def stats(self) -> dict[str, Any]:
@@ -422,8 +425,11 @@ class GraphMemory:
     A step passes each block's output on to the next block unchanged: the next graph reads it where the
     graph before wrote it (a graph captured with such an argument takes that memory as its static input)
     instead of having it copied in, for 2 x 28 MB less traffic per FLUX block at 1024x1024 under a step
-    cache. Only where the output was not written since it was copied out (its version counter) and only
-    Diffusers' hooks and ours ran on either block (``_known_hooks_only``)."""
+    cache. Only the last replay's outputs are known: any replay may write any of the pool's memory (its
+    intermediates may lie where a graph captured after it keeps its output), and a copy in or the replay
+    that reads it writes the memory it goes to. And only where the output was not written since it was
+    copied out (its version counter) and only Diffusers' hooks and ours ran on either block
+    (``_known_hooks_only``)."""
 
     def __init__(self) -> None:
         self.pool: Any = None
@@ -432,27 +438,28 @@ class GraphMemory:
         self._holds: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
 
     def holds(self, memory: torch.Tensor, leaf: torch.Tensor) -> bool:
-        """Whether ``memory`` holds exactly ``leaf``'s values: ``leaf`` is what the last replay that wrote
-        ``memory`` copied it out to, and neither was written since."""
+        """Whether ``memory`` holds exactly ``leaf``'s values: the last replay copied ``memory`` out to
+        ``leaf``, and ``leaf`` was not written since."""
         held = self._holds.get(id(memory))
         return held is not None and held[0]() is memory and held[1]() is leaf and leaf._version == held[2]
 
     def holding(self, leaf: Any) -> torch.Tensor | None:
         """The output memory that holds exactly ``leaf``'s values (``holds``), or None."""
-        if not isinstance(leaf, torch.Tensor):
-            return None
-        self._holds = {key: held for key, held in self._holds.items() if held[0]() is not None}
-        for memory_ref, _, _ in self._holds.values():
-            if self.holds(memory_ref(), leaf):
-                return memory_ref()
+        for memory_ref, _, _ in list(self._holds.values()):
+            memory = memory_ref()
+            if isinstance(leaf, torch.Tensor) and memory is not None and self.holds(memory, leaf):
+                return memory
         return None
 
-    def copied_out(self, memory: torch.Tensor, copy: torch.Tensor) -> None:
-        self._holds[id(memory)] = (weakref.ref(memory), weakref.ref(copy), copy._version)
+    def copied_out(self, outputs: list[Any], copies: list[Any]) -> None:
+        """A replay's ``outputs`` were copied out to ``copies``."""
+        for memory, copied in zip(outputs, copies, strict=True):
+            if isinstance(copied, torch.Tensor):
+                self._holds[id(memory)] = (weakref.ref(memory), weakref.ref(copied), copied._version)
 
-    def forget(self, memory: torch.Tensor) -> None:
-        """``memory`` may be written (an argument copied in, a replay that reads it): it holds nothing known."""
-        self._holds.pop(id(memory), None)
+    def forget(self) -> None:
+        """A replay will run (see the class docstring): no memory holds anything known."""
+        self._holds.clear()
 
     def __deepcopy__(self, memo: dict) -> GraphMemory:
         return GraphMemory()

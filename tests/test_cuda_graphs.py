@@ -301,23 +301,57 @@ def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, t
 
 
 def test_graph_memory_knows_what_an_output_still_holds():
-    """The memory a replay copied an output out of holds that copy's values until either is written
-    (version counters) or the memory is written by a copy in or a replay that reads it (``forget``)."""
+    """The memory a replay copied an output out of holds that copy's values until the copy is written
+    (its version counter, views included) or another replay runs (``forget``: any replay may write any of
+    the pool's memory)."""
     from omni_accel.cuda_graphs import GraphMemory
 
-    memory, output = GraphMemory(), torch.randn(4, 8)
+    memory, output, other = GraphMemory(), torch.randn(4, 8), torch.randn(2)
     copied = output.clone()
-    memory.copied_out(output, copied)
+    memory.copied_out([output, 3, other], [copied, 3, other.clone()])
     assert memory.holds(output, copied) and memory.holding(copied) is output
     assert not memory.holds(output, copied.clone()) and memory.holding(torch.randn(4, 8)) is None
+    assert memory.holding(3) is None and not memory.holds(other, copied)
     copied[:, :2].add_(1)  # a write through a view moves the copy's version
     assert not memory.holds(output, copied) and memory.holding(copied) is None
-    memory.copied_out(output, copied)
-    memory.forget(output)
+    memory.copied_out([output], [copied])
+    memory.forget()
     assert not memory.holds(output, copied)
-    memory.copied_out(output, copied)
+    memory.copied_out([output], [copied])
     del output
     assert memory.holding(copied) is None  # the memory is gone (its id may be another tensor's)
+
+
+@torch.no_grad()
+def test_an_output_passed_twice_is_read_in_place_once(monkeypatch):
+    """A graph captured with one held output as two arguments reads it in place for one of them and keeps
+    its own copy for the other, so a later call with two different tensors there gets both. Only the last
+    replay's outputs are read in place."""
+    from omni_accel.cuda_graphs import GraphMemory
+
+    class Twice(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a * 2 + b
+
+    _graphs_played_on_the_cpu(monkeypatch)
+    memory = GraphMemory()
+    first, second = torch.nn.Linear(4, 4), Twice()
+    graphs = [StepGraphs(module, memory=memory) for module in (first, second)]
+    for installed in graphs:
+        installed.install()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    for _ in range(3):  # each: eager, then captured, then replayed
+        out = first(x)
+        assert torch.equal(second(out, out), out * 2 + out)
+    assert graphs[1].stats()["inputs_in_place"] > 0
+    statics = graphs[1].graphs[next(iter(graphs[1].graphs))].inputs
+    assert statics[0] is not statics[1]
+    out = first(x)
+    assert torch.equal(second(y, out), y * 2 + out)
+    assert torch.equal(second(out, y), out * 2 + y)
+    out, in_place = first(x), graphs[1].inputs_in_place
+    first(y)  # another replay may have written any of the pool's memory: the output is copied in
+    assert torch.equal(second(out, out), out * 3) and graphs[1].inputs_in_place == in_place
 
 
 def test_auto_turns_graphs_on_for_one_cuda_device(monkeypatch):
