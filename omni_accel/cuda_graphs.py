@@ -267,14 +267,8 @@ class StepGraphs(InstanceForward):
         return forward(*args, **kwargs)
 
     def _capture(self, key: tuple, forward, leaves: list[Any], spec, settled: int) -> _Graph | None:
-        inputs = static_inputs(leaves, [graph.inputs for graph in self.graphs.values()])
-        with self.memory.lock:  # an argument that graph memory holds is read there (``GraphMemory``)
-            held = [self.memory.holding(leaf) for leaf in leaves]
-        taken = {id(static) for static in inputs}
-        for index, memory in enumerate(held):
-            if memory is not None and id(memory) not in taken:  # never one memory for two arguments
-                inputs[index] = memory
-                taken.add(id(memory))
+        with self.memory.lock:
+            inputs = static_inputs(leaves, [graph.inputs for graph in self.graphs.values()], self.memory)
         args, kwargs = pytree.tree_unflatten(inputs, spec)
         constants = None
         try:
@@ -345,20 +339,27 @@ class StepGraphs(InstanceForward):
         }
 
 
-def static_inputs(leaves: list[Any], kept: list[list[Any]]) -> list[Any]:
-    """The memory a new graph reads its argument leaves from: for each tensor, the static input of a kept
-    graph (``kept``: their inputs) at the same position with the same shape, dtype, device and strides,
-    else a copy. Graphs of one ``StepGraphs`` replay one after another, each after copying its call's
+def static_inputs(leaves: list[Any], kept: list[list[Any]], memory: GraphMemory | None = None) -> list[Any]:
+    """The memory a new graph reads its argument leaves from: for each tensor, the graph memory that holds
+    it (``memory``: see ``GraphMemory``), else the static input of a kept graph (``kept``: their inputs) at
+    the same position with the same shape, dtype, device and strides, else a copy; never one memory for two
+    arguments. Graphs of one ``StepGraphs`` replay one after another, each after copying its call's
     arguments in, so they may share it (a block's graph per step-cache decision, a graph per LoRA scale)."""
-    inputs = []
+    inputs, taken = [], set()
     for index, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             inputs.append(leaf)
             continue
-        shared = (other[index] for other in kept if index < len(other) and _same_layout(other[index], leaf))
-        inputs.append(next(shared, None))
-        if inputs[-1] is None:
-            inputs[-1] = leaf.clone()
+        held = memory.holding(leaf) if memory is not None else None
+        if held is None or id(held) in taken:
+            shared = (
+                other[index]
+                for other in kept
+                if index < len(other) and _same_layout(other[index], leaf) and id(other[index]) not in taken
+            )
+            held = next(shared, None)
+        inputs.append(leaf.clone() if held is None else held)
+        taken.add(id(inputs[-1]))
     return inputs
 
 
