@@ -289,7 +289,10 @@ def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, t
                 pipe.transformer.transformer_blocks[0].register_forward_hook(scale_through_data)
             pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
         want, got = (p(**call, generator=torch.Generator().manual_seed(0)).images for p in (plain, fast))
-        return want, got, block_graph_stats(omni_accel.describe(fast).components[0].block_graphs)
+        stats = block_graph_stats(omni_accel.describe(fast).components[0].block_graphs)
+        report = str(omni_accel.describe(fast))
+        assert f"{stats['inputs_in_place']} arguments read where the block before wrote them" in report
+        return want, got, stats
 
     want, got, stats = images(user_hook=False)
     assert torch.equal(got, want)
