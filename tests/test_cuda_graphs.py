@@ -269,14 +269,21 @@ def test_taylorseer_decides_before_each_block(monkeypatch):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("threshold", [-1.0, 0.3])
-def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, threshold):
-    """Under a step cache each block's graph reads the previous block's output in the graph memory it was
-    written to, instead of a copy of it. Graphs played on the CPU (``_ReplayedOnTheCpu``): the latents are
-    bitwise plain Diffusers' with the same cache. A user's hook that writes a block's output through
+@pytest.mark.parametrize("cache", ["first_block_never_skips", "first_block", "mag"])
+def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, cache):
+    """Under a step cache (FirstBlockCache, MagCache) each block's graph reads the previous block's output
+    where that graph wrote it, instead of a copy of it. Graphs played on the CPU (``_ReplayedOnTheCpu``):
+    the latents are bitwise plain Diffusers' with the same cache. A user's hook that writes a block's output through
     ``.data`` (which no version counter sees) stops it for that block: still bitwise."""
+    from diffusers import MagCacheConfig
+
     _graphs_played_on_the_cpu(monkeypatch)
     call = {"prompt": "a cat", "num_inference_steps": 6, "output_type": "latent"}
+    configs = {
+        "first_block_never_skips": lambda: FirstBlockCacheConfig(threshold=-1.0),
+        "first_block": lambda: FirstBlockCacheConfig(threshold=0.3),
+        "mag": lambda: MagCacheConfig(threshold=0.5, num_inference_steps=6, mag_ratios=[1.0] + [0.9] * 5),
+    }
 
     def scale_through_data(module, args, out) -> None:
         out[1].data.mul_(1.5)
@@ -287,7 +294,7 @@ def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, t
         for pipe in (plain, fast):
             if user_hook:
                 pipe.transformer.transformer_blocks[0].register_forward_hook(scale_through_data)
-            pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+            pipe.transformer.enable_cache(configs[cache]())
         want, got = (p(**call, generator=torch.Generator().manual_seed(0)).images for p in (plain, fast))
         stats = block_graph_stats(omni_accel.describe(fast).components[0].block_graphs)
         report = str(omni_accel.describe(fast))
