@@ -446,9 +446,11 @@ class GraphMemory:
 
     def holding(self, leaf: Any) -> torch.Tensor | None:
         """The output memory that holds exactly ``leaf``'s values (``holds``), or None."""
-        for memory_ref, _, _ in list(self._holds.values()):
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        for memory_ref, _, _ in self._holds.values():
             memory = memory_ref()
-            if isinstance(leaf, torch.Tensor) and memory is not None and self.holds(memory, leaf):
+            if memory is not None and self.holds(memory, leaf):
                 return memory
         return None
 
@@ -602,16 +604,11 @@ def install_block_graphs(blocks: list[nn.Module], hooks: StepHooks | None) -> li
 
 def block_graph_stats(blocks: list[BlockGraphs]) -> dict[str, Any]:
     """``StepGraphs.stats`` summed over the blocks."""
-    total: dict[str, Any] = {
-        "captures": 0,
-        "replays": 0,
-        "graphs": 0,
-        "inputs_in_place": 0,
-        "eager": Counter(),
-    }
+    counts = ("captures", "replays", "graphs", "inputs_in_place")
+    total: dict[str, Any] = {**dict.fromkeys(counts, 0), "eager": Counter()}
     for graphs in blocks:
         stats = graphs.stats()
-        for name in ("captures", "replays", "graphs", "inputs_in_place"):
+        for name in counts:
             total[name] += stats[name]
         total["eager"].update(stats["eager"])
     return total

@@ -273,8 +273,8 @@ def test_taylorseer_decides_before_each_block(monkeypatch):
 def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, cache):
     """Under a step cache (FirstBlockCache, MagCache) each block's graph reads the previous block's output
     where that graph wrote it, instead of a copy of it. Graphs played on the CPU (``_ReplayedOnTheCpu``):
-    the latents are bitwise plain Diffusers' with the same cache. A user's hook that writes a block's output through
-    ``.data`` (which no version counter sees) stops it for that block: still bitwise."""
+    the latents are bitwise plain Diffusers' with the same cache. A user's hook that writes a block's
+    output through ``.data`` (which no version counter sees) stops it for that block: still bitwise."""
     from diffusers import MagCacheConfig
 
     _graphs_played_on_the_cpu(monkeypatch)
