@@ -95,6 +95,19 @@ def test_tiny_wan_pipeline_native_matches_diffusers_with_cfg():
     assert omni_accel.describe(fast).components[0].mode == "native"
 
 
+def test_wan_cast_to_bfloat16_after_accelerate_matches_diffusers():
+    """``pipe.to(torch.bfloat16)`` casts Wan's RoPE tables too, and Diffusers then rotates in bfloat16:
+    the native blocks rotate in the tables' dtype as well (bitwise Diffusers doing the same cast)."""
+    kwargs = dict(prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=2)
+    plain = omni_accel.tiny_wan_pipeline(seed=0).to(torch.bfloat16)
+    fast = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0)).to(torch.bfloat16)
+    assert fast.transformer.rope.freqs_cos.dtype == torch.bfloat16
+    expected = plain(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    got = fast(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    assert torch.equal(got, expected)
+    assert omni_accel.describe(fast).components[0].mode == "native"
+
+
 def test_wan_2_2_two_experts_are_both_native():
     kwargs = dict(prompt="a cat", negative_prompt="blurry", guidance_scale=4.0, height=32, width=32)
     kwargs.update(num_frames=5, num_inference_steps=4, output_type="latent")

@@ -65,6 +65,12 @@ def _qk_norm(x: torch.Tensor, weight: torch.Tensor | None, c: BlockConstants) ->
     return rms_norm_across_heads(x, weight, c.qk_eps, c.tp_group, c.inner_dim)
 
 
+def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Diffusers' Wan rotation: in the promoted dtype of ``x`` and the tables."""
+    cos, sin = rope
+    return apply_rope(x, cos, sin, torch.promote_types(x.dtype, cos.dtype))
+
+
 def _modulations(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """shift, scale, gate (attention), then shift, scale, gate (MLP), in float32: ``[B, D]`` per sample
     (Wan 2.1, 2.2 A14B) or ``[B, S, D]`` per token (Wan 2.2 TI2V)."""
@@ -83,13 +89,16 @@ def _self_attention(
 ) -> torch.Tensor:
     """attn1's forward: QKV, the QK norms across heads, RoPE, attention and the output projection."""
     q, k, v = apply_linear(h, w["qkv"], gather)
-    if c.tp_group is None:  # the norm's row is whole here: one fused pass with RoPE
+    # One fused pass with RoPE where the norm's row is whole here and the RoPE tables are float32 (the
+    # fused math's dtype, as Diffusers' with them); tables a user cast (``pipe.to(torch.bfloat16)``) rotate
+    # in their dtype, as in Diffusers.
+    if c.tp_group is None and rope[0].dtype == torch.float32:
         qk_norms = [(norms["q"], norms["k"])]
         args = (c.head_dim, c.qk_eps, rope, SELF, True)
         out = qkv_attention([(q, k, v)], qk_norms, *args, placed=c.placed)
     else:
-        q = apply_rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), *rope)
-        k = apply_rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), *rope)
+        q = _rope(_heads(_qk_norm(q, norms["q"], c), c.head_dim), rope)
+        k = _rope(_heads(_qk_norm(k, norms["k"], c), c.head_dim), rope)
         out = attention(q, k, _heads(v, c.head_dim), SELF, split=True)
     return apply_one(out.flatten(2, 3).type_as(q), w["out"], c.rows)
 
