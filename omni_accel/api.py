@@ -16,6 +16,7 @@ in reverse order.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import importlib.util
@@ -347,32 +348,41 @@ def describe(pipe: Pipeline) -> AccelerationReport:
     """What was swapped, which provider serves each attention role and why, cache use, and what was left:
     as things are now (a shared transformer its owner restored, a component replaced since), not as planned."""
     state = _state(pipe)
-    reports = [_current_report(pipe, component) for component in state.components]
-    for component, report in zip(state.components, reports, strict=True):
-        if component.runtime is not None and report.runtime is not None:
-            sites = _native_sites(component.original, component.spec.native_model())
+    reports = []
+    for component in state.components:
+        report, held = _current_report(pipe, component, state.components)
+        if held is not None and held.runtime is not None and report.runtime is not None:
+            sites = _native_sites(held.original, held.spec.native_model())
             report.planned_attention = _resolve_rows(
-                sites, _placement(component.original), report.selector, strict=False
+                sites, _placement(held.original), report.selector, strict=False
             )
+        reports.append(report)
     return AccelerationReport(type(pipe).__name__, reports + state.others + state.absent)
 
 
-def _current_report(pipe: Pipeline, component: _Component) -> ComponentReport:
-    """The component's report, or what replaced it when the truth changed since ``accelerate``."""
+def _current_report(
+    pipe: Pipeline, component: _Component, components: list[_Component]
+) -> tuple[ComponentReport, _Component | None]:
+    """The component's report as things are now, and the accelerated component whose module it holds now
+    (None: a module this ``accelerate`` did not set up)."""
     module = getattr(pipe, component.name, None)
-    if module is not component.original:
+    held = next((other for other in components if other.original is module), None)
+    if held is None:
         cls_name = type(module).__name__ if module is not None else "-"
-        return ComponentReport(
-            component.name,
-            cls_name,
-            "replaced",
+        detail = (
             f"pipe.{component.name} was replaced after accelerate (it held a "
-            f"{type(component.original).__name__}); what it holds now runs as in Diffusers: "
-            "omni_accel.restore(pipe), then accelerate(pipe), accelerates it",
+            f"{type(component.original).__name__}); what it holds now "
         )
-    if component.shared:
-        return _shared_report(component.name, module)
-    return component.report
+        if module is not None and _runtime_of(module) is not None:
+            detail += "was accelerated by another pipeline, and runs as that one set it up"
+        else:
+            detail += "runs as in Diffusers: omni_accel.restore(pipe), then accelerate(pipe), accelerates it"
+        return ComponentReport(component.name, cls_name, "replaced", detail), None
+    report = _shared_report(component.name, module) if held.shared else held.report
+    if held is not component:  # accelerated components swapped between slots (Wan 2.2's two experts)
+        detail = f"{report.detail} (set up as pipe.{held.name}, which pipe.{component.name} holds now)"
+        report = dataclasses.replace(report, name=component.name, detail=detail)
+    return report, held
 
 
 def _runtime_of(module: nn.Module) -> NativeRuntime | GenericRuntime | None:

@@ -62,6 +62,20 @@ def test_a_replaced_transformer_is_described_as_plain():
     assert component.mode == "replaced" and "runs as in Diffusers" in component.detail
 
 
+def test_swapped_accelerated_transformers_are_described_where_they_are_now():
+    pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, two_experts=True))
+    pipe.transformer, pipe.transformer_2 = pipe.transformer_2, pipe.transformer
+    first, second = omni_accel.describe(pipe).components[:2]
+    assert (first.name, first.mode) == ("transformer", "native")
+    assert "set up as pipe.transformer_2, which pipe.transformer holds now" in first.detail
+    assert (second.name, second.mode) == ("transformer_2", "native")
+    assert first.planned_attention and first.runtime is pipe.transformer.blocks[0].omni_runtime
+    other = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=1, two_experts=True))
+    pipe.transformer = other.transformer  # accelerated by another pipeline: runs as that one set it up
+    first = omni_accel.describe(pipe).components[0]
+    assert first.mode == "replaced" and "accelerated by another pipeline" in first.detail
+
+
 @pytest.mark.parametrize(
     ("attention", "message"),
     [
