@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .attention.selection import AttentionConfig, check_forms
 from .parallel.config import ParallelConfig
 
@@ -75,6 +77,8 @@ class AccelConfig:
             raise TypeError(
                 f"compile must be None (auto), True/False or a dict of torch.compile arguments, got {self.compile!r}."
             )
+        if isinstance(self.compile, Mapping):
+            _check_compile_arguments(self.compile)
         if not isinstance(self.compile_in_background, bool):
             raise TypeError(
                 f"compile_in_background must be True or False, got {self.compile_in_background!r}."
@@ -131,3 +135,19 @@ def _attention_config(value: Any) -> AttentionConfig:
     raise TypeError(
         f"attention must be an AttentionConfig, a provider name or a mapping, got {type(value).__name__}."
     )
+
+
+def _check_compile_arguments(arguments: Mapping[str, Any]) -> None:
+    """Raises at ``accelerate`` what ``torch.compile`` would raise at the first call for ``arguments`` (an
+    unknown keyword, mode, backend or inductor option): making the wrapper checks them and compiles nothing."""
+    try:
+        torch.compile(_identity, **arguments)
+    except Exception as exc:
+        raise ValueError(
+            f"compile={dict(arguments)!r} is not what torch.compile takes: {type(exc).__name__}: {exc}. Pass "
+            "torch.compile's keyword arguments (mode, fullgraph, dynamic, backend, options), or compile=True."
+        ) from exc
+
+
+def _identity(x: Any) -> Any:
+    return x

@@ -49,6 +49,21 @@ def test_config_of_the_wrong_type(pipe):
         AccelConfig(components="transformer")
 
 
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"bogus_kw": 1}, "unexpected keyword argument 'bogus_kw'"),
+        ({"mode": "bogus-mode"}, "Unrecognized mode=bogus-mode"),
+        ({"options": {"bogus_option": 1}}, "Unexpected optimization option bogus_option"),
+    ],
+)
+def test_compile_arguments_torch_compile_refuses_are_named_at_accelerate(pipe, arguments, named):
+    """Not at the first call (which left every later call failing before)."""
+    with pytest.raises(ValueError, match=rf"(?s)is not what torch.compile takes.*{named}.*compile=True"):
+        omni_accel.accelerate(pipe, compile=arguments)
+    _untouched(pipe)
+
+
 def test_unknown_provider(pipe):
     with pytest.raises(ValueError, match="Unknown attention provider 'fa3'"):
         omni_accel.accelerate(pipe, attention="fa3")

@@ -342,13 +342,26 @@ def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():
     compiler.math(breaks, "a")(x)
     compiler.math(breaks, "a")(x)  # the second step submits the compile
     compiler.wait()
+    compiler.math(breaks, "b")(x)  # the same step, after the failure: eager, and queues no second compile
     with pytest.raises(
         RuntimeError, match="(?s)breaks in the background failed to compile.*compile_in_background=False"
     ):
         compiler.math(breaks, "a")(x)
-    assert torch.equal(compiler.math(breaks, "a")(x), breaks(x))  # no second error, no second compile
+    for _ in range(2):  # no second error, no second compile
+        assert torch.equal(compiler.math(breaks, "a")(x), breaks(x))
+        compiler.wait()
     assert "compile failed, runs eagerly" in compiler.summary()[0]
-    assert compiler.calls() == {"breaks": (3, 0)}
+    assert compiler.calls() == {"breaks": (5, 0)}
+
+
+def test_a_compile_that_cannot_start_raises_at_every_call():
+    """torch.compile refusing its arguments at the first call is not remembered as a compiled function."""
+    from omni_accel.models.compiler import BlockCompiler
+
+    compiler = BlockCompiler({"bogus_kw": 1}, background=False)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'bogus_kw'"):
+            compiler.math(f, "a")
 
 
 def test_under_a_layout_the_compile_waits_for_the_first_call():

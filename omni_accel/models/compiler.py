@@ -119,7 +119,8 @@ class BlockCompiler:
 
         def eager_meanwhile(*args: Any, **kwargs: Any) -> Any:
             function.eager_calls += 1
-            if not (function.compiling or function.ready or function.failed):
+            # not once its compile failed (``error`` until the step boundary reports it, ``failed`` after)
+            if not (function.compiling or function.ready or function.failed or function.error is not None):
                 function.queue(args, kwargs)
             return fn(*args, **kwargs)
 
@@ -192,16 +193,17 @@ class BlockCompiler:
     def _function(self, fn: Callable, background: bool) -> _Function:
         with self._lock:
             if fn not in self._functions:
-                function = self._functions[fn] = _Function(at_first_call=not background)
+                function = _Function(at_first_call=not background)
                 if not background:
+                    function.compiled = torch.compile(fn, **self.options)  # kept only once it is made
+                    if not self.raise_failures:
+                        function.compiled = _or_eager(function.compiled, fn, function)
                     logger.warning(  # shown by default: a long first call should not look like a hang
                         "compiling %s: its first call per input shape compiles (seconds to a minute; cached on "
                         "disk)",
                         fn.__qualname__,
                     )
-                    function.compiled = torch.compile(fn, **self.options)
-                    if not self.raise_failures:
-                        function.compiled = _or_eager(function.compiled, fn, function)
+                self._functions[fn] = function
             return self._functions[fn]
 
     def _switch(self) -> None:
