@@ -42,7 +42,7 @@ def scaled_dot_product_attention(
             traced_unsupported(unsupported)
         out = None if unsupported else traced_call(_SITE, *bshd, attn_mask, scale)
     else:
-        out = route(*bshd, attn_mask=attn_mask, scale=scale, unsupported=unsupported)
+        out = route(*bshd, attn_mask=attn_mask, scale=scale, unsupported=unsupported, follows_backend=False)
     if out is not None:
         return out.transpose(1, 2)
     return F.scaled_dot_product_attention(
@@ -77,7 +77,8 @@ def binds_functional(module: ModuleType) -> bool:
 
 
 def apply(module: ModuleType) -> None:
-    register_call_site(_SITE, _original, lambda: False)
+    # Diffusers' code here calls torch's SDPA, never its process-wide backend: neither do we.
+    register_call_site(_SITE, _original, lambda: False, follows_backend=False)
     proxy = _RoutedFunctional("torch.nn.functional")
     proxy.scaled_dot_product_attention = scaled_dot_product_attention
     setattr(module, _ORIGINAL, module.F)

@@ -73,6 +73,29 @@ def test_routing_is_scoped_to_the_accelerated_pipeline():
     omni_accel.restore(fast)
 
 
+@pytest.mark.parametrize("backend", ["_native_math", "_native_cudnn"])
+def test_a_processor_calling_torch_sdpa_ignores_diffusers_process_wide_backend(backend):
+    """SD3's processors call torch's SDPA themselves, which Diffusers' process-wide backend never reaches:
+    routed, they ignore it too (it changed the kernel, or raised where no provider of it runs: cuDNN on
+    the CPU), for the ``attention_backend`` block and for another model's ``set_attention_backend``."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry, attention_backend
+
+    build, call, _ = CASES["sd3"]
+    plain, fast = build(seed=0), omni_accel.accelerate(build(seed=0))
+    expected = _out(_latents(plain, call))
+    with attention_backend(backend):
+        assert torch.equal(_out(_latents(plain, call)), expected)  # Diffusers' own code ignores it here
+        assert torch.equal(_out(_latents(fast, call)), expected)
+    before = _AttentionBackendRegistry._active_backend
+    try:
+        omni_accel.tiny_flux_pipeline(seed=1).transformer.set_attention_backend(backend)
+        assert torch.equal(_out(_latents(fast, call)), expected)
+    finally:
+        _AttentionBackendRegistry._active_backend = before
+    reasons = {reason for *_, reason in omni_accel.describe(fast).components[0].selector.decisions()}
+    assert not any("process-wide" in reason for reason in reasons), reasons
+
+
 def test_native_false_routes_flux_instead_of_swapping():
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), native=False)
     assert type(pipe.transformer).__name__ == "FluxTransformer2DModel"

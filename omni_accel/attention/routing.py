@@ -17,6 +17,7 @@ as it is; the role is part of Dynamo's guards, so the two never share compiled c
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 from collections.abc import Callable
 
@@ -71,18 +72,22 @@ def route(
     scale: float | None,
     unsupported: str | None,
     mask_rows: bool = False,
+    follows_backend: bool = True,
 ) -> torch.Tensor | None:
     """Attention over BSHD tensors through the active selector, or None to let the original run.
 
     ``attn_mask`` broadcasts as SDPA's does against ``[batch, heads, seq_q, kv_len]``; with ``mask_rows``
     a 2-D mask of ``[batch, kv_len]`` is instead one row of keys per sample, broadcast over heads and
     queries, as Diffusers' native backend reads it (``_native_attention`` views it ``[batch, 1, 1, kv_len]``;
-    every other shape it hands to SDPA as is)."""
+    every other shape it hands to SDPA as is). ``follows_backend``: whether the call site's Diffusers code
+    reads Diffusers' process-wide attention backend (``dispatch_attention_fn`` does; a processor calling
+    torch's SDPA itself does not, so neither do we there)."""
     selector = _ACTIVE.get()
     if selector is None:
         return None
     role, category = _ROLE.get()
-    return route_with(selector, role, category, query, key, value, attn_mask, scale, unsupported, mask_rows)
+    args = (query, key, value, attn_mask, scale, unsupported, mask_rows, follows_backend)
+    return route_with(selector, role, category, *args)
 
 
 def route_with(
@@ -96,10 +101,13 @@ def route_with(
     scale: float | None,
     unsupported: str | None = None,
     mask_rows: bool = False,
+    follows_backend: bool = True,
 ) -> torch.Tensor | None:
     """``route`` for a known selector and role; under a split forward (the generic tier under ulysses /
     ring), the call's exchanges too, and no call falls back to Diffusers' function."""
-    unsupported = unsupported or selector.unserved_reason(role, category)
+    if follows_backend:
+        unsupported = unsupported or selector.unserved_reason(role, category)
+    attend_as = functools.partial(selector.attend, role, category, follows_backend=follows_backend)
     layout = split_forward()
     if layout is not None:
         if unsupported:
@@ -111,7 +119,7 @@ def route_with(
             attn_mask = attn_mask[:, None, None, :]
 
         def attend(q, k, v, mask, scale, need_lse):
-            return selector.attend(role, category, q, k, v, attn_mask=mask, scale=scale, return_lse=need_lse)
+            return attend_as(q, k, v, attn_mask=mask, scale=scale, return_lse=need_lse)
 
         return attend_split(layout, attend, role, category, query, key, value, attn_mask, scale)
     if unsupported:
@@ -124,10 +132,8 @@ def route_with(
         attn_mask = attn_mask[:, None, None, :]
     if kept is not None:  # a key-padding mask: the padded keys dropped, an unmasked kernel
         selector.note_served_without_mask(role)
-        return attend_kept(
-            query, key, value, kept, lambda q, k, v: selector.attend(role, category, q, k, v, scale=scale)
-        )
-    return selector.attend(role, category, query, key, value, attn_mask=attn_mask, scale=scale)
+        return attend_kept(query, key, value, kept, lambda q, k, v: attend_as(q, k, v, scale=scale))
+    return attend_as(query, key, value, attn_mask=attn_mask, scale=scale)
 
 
 # While Dynamo traces: which role the attention calls being traced belong to. Set by the accelerated
@@ -165,20 +171,27 @@ def traced_route() -> tuple[str, str] | None:
 # the trace).
 _ORIGINALS: dict[str, Callable[..., torch.Tensor]] = {}
 _READS_ROWS: dict[str, Callable[[], bool]] = {}
+_FOLLOWS_BACKEND: dict[str, bool] = {}
 
 
 def register_call_site(
-    site: str, original: Callable[..., torch.Tensor], reads_rows: Callable[[], bool]
+    site: str,
+    original: Callable[..., torch.Tensor],
+    reads_rows: Callable[[], bool],
+    follows_backend: bool = True,
 ) -> None:
     """``original(query, key, value, attn_mask, scale)``: the site's Diffusers function over BSHD tensors;
-    ``reads_rows()``: whether it reads a 2-D mask as one row of keys per sample now (see ``route``)."""
+    ``reads_rows()``: whether it reads a 2-D mask as one row of keys per sample now; ``follows_backend``:
+    whether it reads Diffusers' process-wide backend (see ``route``)."""
     _ORIGINALS[site] = original
     _READS_ROWS[site] = reads_rows
+    _FOLLOWS_BACKEND[site] = follows_backend
 
 
 def unregister_call_site(site: str) -> None:
     _ORIGINALS.pop(site, None)
     _READS_ROWS.pop(site, None)
+    _FOLLOWS_BACKEND.pop(site, None)
 
 
 @torch.library.custom_op("omni_accel::diffusers_attention", mutates_args=())
@@ -199,8 +212,8 @@ def diffusers_attention(
     selector = _ACTIVE.get()
     out = None
     if selector is not None:
-        reads_rows = _READS_ROWS[site]()
-        out = route_with(selector, role, category, query, key, value, attn_mask, scale, None, reads_rows)
+        rows, follows = _READS_ROWS[site](), _FOLLOWS_BACKEND[site]
+        out = route_with(selector, role, category, query, key, value, attn_mask, scale, None, rows, follows)
     if out is None:
         out = _ORIGINALS[site](query, key, value, attn_mask, scale)
     return out.contiguous()  # as the fake promises

@@ -246,9 +246,11 @@ class AttentionSelector:
         self._served.add(id(found))
         return found
 
-    def _resolve(self, role: str, category: str, request: AttentionRequest) -> tuple[tuple, Resolution]:
+    def _resolve(
+        self, role: str, category: str, request: AttentionRequest, follows_backend: bool = True
+    ) -> tuple[tuple, Resolution]:
         config = _SCOPED_CONFIG.get() or self.config
-        choice = diffusers_backend.explicit_choice()
+        choice = diffusers_backend.explicit_choice() if follows_backend else None
         key = (config, role, category, request, choice, kernel_builds.generation())
         found = self._cache.get(key)
         if found is None:
@@ -268,14 +270,16 @@ class AttentionSelector:
         attn_mask: torch.Tensor | None = None,
         scale: float | None = None,
         return_lse: bool = False,
+        follows_backend: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention over BSHD tensors through the provider resolved for the call. Where that provider's
         kernel refuses these exact tensors (what a request cannot tell: cuDNN under deterministic
         algorithms, or over one token; the provider raises ``KernelRefusal`` before launching anything), an
         automatic choice serves them with the next provider that takes them and records why; an explicit
-        one raises, naming what would serve."""
+        one raises, naming what would serve. ``follows_backend``: False for a call site whose Diffusers code
+        never reads Diffusers' process-wide backend (a processor calling torch's SDPA itself)."""
         request = AttentionRequest.for_call(query, key, has_mask=attn_mask is not None, needs_lse=return_lse)
-        cache_key, found = self._resolve(role, category, request)
+        cache_key, found = self._resolve(role, category, request, follows_backend)
         try:
             out = found.provider.forward(
                 query, key, value, attn_mask=attn_mask, scale=scale, return_lse=return_lse
