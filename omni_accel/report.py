@@ -117,7 +117,7 @@ class ComponentReport:
                 )
                 out.append(
                     f"  fp8 (lossy): {fp8.copies} projection weights in e4m3 ({fp8.bytes_used} bytes beside "
-                    f"the bf16 ones), {fp8.quantized} quantizations; {weight_only} quantize their weight alone"
+                    f"the model's own), {fp8.quantized} quantizations; {weight_only} quantize their weight alone"
                 )
                 for reason, count in sorted(fp8.declined.items()):
                     out.append(f"  fp8: {count} projection calls kept bf16 ({reason})")
