@@ -62,6 +62,12 @@ def test_a_replaced_transformer_is_described_as_plain():
     assert component.mode == "replaced" and "runs as in Diffusers" in component.detail
 
 
+def test_vae_parallel_without_a_layout_is_said_not_ignored():
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), vae_parallel=True)
+    vae = next(c for c in omni_accel.describe(pipe).components if c.name == "vae")
+    assert vae.mode == "untouched" and "none runs here" in vae.detail
+
+
 def test_swapped_accelerated_transformers_are_described_where_they_are_now():
     pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, two_experts=True))
     pipe.transformer, pipe.transformer_2 = pipe.transformer_2, pipe.transformer
