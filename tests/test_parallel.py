@@ -338,8 +338,14 @@ def _bf16_as_accurate_as_one_rank(run, *layouts: ParallelConfig) -> None:
 
 
 def _small_wan(dtype: torch.dtype, layout: ParallelConfig | None):
-    pipe = omni_accel.tiny_wan_pipeline(seed=0, num_layers=8, num_attention_heads=4, attention_head_dim=32)
-    return omni_accel.accelerate(pipe.to(dtype=dtype), parallel=layout)
+    """In bf16 as ``from_pretrained(torch_dtype=...)`` gives it (its float32 modules and RoPE tables kept:
+    a ``.to(torch.bfloat16)`` would rotate in bf16, as Diffusers then does); the float64 reference whole."""
+    shape = dict(seed=0, num_layers=8, num_attention_heads=4, attention_head_dim=32)
+    if dtype == torch.float64:
+        pipe = omni_accel.tiny_wan_pipeline(**shape).to(dtype=dtype)
+    else:
+        pipe = omni_accel.tiny_wan_pipeline(**shape, dtype=dtype)
+    return omni_accel.accelerate(pipe, parallel=layout)
 
 
 def _wan_forward(dtype: torch.dtype, layout: ParallelConfig | None) -> torch.Tensor:
