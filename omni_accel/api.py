@@ -232,9 +232,10 @@ def _plan_and_commit(
     components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
     distributed = parallel is not None and parallel.mesh is not None
     vae_coders, others = _plan_vae(pipe, config) if distributed else ([], [])
-    if not distributed and config.vae_parallel and config.parallel != "auto" and hasattr(pipe, "vae"):
+    vae = getattr(pipe, "vae", None)
+    if not distributed and config.vae_parallel and config.parallel != "auto" and vae is not None:
         why = "vae_parallel=True splits the VAE over a parallel layout's ranks, and none runs here: it runs whole"
-        others = [ComponentReport("vae", type(pipe.vae).__name__, "untouched", why)]
+        others = [ComponentReport("vae", type(vae).__name__, "untouched", why)]
     if auto_reason is not None:
         for component in components:
             if component.runtime is not None:
