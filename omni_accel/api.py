@@ -479,6 +479,12 @@ def _plan_swap(
         detail += "; repeated blocks compiled"
         if config.compile_in_background:
             detail += " (in the background on one device: eager steps until the code is ready)"
+    elif config.compile_in_background:
+        detail += (
+            "; compile_in_background: nothing to compile here ("
+            + _why_native_eager(compiled_by_default=model.compiled_by_default)
+            + ")"
+        )
     if graphs_on:
         detail += f"; {_graphs_note(torch.cuda.is_available())}"
     report = ComponentReport(
@@ -721,8 +727,16 @@ def _generic_compile_notes(
             if config.compile is False
             else "no CUDA device here; compile=True compiles on CPU"
         )
-        return None, f"repeated blocks: not compiled ({why})"
+        idle = "; compile_in_background has nothing to compile" if config.compile_in_background else ""
+        return None, f"repeated blocks: not compiled ({why}){idle}"
     return None, "repeated blocks: none declared, nothing to compile"
+
+
+def _why_native_eager(compiled_by_default: bool) -> str:
+    """Why native blocks run eager under ``compile=None``: the sentence ``describe`` gives."""
+    if compiled_by_default:
+        return "no CUDA device here; compile=True compiles on CPU"
+    return "native blocks run eager, their fused kernels being the fast path; compile=True compiles them"
 
 
 def _report_layout(report: ComponentReport, parallel: ParallelState | None, tp_tokens: bool = False) -> None:

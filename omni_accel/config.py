@@ -83,6 +83,10 @@ class AccelConfig:
             raise TypeError(
                 f"compile_in_background must be True or False, got {self.compile_in_background!r}."
             )
+        if self.compile_in_background and self.compile is False:
+            raise ValueError(
+                "compile_in_background=True asks for a compile that compile=False turns off; pass one of them."
+            )
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True, False or None (auto), got {self.cuda_graphs!r}.")
         if self.vae_parallel is not None and not isinstance(self.vae_parallel, bool):

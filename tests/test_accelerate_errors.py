@@ -64,6 +64,23 @@ def test_compile_arguments_torch_compile_refuses_are_named_at_accelerate(pipe, a
     _untouched(pipe)
 
 
+def test_background_compile_with_compile_off_is_refused(pipe):
+    with pytest.raises(ValueError, match="compile_in_background=True asks for a compile that compile=False"):
+        omni_accel.accelerate(pipe, compile=False, compile_in_background=True)
+    _untouched(pipe)
+
+
+def test_background_compile_with_nothing_to_compile_is_said(pipe):
+    """Not silently ignored: native blocks that run eager, and generic blocks off CUDA, say so."""
+    omni_accel.accelerate(pipe, compile_in_background=True)
+    said = str(omni_accel.describe(pipe))
+    assert "compile_in_background: nothing to compile here (native blocks run eager" in said
+    generic = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    omni_accel.accelerate(generic, native=False, compile_in_background=True)
+    assert "not compiled (no CUDA device here" in str(omni_accel.describe(generic))
+    assert "compile_in_background has nothing to compile" in str(omni_accel.describe(generic))
+
+
 def test_unknown_provider(pipe):
     with pytest.raises(ValueError, match="Unknown attention provider 'fa3'"):
         omni_accel.accelerate(pipe, attention="fa3")
