@@ -79,7 +79,7 @@ from .parallel.peer_memory import ranks_write_each_other
 from .parallel.routed_attention import count_split
 from .parallel.tensor import sum_row_splits
 from .report import AccelerationReport, ComponentReport
-from .utils import triton_builds
+from .utils import triton_builds, versions
 from .utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -907,6 +907,23 @@ def _bind_forward_runtime(component: _Component) -> None:
     component.undo += scoped_hooks(component.original, enter, leave_forward)
 
 
+def _mark_forwards(component: _Component) -> None:
+    """What is kept for one forward starts afresh at each: an inference tensor's memos
+    (``utils.versions``), the conditioning tensors the projection cache compared."""
+    begin = functools.partial(_forward_begins, component.cache)
+    component.undo += scoped_hooks(component.original, begin, _nothing_to_leave)
+
+
+def _forward_begins(cache: ExactProjectionCache | None) -> None:
+    versions.new_forward()
+    if cache is not None:
+        cache.begin_forward()
+
+
+def _nothing_to_leave(_token: None) -> None:
+    return None
+
+
 def _wrap_cache_sites(component: _Component) -> None:
     """Model-level modules whose outputs repeat from call to call go through the projection cache."""
     spec = component.spec
@@ -949,12 +966,14 @@ def _install_fp8(component: _Component) -> None:
 _NATIVE_STEPS = (
     _Step("native blocks", _always, _swap_native_blocks),
     _Step("runtime bound to each forward", _always, _bind_forward_runtime),
+    _Step("forwards marked", _always, _mark_forwards),
     _Step("projection cache sites", lambda c: c.cache is not None, _wrap_cache_sites),
     _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
     _Step("block graphs", lambda c: c.graphs is not None and c.parallel is None, _install_block_graphs),
 )
 _GENERIC_STEPS = (
     _Step("attention routed", _always, lambda c: _route_attention(c)),
+    _Step("forwards marked", _always, _mark_forwards),
     _Step("model adaptation", _always, _adapt_model),
     _Step("projection cache sites", lambda c: c.cache is not None, _wrap_cache_sites),
     _Step(

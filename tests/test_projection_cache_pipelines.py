@@ -107,3 +107,32 @@ def test_a_diffusers_hook_registered_after_accelerate_outlives_restore():
     assert Spy.calls == 1
     omni_accel.restore(omni_accel.accelerate(pipe, native=False))
     assert to_k(x).shape == (1, 3, to_k.out_features) and Spy.calls == 2
+
+
+def test_conditioning_written_behind_the_version_counter_is_compared_again():
+    """Prompt embeddings sharing memory with a NumPy array the caller refills between calls: torch's
+    version counter does not move, and the generic tier's cached text projection was the old prompt's
+    (1.3e-2 off). Each forward compares its conditioning again."""
+    plain = omni_accel.tiny_wan_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), native=False)
+    with torch.no_grad():
+        embeds = plain.encode_prompt("a cat", do_classifier_free_guidance=False)[0]
+    buffer = embeds.numpy().copy()
+    shared = torch.from_numpy(buffer)
+
+    def run(pipe):
+        return pipe(
+            prompt_embeds=shared,
+            guidance_scale=1.0,
+            height=32,
+            width=32,
+            num_frames=5,
+            num_inference_steps=STEPS,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+        ).frames
+
+    assert torch.equal(run(fast), run(plain))
+    buffer *= 1.3
+    assert torch.equal(run(fast), run(plain))
+    assert _cache(fast).stats()["hits"] > 0  # the cache is on, and hits within each call

@@ -165,9 +165,34 @@ def test_diffusers_step_caches_on_native_qwenimage(kind):
 
 def test_inference_mode_with_a_padded_prompt():
     """Under ``torch.inference_mode()`` tensors keep no version counter: the per-forward tables and the key
-    mask are keyed by identity alone, and the images are plain Diffusers'."""
+    mask are kept for one forward, and the images are plain Diffusers'."""
     plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
     fast = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))
     call = dict(prompt=["a cat", "a much longer prompt about a dog"])
     with torch.inference_mode():
         assert rel_err(_images(fast, **call), _images(plain, **call)) <= 1e-6
+
+
+def test_a_mask_written_in_place_under_inference_mode_is_read_again():
+    """An inference tensor's in-place write leaves no trace: a key mask the caller edits between two calls
+    of the transformer is read afresh (it was the first call's, 6e-2 off, before)."""
+    plain = random_qwenimage_transformer(seed=0)
+    fast = omni_accel.accelerate(_holder(random_qwenimage_transformer(seed=0))).transformer
+    generator = torch.Generator().manual_seed(11)
+    config, batch, text = plain.config, 2, 10
+    inputs = dict(
+        hidden_states=torch.randn(batch, 16, config.in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(batch, text, config.joint_attention_dim, generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        img_shapes=[[(1, 4, 4)]] * batch,
+        return_dict=False,
+    )
+    with torch.inference_mode():
+        mask = torch.ones(batch, text, dtype=torch.bool)
+        mask[0, 6:] = False
+        for _ in range(2):  # the second call reads the mask the first one kept
+            got = fast(**inputs, encoder_hidden_states_mask=mask)[0]
+        assert rel_err(got, plain(**inputs, encoder_hidden_states_mask=mask)[0]) <= 1e-6
+        mask[1, 3:] = False
+        got = fast(**inputs, encoder_hidden_states_mask=mask)[0]
+        assert rel_err(got, plain(**inputs, encoder_hidden_states_mask=mask)[0]) <= 1e-6

@@ -15,6 +15,7 @@ only when reuse is provably exact:
   reduced-precision reduction flags);
 * the returned tensor was not modified since (its version counter is checked before every hit).
 
+A conditioning tensor is compared once per forward (``begin_forward``), however many projections read it.
 The original computation runs whenever reuse cannot be proven: gradients enabled, compiling, any forward
 hook on the module or its children or a global one, or weights without a version counter (inference-mode
 tensors).
@@ -196,9 +197,15 @@ class ExactProjectionCache:
             weakref.ref(conditioning), conditioning._version, cond_id, reuse=local is not None
         )
 
+    def begin_forward(self) -> None:
+        """A forward of the model begins: each conditioning tensor is compared again at its first
+        ``ensure_prepared``. A tensor that comes back may have been written where its version counter
+        cannot see (through ``.data``, or a NumPy array sharing its memory) since an earlier forward."""
+        self._prepared.clear()
+
     def ensure_prepared(self, conditioning: torch.Tensor) -> None:
-        """``prepare`` unless this very tensor, unmodified, was already prepared (a host-side check), so a
-        tensor fed to many projections costs one comparison."""
+        """``prepare`` unless this very tensor, unmodified, was already prepared in this forward (see
+        ``begin_forward``; a host-side check), so a tensor fed to many projections costs one comparison."""
         prepared = self._prepared.get(id(conditioning))
         if (
             prepared is None

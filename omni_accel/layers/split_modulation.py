@@ -11,7 +11,7 @@ then one all-gather gives every rank all of them. The blocks take theirs from it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +47,7 @@ class SplitModulation:
         self.fp8 = fp8  # under quantize="fp8": the weights in e4m3 (weight-only, as on one GPU)
         self.passes = 0  # forwards projected (one all-gather each)
         self._conditioning: torch.Tensor | None = None  # held, so no later tensor can have its identity
-        self._version: int | None = -1
+        self._version: Hashable = -1
         self._outputs: dict[str, torch.Tensor] = {}
 
     def describe(self) -> str:
