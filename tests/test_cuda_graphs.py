@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from conftest import flux_inputs, random_flux_transformer, random_lora
 from diffusers import FirstBlockCacheConfig, FluxPipeline
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 import omni_accel
 from omni_accel import LayoutTuning, ParallelConfig
@@ -555,6 +556,25 @@ def test_replays_follow_lora_scales_weight_edits_and_true_cfg():
     _replays_match_eager(pipe, negative_prompt="a dog", true_cfg_scale=4.0)  # cond result held over uncond
     stats = omni_accel.describe(pipe).components[0].graphs.stats()
     assert stats["eager"] == {} and stats["captures"] == 3, stats  # LoRA, its new scale, the call scale
+
+
+@pytest.mark.gpu
+def test_a_patched_processor_keeps_the_steps_out_of_graphs(monkeypatch):
+    """A replay would skip the patch's Python (``models/code_watch.py``): every step runs it eagerly."""
+    pipe = _gpu_pipeline()
+    original, calls = FluxAttnProcessor.__call__, []
+
+    def recorder(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(FluxAttnProcessor, "__call__", recorder)
+    pipe(prompt="a cat", num_inference_steps=3, output_type="latent")
+    stats = omni_accel.describe(pipe).components[0].graphs.stats()
+    assert stats["replays"] == stats["captures"] == 0, stats
+    assert any("FluxAttnProcessor.__call__ is patched" in reason for reason in stats["eager"]), stats
+    blocks = pipe.transformer.transformer_blocks, pipe.transformer.single_transformer_blocks
+    assert len(calls) == 3 * sum(map(len, blocks))
 
 
 @pytest.mark.gpu

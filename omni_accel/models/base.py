@@ -59,6 +59,7 @@ from ..parallel.sequence_hooks import Split
 from ..parallel.tensor import TensorPlan
 from ..parallel.token_rows import Rows
 from ..utils.logging import get_logger
+from .code_watch import CodeWatch
 from .compiler import BlockCompiler, CompiledSteps
 
 logger = get_logger(__name__)
@@ -115,6 +116,7 @@ class NativeRuntime(CompiledSteps):
     layout: Parallelized | None = None
     modulation: SplitModulation | None = None  # under a layout: every block's modulation at once
     fp8: Fp8Weights | None = None
+    code: CodeWatch | None = None  # the Diffusers code the blocks stand in for (set by ``swap_blocks``)
     compiler: BlockCompiler | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +133,11 @@ class NativeRuntime(CompiledSteps):
             return fn
         return self.compiler.math(fn, caller, background=self.layout is None)
 
+    def eager_reason(self) -> str | None:
+        """A step whose blocks run patched Diffusers code (``code_watch``) runs eagerly: a replay would skip
+        the patch's Python."""
+        return None if self.code is None else self.code.reason()
+
     def begin_step(self) -> int:
         if self.fp8 is not None:  # a replay reads the e4m3 copies: re-made in place if their weights moved
             self.fp8.refresh()
@@ -144,15 +151,16 @@ class NativeRuntime(CompiledSteps):
             copy.deepcopy(self.cache, memo),
             self.compile_in_background,
             fp8=copy.deepcopy(self.fp8, memo),
+            code=copy.deepcopy(self.code, memo),
         )
 
     def __reduce__(self):
         args = (self.selector, self.compile_options, self.cache, self.compile_in_background)
-        return _runtime, (*args, self.fp8)
+        return _runtime, (*args, self.fp8, self.code)
 
 
-def _runtime(selector, compile_options, cache, compile_in_background, fp8) -> NativeRuntime:
-    return NativeRuntime(selector, compile_options, cache, compile_in_background, fp8=fp8)
+def _runtime(selector, compile_options, cache, compile_in_background, fp8, code=None) -> NativeRuntime:
+    return NativeRuntime(selector, compile_options, cache, compile_in_background, fp8=fp8, code=code)
 
 
 class NativeBlock:
@@ -178,6 +186,9 @@ class NativeBlock:
     # step cache's hook on one that reads only what it returns (TaylorSeer's) runs around that part
     # (``attention_module_call``) instead of sending the block to Diffusers' forward.
     attention_modules: ClassVar[tuple[str, ...]] = ()
+    # Paths of the GELU modules (Diffusers' or torch's) the math computes as the tanh GELU: one set to
+    # another ``approximate`` sends the block to Diffusers' forward.
+    tanh_gelus: ClassVar[tuple[str, ...]] = ()
     math: ClassVar[Callable[..., Any]]  # the block's pure math over tensors, weights and constants
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
@@ -312,6 +323,14 @@ class NativeBlock:
     def _block_reason(self, inputs: Sequence[Any]) -> str | None:
         if forward_in_flight() is not self.omni_runtime:
             return "the block was called outside its accelerated transformer's forward"
+        code = self.omni_runtime.code
+        reason = None if code is None else code.reason()
+        if reason is not None:
+            return reason
+        for path in self.tanh_gelus:
+            approximate = self._submodule(path).approximate
+            if approximate != "tanh":
+                return f"{path} has approximate={approximate!r} (the native math computes the tanh GELU)"
         reason = diffusers_only_reason(self, inputs, around=self.hooks_around())
         if reason is not None:
             return reason
@@ -483,6 +502,9 @@ def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRunti
         block.omni_name = name
         hook_chains.apply(block, diffusers_cls, native_cls)
         block.prepack()
+    runtime.code = CodeWatch.of_blocks(
+        [entry[1] for entry in named], lambda block: type(block).diffusers_class()
+    )
     # Diffusers' compile_repeated_blocks() finds blocks by class name: point it at the native classes.
     object.__setattr__(transformer, "_repeated_blocks", [cls.__name__ for cls in model.blocks.values()])
     return SwappedBlocks(transformer, [entry[1:] for entry in named])

@@ -289,6 +289,10 @@ class CompiledSteps:
     def begin_step(self) -> int:
         return 0 if self.compiler is None else self.compiler.begin_step()
 
+    def eager_reason(self) -> str | None:
+        """Why this step must run eagerly (not from a graph), or None."""
+        return None
+
     def may_capture(self) -> bool:
         return self.compiler is None or not self.compiler.compiling
 

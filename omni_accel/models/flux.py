@@ -197,6 +197,8 @@ class _FluxNative(NativeBlock):
 class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
     """FLUX's double-stream block: image and text streams with their own weights, joined in attention."""
 
+    tanh_gelus = ("ff.net.0", "ff_context.net.0")
+
     packed = {
         "img_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "txt_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
@@ -241,6 +243,8 @@ class NativeFluxTransformerBlock(_FluxNative, FluxTransformerBlock):
 
 class NativeFluxSingleTransformerBlock(_FluxNative, FluxSingleTransformerBlock):
     """FLUX's single-stream block over [text, image]: attention QKV and the MLP input share one GEMM."""
+
+    tanh_gelus = ("act_mlp",)
 
     packed = {"qkv_mlp": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
     linears = {"mod": "norm.linear", "out": "proj_out"}

@@ -82,6 +82,8 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
     """Qwen-Image's double-stream block: image and text streams with their own weights, joined in
     attention over ``[text, image]`` with the text padding masked."""
 
+    tanh_gelus = ("img_mlp.net.0", "txt_mlp.net.0")
+
     packed = {
         "img_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "txt_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),

@@ -190,6 +190,8 @@ def _attention_reason(module: Any) -> str | None:
 class _WanNative(NativeBlock):
     """Self-attention with RoPE, cross-attention over the text (and image), MLP; AdaLN from the timestep."""
 
+    tanh_gelus = ("ffn.net.0",)
+
     packed = {
         "qkv": ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
         "kv2": ("attn2.to_k", "attn2.to_v"),

@@ -1,0 +1,146 @@
+"""The Diffusers and torch code a native block stands in for, watched for patches.
+
+A native block computes what its Diffusers forward computes without calling it, nor the forwards of its
+submodules, its attention processor or the functions those call. A user who patches one (an attention-map
+recorder on ``FluxAttnProcessor.__call__`` or on ``dispatch_attention_fn``, a token-merging ``forward``)
+expects the patch to run, and in plain Diffusers it does. So the blocks watch:
+
+* each such method on its class: one that is not the function its class's module defines (replaced, or
+  wrapped with ``functools.wraps``), before ``accelerate`` or after it;
+* the module-level functions those methods call by name (``apply_rotary_emb``, ``dispatch_attention_fn``):
+  one replaced in the module after ``accelerate``.
+
+A patched one sends the blocks to Diffusers' forward, which calls it, and keeps the steps out of CUDA
+graphs, whose replays would skip its Python. Not watched: functions reached through an attribute
+(``F.linear``, ``torch.nn.functional.scaled_dot_product_attention``), which the native math does not call
+either way where they are torch's own, and functions called only by the module-level ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+
+from torch import nn
+
+import omni_accel.patches
+
+from ..utils.versions import forward_serial
+
+Holder = type | types.ModuleType  # where a watched function is looked up by name
+_PATCHES = os.path.dirname(omni_accel.patches.__file__) + os.sep
+
+
+class CodeWatch:
+    """The watched functions of some blocks: ``methods`` ((class, name) pairs) and the module functions
+    they call by name, as found when the watch was made (``watched``); ``reason()`` says why the blocks must
+    run Diffusers' code."""
+
+    def __init__(self, methods: Iterable[tuple[type, str]]) -> None:
+        self.methods = tuple(dict.fromkeys(methods))
+        self.watched: tuple[tuple[Holder, str], ...] = (*self.methods, *_called_by_name(self.methods))
+        self._seen = {key: (getattr(*key, None), _patched(*key, getattr(*key, None))) for key in self.watched}
+        self._checked = threading.local()  # ``last``: (forward serial, its reason) of this thread
+
+    @classmethod
+    def of_blocks(
+        cls, blocks: Iterable[nn.Module], diffusers_class: Callable[[nn.Module], type]
+    ) -> CodeWatch:
+        """The functions ``blocks`` stand in for: each block's Diffusers ``forward`` (``diffusers_class``
+        gives its class), its submodules' ``forward``, its attention processors' ``__call__``, and the
+        module-level functions those call by name."""
+        methods = []
+        for block in blocks:
+            for module in block.modules():
+                owner = diffusers_class(block) if module is block else type(module)
+                if owner.forward is not nn.Module.forward:  # a container has no forward of its own
+                    methods.append((owner, "forward"))
+                processor = getattr(module, "processor", None)
+                if processor is not None:
+                    methods.append((type(processor), "__call__"))
+        return cls(methods)
+
+    def __reduce__(self):  # classes pickle by name, modules do not: the functions are found again
+        return CodeWatch, (self.methods,)
+
+    def __deepcopy__(self, memo: dict) -> CodeWatch:
+        return CodeWatch(self.methods)
+
+    def reason(self) -> str | None:
+        """Why this forward's blocks must run Diffusers' code: a watched function patched, or None. Checked
+        once per forward (``utils.versions.forward_serial``); a function seen before costs an identity test."""
+        serial = forward_serial()
+        last = getattr(self._checked, "last", None)
+        if last is not None and last[0] == serial:
+            return last[1]
+        found = None
+        for key in self.watched:
+            function = getattr(*key, None)
+            seen = self._seen[key]
+            if seen[0] is not function:
+                seen = self._seen[key] = (function, _patched(*key, function))
+            found = found or seen[1]
+        self._checked.last = (serial, found)
+        return found
+
+
+def _called_by_name(methods: Iterable[tuple[type, str]]) -> list[tuple[types.ModuleType, str]]:
+    """(module, name) of each plain function that ``methods`` call by a global name of their module."""
+    found = []
+    for holder, name in methods:
+        function = getattr(holder, name)
+        while _ours(function):
+            function = function.__wrapped__
+        code = getattr(function, "__code__", None)
+        module = sys.modules.get(getattr(function, "__module__", None) or "")
+        if code is None or module is None:
+            continue
+        for global_name in code.co_names:
+            if isinstance(module.__dict__.get(global_name), types.FunctionType):
+                found.append((module, global_name))
+    return found
+
+
+def _patched(holder: Holder, name: str, function: Callable | None) -> str | None:
+    """Why ``function`` (``holder.name`` now) is not the code Diffusers or torch defines there, or None.
+    Our own patches (``patches/``, which wrap what they patch) are looked through."""
+    while _ours(function):
+        function = function.__wrapped__
+    if isinstance(holder, types.ModuleType):
+        if _defined_by(function, _top_package(holder.__name__), function.__name__ if function else ""):
+            return None
+        return f"{holder.__name__}.{name} is patched (not Diffusers' or torch's function): Diffusers' forward runs it"
+    owner = next((c for c in holder.__mro__ if name in c.__dict__), holder)
+    if _defined_by(function, owner.__module__, f"{owner.__qualname__}.{name}"):
+        return None
+    return (
+        f"{owner.__module__}.{owner.__qualname__}.{name} is patched (not the function its module defines): "
+        "Diffusers' forward runs it"
+    )
+
+
+def _defined_by(function: Callable | None, module_name: str, qualname: str) -> bool:
+    """``function`` is the plain, unwrapped function ``qualname`` that the file of its module defines, that
+    module being ``module_name`` (or a module of the package ``module_name`` names), or torch's."""
+    code = getattr(function, "__code__", None)
+    module = getattr(function, "__module__", None) or ""
+    return (
+        code is not None
+        and (module == module_name or _top_package(module) in (module_name, "torch"))
+        and getattr(function, "__qualname__", None) == qualname
+        and not hasattr(function, "__wrapped__")
+        and code.co_filename == getattr(sys.modules.get(module), "__file__", None)
+    )
+
+
+def _ours(function: Callable | None) -> bool:
+    """``function`` is one of our patches' wrappers (``omni_accel.patches``)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and hasattr(function, "__wrapped__") and code.co_filename.startswith(_PATCHES)
+
+
+def _top_package(module_name: str) -> str:
+    return module_name.partition(".")[0]
