@@ -118,3 +118,15 @@ def test_a_gelu_set_to_another_approximation_runs_in_diffusers():
             pipe.transformer.single_transformer_blocks
         ),
     }
+
+
+@torch.no_grad()
+def test_a_module_function_replaced_by_a_partial_runs(monkeypatch):
+    """Not only plain functions: any callable put in the module's place is a patch."""
+    plain = random_flux_transformer()
+    pipe = _accelerated(random_flux_transformer())
+    inputs = flux_inputs(plain)
+    scaled = functools.partial(_recorder(transformer_flux.dispatch_attention_fn, []))
+    monkeypatch.setattr(transformer_flux, "dispatch_attention_fn", scaled)
+    assert torch.equal(pipe.transformer(**inputs)[0], plain(**inputs)[0])
+    assert "dispatch_attention_fn is patched" in next(iter(_fallbacks(pipe)))

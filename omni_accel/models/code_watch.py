@@ -8,7 +8,8 @@ expects the patch to run, and in plain Diffusers it does. So the blocks watch:
 * each such method on its class: one that is not the function its class's module defines (replaced, or
   wrapped with ``functools.wraps``), before ``accelerate`` or after it;
 * the module-level functions those methods call by name (``apply_rotary_emb``, ``dispatch_attention_fn``):
-  one replaced in the module after ``accelerate``.
+  one that is not a function of Diffusers' or torch's own (replaced in the module, before ``accelerate`` or
+  after it).
 
 A patched one sends the blocks to Diffusers' forward, which calls it, and keeps the steps out of CUDA
 graphs, whose replays would skip its Python. Not watched: functions reached through an attribute
@@ -110,7 +111,7 @@ def _patched(holder: Holder, name: str, function: Callable | None) -> str | None
     while _ours(function):
         function = function.__wrapped__
     if isinstance(holder, types.ModuleType):
-        if _defined_by(function, _top_package(holder.__name__), function.__name__ if function else ""):
+        if _defined_by(function, _top_package(holder.__name__), getattr(function, "__name__", "")):
             return None
         return f"{holder.__name__}.{name} is patched (not Diffusers' or torch's function): Diffusers' forward runs it"
     owner = next((c for c in holder.__mro__ if name in c.__dict__), holder)
