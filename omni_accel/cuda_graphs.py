@@ -93,7 +93,7 @@ class StepHooks(Protocol):
     def begin_step(self) -> Hashable:
         """Called as each step starts; part of the step's key (the generation of compiled code)."""
 
-    def eager_reason(self) -> str | None:
+    def step_eager_reason(self) -> str | None:
         """Why this step must run eagerly (patched code whose Python a replay would skip), or None."""
 
     def may_capture(self) -> bool:
@@ -174,7 +174,7 @@ class StepGraphs(InstanceForward):
         ):  # a compiler tracing us sees the plain forward
             return forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        reason = _eager_reason(module, leaves) or (self.hooks and self.hooks.eager_reason())
+        reason = _eager_reason(module, leaves) or (self.hooks and self.hooks.step_eager_reason())
         if reason is not None:
             return self._eager(reason, forward, args, kwargs)
         state = self._begin_step()

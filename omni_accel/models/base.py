@@ -133,7 +133,7 @@ class NativeRuntime(CompiledSteps):
             return fn
         return self.compiler.math(fn, caller, background=self.layout is None)
 
-    def eager_reason(self) -> str | None:
+    def step_eager_reason(self) -> str | None:
         """A step whose blocks run patched Diffusers code (``code_watch``) runs eagerly: a replay would skip
         the patch's Python."""
         return None if self.code is None else self.code.reason()

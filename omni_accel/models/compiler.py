@@ -289,7 +289,7 @@ class CompiledSteps:
     def begin_step(self) -> int:
         return 0 if self.compiler is None else self.compiler.begin_step()
 
-    def eager_reason(self) -> str | None:
+    def step_eager_reason(self) -> str | None:
         """Why this step must run eagerly (not from a graph), or None."""
         return None
 
