@@ -85,6 +85,47 @@ def test_a_patch_from_before_accelerate_wrapped_with_functools_wraps_runs(monkey
     assert len(calls) == plain_calls == len(plain.transformer_blocks)
 
 
+_original_call = FluxAttnProcessor.__call__
+_recorded: list = []
+
+
+def _recording_call(self, *args, **kwargs):
+    """The usual monkeypatch idiom: a module-level replacement that calls the original kept in a global
+    (``_original_call``) and a helper of its own (``_record``)."""
+    _record()
+    return _original_call(self, *args, **kwargs)
+
+
+def _record() -> None:
+    _recorded.append(1)
+
+
+@torch.no_grad()
+def test_the_globals_of_a_patch_from_before_accelerate_are_not_watched(monkeypatch):
+    """The functions a user's patch calls by name are the patch's, not Diffusers': once the patch is gone
+    the blocks are native again, and the functions the unpatched processor calls are watched again."""
+    plain = random_flux_transformer()
+    inputs = flux_inputs(plain)
+    want = plain(**inputs)[0]
+    monkeypatch.setattr(FluxAttnProcessor, "__call__", _recording_call)
+    pipe = _accelerated(random_flux_transformer())
+    _recorded.clear()
+    assert torch.equal(pipe.transformer(**inputs)[0], want)
+    assert _recorded and "FluxAttnProcessor.__call__ is patched" in next(iter(_fallbacks(pipe)))
+    monkeypatch.undo()
+    counted = sum(_fallbacks(pipe).values())
+    for _ in range(2):
+        assert rel_err(pipe.transformer(**inputs)[0], want) <= 1e-6
+    assert sum(_fallbacks(pipe).values()) == counted
+
+    calls: list = []
+    monkeypatch.setattr(
+        transformer_flux, "dispatch_attention_fn", _recorder(transformer_flux.dispatch_attention_fn, calls)
+    )
+    pipe.transformer(**inputs)
+    assert calls and any("dispatch_attention_fn is patched" in reason for reason in _fallbacks(pipe))
+
+
 @torch.no_grad()
 def test_our_own_patches_and_copies_keep_the_blocks_native():
     """A routed model's patches (``patches/attention_roles.py`` wraps ``Attention.forward``) are ours, not

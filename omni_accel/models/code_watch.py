@@ -7,9 +7,9 @@ expects the patch to run, and in plain Diffusers it does. So the blocks watch:
 
 * each such method on its class: one that is not the function its class's module defines (replaced, or
   wrapped with ``functools.wraps``), before ``accelerate`` or after it;
-* the module-level functions those methods call by name (``apply_rotary_emb``, ``dispatch_attention_fn``):
-  one that is not a function of Diffusers' or torch's own (replaced in the module, before ``accelerate`` or
-  after it).
+* the module-level functions those methods' own code calls by name (``apply_rotary_emb``,
+  ``dispatch_attention_fn``): one that is not a function of Diffusers' or torch's own (replaced in the
+  module, before ``accelerate`` or after it). A patched method's globals are its patch's, not watched.
 
 A patched one sends the blocks to Diffusers' forward, which calls it, and keeps the steps out of CUDA
 graphs, whose replays would skip its Python. Not watched: functions reached through an attribute
@@ -37,13 +37,15 @@ _PATCHES = os.path.dirname(omni_accel.patches.__file__) + os.sep
 
 class CodeWatch:
     """The watched functions of some blocks: ``methods`` ((class, name) pairs) and the module functions
-    they call by name, as found when the watch was made (``watched``); ``reason()`` says why the blocks must
-    run Diffusers' code."""
+    call by name where they are unpatched (``watched``, followed as the methods change); ``reason()`` says
+    why the blocks must run Diffusers' code."""
 
     def __init__(self, methods: Iterable[tuple[type, str]]) -> None:
         self.methods = tuple(dict.fromkeys(methods))
-        self.watched: tuple[tuple[Holder, str], ...] = (*self.methods, *_called_by_name(self.methods))
-        self._seen = {key: (getattr(*key, None), _patched(*key, getattr(*key, None))) for key in self.watched}
+        self._seen: dict[tuple[Holder, str], tuple[Callable | None, str | None]] = {}
+        self._method_functions: tuple[Callable | None, ...] = ()
+        self.watched: tuple[tuple[Holder, str], ...] = ()
+        self._follow_methods()
         self._checked = threading.local()  # ``last``: (forward serial, its reason) of this thread
 
     @classmethod
@@ -77,15 +79,31 @@ class CodeWatch:
         last = getattr(self._checked, "last", None)
         if last is not None and last[0] == serial:
             return last[1]
+        if any(
+            getattr(*key, None) is not seen
+            for key, seen in zip(self.methods, self._method_functions, strict=True)
+        ):
+            self._follow_methods()
         found = None
         for key in self.watched:
-            function = getattr(*key, None)
-            seen = self._seen[key]
-            if seen[0] is not function:
-                seen = self._seen[key] = (function, _patched(*key, function))
-            found = found or seen[1]
+            found = found or self._check(key)
         self._checked.last = (serial, found)
         return found
+
+    def _follow_methods(self) -> None:
+        """Watch the methods and the module functions that their unpatched code calls by name. A patched
+        method's globals are the patch's (a user's ``_orig_call``, a notebook's helper), not Diffusers': they
+        are dropped, and the unpatched method's are watched again once it is back."""
+        self._method_functions = tuple(getattr(*key, None) for key in self.methods)
+        pristine = [key for key in self.methods if self._check(key) is None]
+        self.watched = tuple(dict.fromkeys((*self.methods, *_called_by_name(pristine))))
+
+    def _check(self, key: tuple[Holder, str]) -> str | None:
+        function = getattr(*key, None)
+        seen = self._seen.get(key)
+        if seen is None or seen[0] is not function:
+            seen = self._seen[key] = (function, _patched(*key, function))
+        return seen[1]
 
 
 def _called_by_name(methods: Iterable[tuple[type, str]]) -> list[tuple[types.ModuleType, str]]:
