@@ -3,6 +3,7 @@
     attention-shapes       attention providers (cuDNN, flash, SDPA's dispatch, FlashInfer) per model shape
     masked-attention       a key-padding mask at Qwen-Image's shape: dense mask, pinned kernels, mask-free ways
     attention-beside-gemm  attention and an independent GEMM in turn or on two streams (FLUX single block)
+    attention-plans-per-thread  whether a cuDNN plan built on one thread serves another's first call
     lossy-attention        the lossy providers (FlashInfer FP8, SageAttention) against fp64, by key length
     gemm-shapes            the blocks' GEMMs at a rank's token counts: cuBLAS, and Inductor's autotuned pick
     gemm-gelu              cuBLASLt's GELU epilogue against a GEMM then our GELU kernel
@@ -14,6 +15,7 @@
     python benchmarks/kernel_bench.py attention-shapes --out attention_shapes.json
     python benchmarks/kernel_bench.py masked-attention --out masked_attention.json
     python benchmarks/kernel_bench.py attention-beside-gemm --out attention_beside_gemm.json
+    python benchmarks/kernel_bench.py attention-plans-per-thread
     python benchmarks/kernel_bench.py lossy-attention --out lossy_attention.json
     python benchmarks/kernel_bench.py gemm-shapes --models flux --autotune --out gemm_shapes.json
     python benchmarks/kernel_bench.py gemm-gelu

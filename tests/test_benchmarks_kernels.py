@@ -112,3 +112,12 @@ def test_lossy_attention():
         assert row["flat_cosine"] > 0.9999 and abs(row["flat_norm_ratio"] - 1) < 1e-4, row
         assert row["peaked_cosine"] > 0.9999 and "refused" not in row
     assert "cuda" in results["skipped"]["flashinfer_fp8"] and "cuda" in results["skipped"]["sage"]
+
+
+def test_attention_plans_per_thread():
+    results = tiny("attention-plans-per-thread")
+    assert set(results) >= {"48 tokens", "96 tokens"}
+    for row in (results["48 tokens"], results["96 tokens"]):
+        assert len(row) == 4
+        positive(*(ms for pair in row.values() for ms in pair))
+    assert "CUDA" in results["skipped"]["cuDNN's plans"]

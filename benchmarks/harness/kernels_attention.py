@@ -317,6 +317,58 @@ def lossy_attention(run: Run, args: argparse.Namespace) -> None:
         run.results[name] = rows
 
 
+def plans_per_thread(run: Run, args: argparse.Namespace) -> None:
+    """Whether an attention plan one thread built makes another thread's first call cheap.
+
+    cuDNN builds a plan per shape at its first call (tens of ms). If plans were shared, a background thread
+    could build them beside a compile and spare the first image that time. Per shape (each new to the
+    process) the first and second call on the thread that builds it, and the first call of the same shape on
+    the other thread: the main thread after a background thread built it, and a fresh thread after the main
+    thread built it. Equal first calls mean plans are kept per thread."""
+    import threading
+    import time
+
+    provider_name = "sdpa_cudnn" if run.cuda else "sdpa"
+    if not run.cuda:
+        run.skip("cuDNN's plans", "needs CUDA (the CPU runs PyTorch's SDPA: no plans to share)")
+    provider = get_provider(provider_name)
+    heads, head_dim = (4, 128) if run.tiny else (24, 128)
+
+    def first_two(tokens: int) -> tuple[float, float]:
+        q = run.randn(1, tokens, heads, head_dim, generator=run.generator())
+        times = []
+        for _ in range(2):
+            run.synchronize()
+            start = time.perf_counter()
+            provider.forward(q, q, q)
+            run.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times[0], times[1]
+
+    def on_a_thread(tokens: int) -> tuple[float, float]:
+        result: list[tuple[float, float]] = []
+        thread = threading.Thread(target=lambda: result.append(first_two(tokens)))
+        thread.start()
+        thread.join()
+        return result[0]
+
+    first_two(32 if run.tiny else 1024)  # the process's own set-up (library load), not a plan
+    for tokens in args.tokens:
+        built_on_thread, main_after = on_a_thread(tokens), first_two(tokens)
+        built_on_main = first_two(tokens + 64)
+        thread_after = on_a_thread(tokens + 64)
+        row = {
+            "background thread builds: first, second ms": built_on_thread,
+            "then the main thread: first, second ms": main_after,
+            "main thread builds: first, second ms": built_on_main,
+            "then a fresh thread: first, second ms": thread_after,
+        }
+        run.results[f"{tokens} tokens"] = row
+        print(f"{provider_name} {tokens} tokens: " + "; ".join(
+            f"{key} {a:.2f} / {b:.2f}" for key, (a, b) in row.items()
+        ), flush=True)  # fmt: skip
+
+
 def register(commands: Commands) -> None:
     parser = commands.add("attention-shapes", attention_shapes)
     parser.add_argument(
@@ -338,6 +390,11 @@ def register(commands: Commands) -> None:
     option(parser, "--calls", 20, 2, "calls per captured graph")
     option(parser, "--rounds", 5, 1, "interleaved rounds")
     option(parser, "--provider", "sdpa_cudnn", "sdpa", "attention provider", type=str)
+
+    parser = commands.add("attention-plans-per-thread", plans_per_thread)
+    option(
+        parser, "--tokens", [4096, 4608], [48, 96], "tokens per shape (each new to the process)", nargs="+"
+    )
 
     parser = commands.add("lossy-attention", lossy_attention)
     option(parser, "--keys", list(KEY_LENGTHS), [64, 333], "key lengths", nargs="+")
