@@ -36,7 +36,7 @@ _PATCHES = os.path.dirname(omni_accel.patches.__file__) + os.sep
 
 
 class CodeWatch:
-    """The watched functions of some blocks: ``methods`` ((class, name) pairs) and the module functions
+    """The watched functions of some blocks: ``methods`` ((class, name) pairs) and the module functions they
     call by name where they are unpatched (``watched``, followed as the methods change); ``reason()`` says
     why the blocks must run Diffusers' code."""
 
