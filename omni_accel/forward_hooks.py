@@ -28,11 +28,27 @@ def global_hooks_active() -> bool:
 
 
 def is_hooked(module: nn.Module) -> bool:
-    """A hook on this module itself (not its children)."""
+    """A hook on this module itself (not its children), or a ``forward`` set on the instance."""
     # Read the instance dict: hasattr() on a missing attribute runs Module.__getattr__ and raises, which
     # is most of the cost when this runs over every submodule of every block at every call.
-    registry = module.__dict__.get("_diffusers_hook")
-    return has_foreign_torch_hooks(module) or bool(registry is not None and registry.hooks)
+    state = module.__dict__
+    registry = state.get("_diffusers_hook")
+    return (
+        has_foreign_torch_hooks(module)
+        or bool(registry is not None and registry.hooks)
+        or ("forward" in state and _foreign_forward(module, state["forward"]))
+    )
+
+
+def _foreign_forward(module: nn.Module, forward: Callable | None) -> bool:
+    """``forward``, set on ``module``'s instance, is not its class's: an attention-map recorder's
+    ``attn.forward = types.MethodType(record, attn)``, a closure. Not foreign: ours (``InstanceForward``)
+    over nothing foreign, and the class's own forward bound to the module, which Diffusers' hooks and
+    accelerate's leave behind when they are removed."""
+    if isinstance(forward, InstanceForward):
+        return forward.inner is not None and _foreign_forward(module, forward.inner)
+    bound_to = getattr(forward, "__self__", None)
+    return not (bound_to is module and getattr(forward, "__func__", None) is type(module).forward)
 
 
 def has_foreign_torch_hooks(module: nn.Module) -> bool:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import random_ip_adapter_state, random_lora, rel_err
+from conftest import flux_inputs, random_ip_adapter_state, random_lora, rel_err
 
 import omni_accel
 
@@ -309,6 +309,24 @@ def test_projection_cache_is_exact_whatever_changes_a_weight(edit):
         _WEIGHT_EDITS[edit](pipe)
     after = _same(plain, fast)
     assert not torch.equal(after, before)
+
+
+def test_reading_data_between_forward_and_backward_trains_as_plain_diffusers():
+    """The cache watches ``.data`` use of the weights it depends on, apart from the version counter that
+    autograd checks: a weight norm logged between a training forward and its backward is no write there.
+    A deep copy's and a pickled copy's parameters are plain ones (their stores start empty)."""
+    plain, fast = _pair()
+    _same(plain, fast)  # the cache stores, and watches the modulation weights
+    results = []
+    for pipe in (plain, fast):
+        loss = pipe.transformer(**flux_inputs(pipe.transformer))[0].square().mean()
+        norms = [p.data.norm() for p in pipe.transformer.parameters()]
+        loss.backward()
+        results.append((loss.detach(), norms[0], _modulation_weight(pipe).grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert type(_modulation_weight(fast)).__name__ == "WatchedParameter"
+    for copied in (copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
+        assert {type(p) for p in copied.transformer.parameters()} == {torch.nn.Parameter}
 
 
 def test_compiled_blocks_take_new_lora_scales_and_hotswaps_without_recompiling():

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..forward_hooks import has_hooks
-from ..utils.watched import Watcher
+from ..utils.watched import Watcher, weight_version
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_PREPARED = 64
@@ -91,7 +91,7 @@ def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | 
             return None
         if watched is not None:
             watched.watch(t)
-        state.append((id(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape))
+        state.append((id(t), t.data_ptr(), weight_version(t), t.dtype, t.device, t.shape))
     for m in module.modules():
         if hasattr(m, "lora_A") and hasattr(m, "scaling"):
             state.append(_adapter_state(m))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..utils.kernels import HAS_TRITON, kernels_can_run
 from ..utils.storage import contiguous_run
-from ..utils.watched import Watcher
+from ..utils.watched import Watcher, weight_version
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -196,11 +196,11 @@ class Fp8Weights:
                 entry = self._entries[key] = _Entry(
                     quantize_weight(weight),
                     tuple(weakref.ref(s) for s in sources),
-                    tuple(s._version for s in sources),
+                    tuple(weight_version(s) for s in sources),
                 )
                 self.quantized += 1
                 self._snapshot = None
-            elif entry.versions != tuple(s._version for s in sources):
+            elif entry.versions != tuple(weight_version(s) for s in sources):
                 self._requantize(entry, weight)
             return entry.fp8
 
@@ -216,7 +216,7 @@ class Fp8Weights:
                 if any(s is None for s in sources):
                     del self._entries[key]
                     continue
-                versions = tuple(s._version for s in sources)
+                versions = tuple(weight_version(s) for s in sources)
                 if versions == entry.versions:
                     continue
                 weight = contiguous_run(sources)
@@ -236,7 +236,7 @@ class Fp8Weights:
         fresh = quantize_weight(weight)
         entry.fp8.data.copy_(fresh.data)
         entry.fp8.scale.copy_(fresh.scale)
-        entry.versions = tuple(ref()._version for ref in entry.sources)
+        entry.versions = tuple(weight_version(ref()) for ref in entry.sources)
         self.quantized += 1
         self._snapshot = None
 
@@ -250,7 +250,7 @@ class Fp8Weights:
             self._snapshot = (refs, [version for entry in entries for version in entry.versions])
         refs, versions = self._snapshot
         try:
-            return [ref()._version for ref in refs] == versions
+            return [weight_version(ref()) for ref in refs] == versions
         except AttributeError:  # a parameter is gone: its reference gives None
             return False
 

@@ -192,6 +192,7 @@ class NativeBlock:
     math: ClassVar[Callable[..., Any]]  # the block's pure math over tensors, weights and constants
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
+    omni_structure: Structure  # ``structure()`` at ``accelerate``
 
     @classmethod
     def diffusers_class(cls) -> type[nn.Module]:
@@ -327,10 +328,15 @@ class NativeBlock:
         reason = None if code is None else code.reason()
         if reason is not None:
             return reason
+        reason = self._structure_reason()
+        if reason is not None:
+            return reason
         for path in self.tanh_gelus:
-            approximate = self._submodule(path).approximate
+            approximate = getattr(self._submodule(path), "approximate", None)
             if approximate != "tanh":
-                return f"{path} has approximate={approximate!r} (the native math computes the tanh GELU)"
+                return (
+                    f"{path} is not a tanh GELU (approximate={approximate!r}), which the native math computes"
+                )
         reason = diffusers_only_reason(self, inputs, around=self.hooks_around())
         if reason is not None:
             return reason
@@ -340,6 +346,28 @@ class NativeBlock:
             if reason is not None:
                 return reason
         return None
+
+    def structure(self) -> Structure:
+        """What the math assumes of the submodules it computes without reading them (activations, norms,
+        their eps): see ``Structure``. The projections it reads at every call (``linears``, the packed ones,
+        whatever LoRA wraps them in) are left out."""
+        skip: dict = {}
+        for paths in (*self.packed_projections().values(), *((path,) for path in self.linears.values())):
+            for path in paths:
+                *parents, last = _split_path(path)
+                node = skip
+                for name in parents:
+                    node = node.setdefault(name, {})
+                node[last] = None
+        return Structure.of(self, skip)
+
+    def _structure_reason(self) -> str | None:
+        """Why the block's submodules are no longer what its math computes (``structure`` changed since
+        ``accelerate``: an activation replaced, an eps changed), or None."""
+        then = self.omni_structure
+        if _walk_structure(self, then.skip) == then.fingerprint:
+            return None
+        return f"{then.changed_path(self)} was replaced or changed since accelerate (the native math computes what it was)"
 
     def prepack(self) -> None:
         """Packs each of the block's packed projections now (at ``accelerate``), where no call can observe
@@ -369,6 +397,13 @@ class NativeBlock:
 
     def _modules_at(self, paths: tuple[str, ...]) -> list[nn.Module]:
         return [self._submodule(path) for path in paths]
+
+    def _maybe_at(self, path: str) -> nn.Module | None:
+        """The submodule at ``path``, or None where the block has none (Z-Image's blocks without AdaLN)."""
+        try:
+            return self._submodule(path)
+        except KeyError:
+            return None
 
     def _submodule(self, path: str) -> nn.Module:
         """``get_submodule(path)`` read straight from each ``_modules`` (it runs for every projection of
@@ -421,6 +456,75 @@ def image_output_like(transformer: nn.Module, arguments: dict[str, Any]) -> torc
     return hidden.new_empty(*hidden.shape[:2], transformer.proj_out.out_features)
 
 
+@dataclass(frozen=True)
+class Structure:
+    """A block's submodules as its math assumes them, taken at ``accelerate``: depth first, each one's class
+    and plain settings (``_settings_of``), the subtrees in ``skip`` (a tree of names; None: not walked)
+    left out. Compared whole at each call: about as cheap as the walk for hooks."""
+
+    skip: dict
+    fingerprint: tuple
+    entries: tuple[tuple[str, type, tuple], ...]  # the same, by submodule: (path, class, settings' values)
+
+    @classmethod
+    def of(cls, block: nn.Module, skip: dict) -> Structure:
+        entries: list = []
+        return cls(skip, _walk_structure(block, skip, entries), tuple(entries))
+
+    def changed_path(self, block: nn.Module) -> str:
+        """The dotted path of the first submodule whose class or settings differ now."""
+        now = Structure.of(block, self.skip).entries
+        differ = [a[0] for a, b in zip(now, self.entries, strict=False) if a != b]
+        return (differ or [entry[0] for entry in (now[len(self.entries) :] or self.entries[len(now) :])])[0]
+
+
+_SETTINGS: dict[type, tuple[str, ...]] = {}  # per class: the plain attributes its instances are read for
+_SETTINGS_SKIPPED = frozenset({"training"})
+
+
+def _settings_of(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module``'s own attributes of plain values (eps, approximate, a norm's shape)."""
+    names = _SETTINGS.get(type(module))
+    if names is None:
+        names = _SETTINGS[type(module)] = tuple(
+            sorted(
+                name
+                for name, value in module.__dict__.items()
+                if not name.startswith("_") and name not in _SETTINGS_SKIPPED and _plain(value)
+            )
+        )
+    return names
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(item) for item in value)
+    return value is None or type(value) in (bool, int, float, str)
+
+
+def _walk_structure(root: nn.Module, skip: dict, paths: list[str] | None = None) -> tuple:
+    """The flat fingerprint of ``Structure``: for each submodule walked, its class, then its settings'
+    values. ``paths`` collects, aligned with each class entry, the submodule's dotted path."""
+    found: list = []
+    stack: list[tuple[nn.Module, dict, str]] = [(root, skip, "")]
+    while stack:
+        module, skip_here, prefix = stack.pop()
+        for name, child in module._modules.items():
+            below = skip_here.get(name, _ALL)
+            if child is None or below is None or name == "processor":  # processors: ``unsupported_reason``
+                continue
+            found.append(type(child))
+            state = child.__dict__
+            found.extend(state.get(setting) for setting in _settings_of(child))
+            if paths is not None:
+                paths.append((prefix + name, type(child), tuple(state.get(s) for s in _settings_of(child))))
+            stack.append((child, below, prefix + name + "."))
+    return tuple(found)
+
+
+_ALL: dict = {}  # walk everything below
+
+
 def diffusers_only_reason(block: nn.Module, inputs: Any, around: Sequence[nn.Module] = ()) -> str | None:
     """Why this call of ``block`` must run Diffusers' own forward eagerly (native math and compiled code
     would not compute what it does), or None. ``inputs``: the call's arguments (tensors nested in tuples,
@@ -429,7 +533,10 @@ def diffusers_only_reason(block: nn.Module, inputs: Any, around: Sequence[nn.Mod
         return "training mode with active dropout"
     hooked = hooked_submodule(block, around)
     if hooked is not None:
-        return f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules)"
+        return (
+            f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules, or a forward "
+            "set on the module)"
+        )
     if torch.is_grad_enabled():
         # Fused kernels and our attention op have no backward: whenever a gradient flows through this block
         # (to its weights or to its inputs), Diffusers' forward computes it.
@@ -474,7 +581,7 @@ class SwappedBlocks:
         for block, diffusers_cls, native_cls in self.blocks:
             hook_chains.revert(block, diffusers_cls, native_cls)
             block.__class__ = diffusers_cls
-            del block.omni_runtime, block.omni_name
+            del block.omni_runtime, block.omni_name, block.omni_structure
         object.__delattr__(self.transformer, "_repeated_blocks")
 
 
@@ -502,6 +609,7 @@ def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRunti
         block.omni_name = name
         hook_chains.apply(block, diffusers_cls, native_cls)
         block.prepack()
+        block.omni_structure = block.structure()
     runtime.code = CodeWatch.of_blocks(
         [entry[1] for entry in named], lambda block: type(block).diffusers_class()
     )

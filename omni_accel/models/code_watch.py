@@ -53,17 +53,17 @@ class CodeWatch:
         cls, blocks: Iterable[nn.Module], diffusers_class: Callable[[nn.Module], type]
     ) -> CodeWatch:
         """The functions ``blocks`` stand in for: each block's Diffusers ``forward`` (``diffusers_class``
-        gives its class), its submodules' ``forward``, its attention processors' ``__call__``, and the
-        module-level functions those call by name."""
+        gives its class), its submodules' ``forward``, the ``__call__`` of the attention processors the native
+        math computes (``_processor_stood_in_for``), and the module-level functions those call by name."""
         methods = []
         for block in blocks:
             for module in block.modules():
                 owner = diffusers_class(block) if module is block else type(module)
                 if owner.forward is not nn.Module.forward:  # a container has no forward of its own
                     methods.append((owner, "forward"))
-                processor = getattr(module, "processor", None)
+                processor = _processor_stood_in_for(module)
                 if processor is not None:
-                    methods.append((type(processor), "__call__"))
+                    methods.append((processor, "__call__"))
         return cls(methods)
 
     def __reduce__(self):  # classes pickle by name, modules do not: the functions are found again
@@ -106,6 +106,19 @@ class CodeWatch:
         return seen[1]
 
 
+def _processor_stood_in_for(module: nn.Module) -> type | None:
+    """The attention processor class whose ``__call__`` the native math computes for ``module``: its
+    class's default (what the blocks run natively with, whatever processor is set at ``accelerate``), else
+    the Diffusers processor set on it; None for a module without one, or with a user's processor alone."""
+    default = getattr(type(module), "_default_processor_cls", None)
+    if default is not None:
+        return default
+    processor = getattr(module, "processor", None)
+    if processor is None or _top_package(type(processor).__module__) != "diffusers":
+        return None
+    return type(processor)
+
+
 def _called_by_name(methods: Iterable[tuple[type, str]]) -> list[tuple[types.ModuleType, str]]:
     """(module, name) of each plain function that ``methods`` call by a global name of their module."""
     found = []
@@ -118,8 +131,9 @@ def _called_by_name(methods: Iterable[tuple[type, str]]) -> list[tuple[types.Mod
         if code is None or module is None:
             continue
         for global_name in code.co_names:
-            if isinstance(module.__dict__.get(global_name), types.FunctionType):
-                found.append((module, global_name))
+            value = module.__dict__.get(global_name)
+            if callable(value) and not isinstance(value, type | types.ModuleType):
+                found.append((module, global_name))  # a function, or what stands in one's place
     return found
 
 
@@ -129,7 +143,10 @@ def _patched(holder: Holder, name: str, function: Callable | None) -> str | None
     while _ours(function):
         function = function.__wrapped__
     if isinstance(holder, types.ModuleType):
-        if _defined_by(function, _top_package(holder.__name__), getattr(function, "__name__", "")):
+        package = _top_package(holder.__name__)
+        if _defined_by(function, package, getattr(function, "__name__", "")) or _builtin_of(
+            function, package
+        ):
             return None
         return f"{holder.__name__}.{name} is patched (not Diffusers' or torch's function): Diffusers' forward runs it"
     owner = next((c for c in holder.__mro__ if name in c.__dict__), holder)
@@ -153,6 +170,13 @@ def _defined_by(function: Callable | None, module_name: str, qualname: str) -> b
         and not hasattr(function, "__wrapped__")
         and code.co_filename == getattr(sys.modules.get(module), "__file__", None)
     )
+
+
+def _builtin_of(function: Callable | None, package: str) -> bool:
+    """``function`` is a function of torch's or ``package``'s written in C (``torch.rsqrt`` imported by name)."""
+    return isinstance(function, types.BuiltinFunctionType) and _top_package(
+        getattr(function, "__module__", None) or ""
+    ) in (package, "torch")
 
 
 def _ours(function: Callable | None) -> bool:

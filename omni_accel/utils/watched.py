@@ -4,7 +4,10 @@
 ``p.data`` is a tensor with a version counter of its own, so an in-place edit through it (the EMA pattern
 ``p.data.mul_(d).add_(...)``, peft's merge) leaves ``p._version`` unchanged and no cheap check could see it.
 A watcher turns the parameters it depends on into ``WatchedParameter`` and back when it lets them go; a
-parameter two watchers share turns back only when the last one lets it go.
+parameter two watchers share turns back only when the last one lets it go. The stores compare
+``weight_version``: the version counter plus the ``.data`` uses, counted apart so that autograd, which checks
+the version counter of what it saved, does not see a read of ``.data`` (a weight norm logged between a
+training forward and its backward) as a write.
 """
 
 from __future__ import annotations
@@ -15,19 +18,48 @@ import weakref
 import torch
 from torch import nn
 
+_USES = "_omni_data_uses"  # on a watched parameter: how many times its ``.data`` was read or set
+
 
 class WatchedParameter(nn.Parameter):
-    """A parameter whose ``.data`` counts as a write: reading or setting it bumps the version counter."""
+    """A parameter whose ``.data`` counts as a write: reading or setting it moves ``weight_version``."""
 
     @property
     def data(self) -> torch.Tensor:
-        torch.autograd.graph.increment_version(self)
+        _count_use(self)
         return nn.Parameter.data.__get__(self)
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
         nn.Parameter.data.__set__(self, value)
-        torch.autograd.graph.increment_version(self)
+        _count_use(self)
+
+    # A copy belongs to no watcher (the stores of a copied model start empty): a plain parameter.
+    def __deepcopy__(self, memo: dict) -> nn.Parameter:
+        copied = nn.Parameter(nn.Parameter.data.__get__(self).clone(), self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol: int):
+        state = {name: value for name, value in self.__dict__.items() if name not in (_COUNT, _USES)}
+        return _plain_parameter, (nn.Parameter.data.__get__(self), self.requires_grad, state)
+
+
+def _plain_parameter(data: torch.Tensor, requires_grad: bool, state: dict) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad)
+    param.__dict__.update(state)
+    return param
+
+
+def _count_use(param: torch.Tensor) -> None:
+    state = param.__dict__
+    state[_USES] = state.get(_USES, 0) + 1
+
+
+def weight_version(tensor: torch.Tensor) -> int:
+    """``tensor._version`` plus, for a parameter ever watched, its ``.data`` uses: moves at every write,
+    through ``.data`` too (both only grow)."""
+    return tensor._version + tensor.__dict__.get(_USES, 0)
 
 
 _LOCK = threading.Lock()
