@@ -127,3 +127,21 @@ def test_conditioning_written_behind_the_version_counter_is_compared_again():
     buffer *= 1.3
     assert torch.equal(run(fast), run(plain))
     assert _cache(fast).stats()["hits"] > 0  # the cache is on, and hits within each call
+
+
+def test_a_cache_site_whose_code_or_submodules_change_computes_again(monkeypatch):
+    """The stored projection belongs to the site's code as well as its weights: its class's forward
+    patched, or a submodule of it replaced, after outputs were stored, and the output is plain Diffusers'
+    with the same change (the stored one was served before)."""
+    from diffusers.models.embeddings import TimestepEmbedding
+
+    plain = omni_accel.tiny_wan_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), native=False)
+    assert torch.equal(_wan(fast), _wan(plain)) and _cache(fast).stats()["hits"] > 0
+    original = TimestepEmbedding.forward
+    monkeypatch.setattr(TimestepEmbedding, "forward", lambda self, *a, **k: original(self, *a, **k) * 2)
+    assert torch.equal(_wan(fast), _wan(plain))
+    monkeypatch.undo()
+    for pipe in (plain, fast):
+        pipe.transformer.condition_embedder.time_embedder.act = torch.nn.Identity()
+    assert torch.equal(_wan(fast), _wan(plain))

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..forward_hooks import has_hooks
+from ..utils.module_settings import settings
 from ..utils.watched import Watcher, weight_version
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -83,8 +84,8 @@ def _adapter_state(module: nn.Module) -> tuple:
 
 
 def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | None:
-    """Identity, storage and version of every parameter and buffer and the state of every adapter layer;
-    None if a tensor has no version counter. With ``watched``, parameters start counting ``.data`` use."""
+    """Identity, storage and version of every parameter and buffer, each submodule's class, forward and
+    settings, and the state of every adapter layer; None if a tensor has no version counter. With ``watched``, parameters start counting ``.data`` use."""
     state = []
     for t in (*module.parameters(), *module.buffers()):
         if t.is_inference():
@@ -92,7 +93,8 @@ def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | 
         if watched is not None:
             watched.watch(t)
         state.append((id(t), t.data_ptr(), weight_version(t), t.dtype, t.device, t.shape))
-    for m in module.modules():
+    for m in module.modules():  # and the code: a class forward patched, a submodule replaced, an eps set
+        state.append((type(m), type(m).forward, m.__dict__.get("forward"), settings(m)))
         if hasattr(m, "lora_A") and hasattr(m, "scaling"):
             state.append(_adapter_state(m))
     return tuple(state)

@@ -59,6 +59,7 @@ from ..parallel.sequence_hooks import Split
 from ..parallel.tensor import TensorPlan
 from ..parallel.token_rows import Rows
 from ..utils.logging import get_logger
+from ..utils.module_settings import settings
 from .code_watch import CodeWatch
 from .compiler import BlockCompiler, CompiledSteps
 
@@ -459,7 +460,7 @@ def image_output_like(transformer: nn.Module, arguments: dict[str, Any]) -> torc
 @dataclass(frozen=True)
 class Structure:
     """A block's submodules as its math assumes them, taken at ``accelerate``: depth first, each one's class
-    and plain settings (``_settings_of``), the subtrees in ``skip`` (a tree of names; None: not walked)
+    and plain settings (``utils.module_settings``), the subtrees in ``skip`` (a tree of names; None: not walked)
     left out. Compared whole at each call: about as cheap as the walk for hooks."""
 
     skip: dict
@@ -478,33 +479,9 @@ class Structure:
         return (differ or [entry[0] for entry in (now[len(self.entries) :] or self.entries[len(now) :])])[0]
 
 
-_SETTINGS: dict[type, tuple[str, ...]] = {}  # per class: the plain attributes its instances are read for
-_SETTINGS_SKIPPED = frozenset({"training"})
-
-
-def _settings_of(module: nn.Module) -> tuple[str, ...]:
-    """The names of ``module``'s own attributes of plain values (eps, approximate, a norm's shape)."""
-    names = _SETTINGS.get(type(module))
-    if names is None:
-        names = _SETTINGS[type(module)] = tuple(
-            sorted(
-                name
-                for name, value in module.__dict__.items()
-                if not name.startswith("_") and name not in _SETTINGS_SKIPPED and _plain(value)
-            )
-        )
-    return names
-
-
-def _plain(value: Any) -> bool:
-    if isinstance(value, tuple):
-        return all(_plain(item) for item in value)
-    return value is None or type(value) in (bool, int, float, str)
-
-
-def _walk_structure(root: nn.Module, skip: dict, paths: list[str] | None = None) -> tuple:
+def _walk_structure(root: nn.Module, skip: dict, paths: list[tuple[str, type, tuple]] | None = None) -> tuple:
     """The flat fingerprint of ``Structure``: for each submodule walked, its class, then its settings'
-    values. ``paths`` collects, aligned with each class entry, the submodule's dotted path."""
+    values. ``paths`` collects each one's (dotted path, class, settings' values)."""
     found: list = []
     stack: list[tuple[nn.Module, dict, str]] = [(root, skip, "")]
     while stack:
@@ -513,11 +490,11 @@ def _walk_structure(root: nn.Module, skip: dict, paths: list[str] | None = None)
             below = skip_here.get(name, _ALL)
             if child is None or below is None or name == "processor":  # processors: ``unsupported_reason``
                 continue
+            values = settings(child)
             found.append(type(child))
-            state = child.__dict__
-            found.extend(state.get(setting) for setting in _settings_of(child))
+            found.extend(values)
             if paths is not None:
-                paths.append((prefix + name, type(child), tuple(state.get(s) for s in _settings_of(child))))
+                paths.append((prefix + name, type(child), values))
             stack.append((child, below, prefix + name + "."))
     return tuple(found)
 
