@@ -17,6 +17,7 @@ from types import ModuleType
 from packaging.version import Version
 
 _APPLIED: Counter[tuple[str, str]] = Counter()
+OURS = "_omni_accel_patch"  # set on each function a patch installs: ``revert`` leaves a user's in its place
 
 
 def _patch_module(name: str) -> ModuleType:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from omni_accel.patches import OURS
 
 from omni_accel.attention.routing import enter_role, leave_role, trace_enter, trace_leave
 
@@ -45,12 +46,17 @@ def apply(cls: type) -> None:
             leave_role(token)
 
     setattr(cls, _ORIGINAL, cls.__dict__.get("forward"))  # None: inherited
+    setattr(forward, OURS, True)
     cls.forward = forward
 
 
 def revert(cls: type) -> None:
+    """Puts the class's forward back, unless a user's patch took our wrapper's place since: theirs stays
+    (ours inside it runs the original forward for modules without a route, which restore removed)."""
     original = cls.__dict__[_ORIGINAL]
     delattr(cls, _ORIGINAL)
+    if not getattr(cls.__dict__.get("forward"), OURS, False):
+        return
     if original is None:
         del cls.forward
     else:

@@ -20,6 +20,7 @@ import functools
 from types import ModuleType
 
 import torch
+from omni_accel.patches import OURS
 
 from omni_accel.attention.diffusers_backend import explicit_choice
 from omni_accel.attention.routing import (
@@ -113,10 +114,14 @@ def apply(module: ModuleType) -> None:
         lambda: explicit_choice() is None,
     )
     setattr(module, _ORIGINAL, original)
+    setattr(dispatch_attention_fn, OURS, True)
     module.dispatch_attention_fn = dispatch_attention_fn
 
 
 def revert(module: ModuleType) -> None:
+    """Puts Diffusers' function back, unless a user's patch took our wrapper's place since: theirs stays
+    (ours inside it passes calls through while no accelerated model's role is active)."""
     unregister_call_site(module.__name__)
-    module.dispatch_attention_fn = getattr(module, _ORIGINAL)
+    if getattr(module.dispatch_attention_fn, OURS, False):
+        module.dispatch_attention_fn = getattr(module, _ORIGINAL)
     delattr(module, _ORIGINAL)

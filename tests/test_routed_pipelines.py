@@ -129,3 +129,42 @@ def test_calls_our_providers_do_not_model_are_left_to_diffusers_and_counted():
         routing.leave_selector(tokens[0])
         patches.revert("dispatch_attention", wan.__name__)
     assert wan.dispatch_attention_fn is original
+
+
+def test_restore_leaves_a_users_patch_made_after_accelerate():
+    """A user who patches ``dispatch_attention_fn`` or an attention class's ``forward`` after ``accelerate``
+    keeps the patch through ``restore`` (ours, inside it, then passes every call through)."""
+    import diffusers.models.transformers.transformer_flux as transformer_flux
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    originals = (transformer_flux.dispatch_attention_fn, FluxAttention.__dict__["forward"])
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), native=False)
+    ours = (transformer_flux.dispatch_attention_fn, FluxAttention.forward)
+    calls = []
+
+    def dispatch(*args, **kwargs):
+        calls.append("dispatch")
+        return ours[0](*args, **kwargs) * 1.01
+
+    def forward(self, *args, **kwargs):
+        calls.append("forward")
+        return ours[1](self, *args, **kwargs)
+
+    try:
+        transformer_flux.dispatch_attention_fn, FluxAttention.forward = dispatch, forward
+        omni_accel.restore(pipe)
+        assert transformer_flux.dispatch_attention_fn is dispatch and FluxAttention.forward is forward
+        plain = omni_accel.tiny_flux_pipeline(seed=0)
+
+        def call():
+            generator = torch.Generator().manual_seed(0)
+            return plain(
+                "a cat", num_inference_steps=1, height=32, width=32, output_type="latent", generator=generator
+            )
+
+        patched = call().images
+        assert {"dispatch", "forward"} <= set(calls)
+        transformer_flux.dispatch_attention_fn, FluxAttention.forward = originals
+        assert not torch.equal(patched, call().images)
+    finally:
+        transformer_flux.dispatch_attention_fn, FluxAttention.forward = originals

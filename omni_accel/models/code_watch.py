@@ -12,7 +12,8 @@ expects the patch to run, and in plain Diffusers it does. So the blocks watch:
   module, before ``accelerate`` or after it). A patched method's globals are its patch's, not watched.
 
 A patched one sends the blocks to Diffusers' forward, which calls it, and keeps the steps out of CUDA
-graphs, whose replays would skip its Python. Not watched: functions reached through an attribute
+graphs, whose replays would skip its Python. The watch is read once per forward: a patch made and undone
+in the middle of one (a hook on one block that patches for that block alone) is not seen. Not watched: functions reached through an attribute
 (``F.linear``, ``torch.nn.functional.scaled_dot_product_attention``), which the native math does not call
 either way where they are torch's own, and functions called only by the module-level ones.
 """
