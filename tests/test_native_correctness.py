@@ -129,7 +129,10 @@ def test_training_mode_without_active_dropout_runs_natively():
     fast.transformer_blocks[1].ff.net[1] = torch.nn.Dropout(0.5)
     with torch.no_grad():
         fast(**inputs)
-    assert _fallbacks(fast) == {"training mode with active dropout": 1}
+    assert _fallbacks(fast) == {
+        "training mode with active dropout": 1,
+        "attn.to_out was replaced or changed since accelerate (the native math computes what it was)": 1,
+    }
 
 
 def test_diffusers_compile_idioms_trace_whole_blocks():

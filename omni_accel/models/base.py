@@ -329,7 +329,7 @@ class NativeBlock:
         reason = None if code is None else code.reason()
         if reason is not None:
             return reason
-        reason = self._structure_reason()
+        reason = diffusers_only_reason(self, inputs, around=self.hooks_around()) or self._structure_reason()
         if reason is not None:
             return reason
         for path in self.tanh_gelus:
@@ -338,9 +338,6 @@ class NativeBlock:
                 return (
                     f"{path} is not a tanh GELU (approximate={approximate!r}), which the native math computes"
                 )
-        reason = diffusers_only_reason(self, inputs, around=self.hooks_around())
-        if reason is not None:
-            return reason
         selector = self.omni_runtime.selector
         for site in self.sites:  # a Diffusers backend chosen process-wide that no provider of ours runs
             reason = selector.unserved_reason(site.role, site.category)
