@@ -85,7 +85,8 @@ def _adapter_state(module: nn.Module) -> tuple:
 
 def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | None:
     """Identity, storage and version of every parameter and buffer, each submodule's class, forward and
-    settings, and the state of every adapter layer; None if a tensor has no version counter. With ``watched``, parameters start counting ``.data`` use."""
+    settings, and the state of every adapter layer; None if a tensor has no version counter. With
+    ``watched``, parameters start counting ``.data`` use."""
     state = []
     for t in (*module.parameters(), *module.buffers()):
         if t.is_inference():

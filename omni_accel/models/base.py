@@ -365,7 +365,8 @@ class NativeBlock:
         then = self.omni_structure
         if _walk_structure(self, then.skip) == then.fingerprint:
             return None
-        return f"{then.changed_path(self)} was replaced or changed since accelerate (the native math computes what it was)"
+        changed = then.changed_path(self)
+        return f"{changed} was replaced or changed since accelerate (the native math computes what it was)"
 
     def prepack(self) -> None:
         """Packs each of the block's packed projections now (at ``accelerate``), where no call can observe
@@ -395,13 +396,6 @@ class NativeBlock:
 
     def _modules_at(self, paths: tuple[str, ...]) -> list[nn.Module]:
         return [self._submodule(path) for path in paths]
-
-    def _maybe_at(self, path: str) -> nn.Module | None:
-        """The submodule at ``path``, or None where the block has none (Z-Image's blocks without AdaLN)."""
-        try:
-            return self._submodule(path)
-        except KeyError:
-            return None
 
     def _submodule(self, path: str) -> nn.Module:
         """``get_submodule(path)`` read straight from each ``_modules`` (it runs for every projection of
