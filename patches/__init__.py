@@ -12,12 +12,34 @@ from __future__ import annotations
 
 import importlib
 from collections import Counter
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from packaging.version import Version
 
 _APPLIED: Counter[tuple[str, str]] = Counter()
-OURS = "_omni_accel_patch"  # set on each function a patch installs: ``revert`` leaves a user's in its place
+_OURS = "_omni_accel_patch"
+
+
+def ours(wrapper: Callable, original: Callable) -> Callable:
+    """Marks ``wrapper`` as a patch's stand-in for ``original`` (its ``__wrapped__``): ``revert`` then tells
+    it from a user's patch made over it, which stays, and the code watch looks through it."""
+    wrapper.__wrapped__ = original
+    setattr(wrapper, _OURS, True)
+    return wrapper
+
+
+def is_ours(function: Any) -> bool:
+    """``function`` was installed by one of our patches (see ``ours``)."""
+    return getattr(function, _OURS, False) is True
+
+
+def unwrapped(function: Any) -> Any:
+    """``function`` with our patches' wrappers around it looked through."""
+    while is_ours(function):
+        function = function.__wrapped__
+    return function
 
 
 def _patch_module(name: str) -> ModuleType:

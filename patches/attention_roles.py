@@ -16,9 +16,10 @@ from __future__ import annotations
 import functools
 
 import torch
-from omni_accel.patches import OURS
 
 from omni_accel.attention.routing import enter_role, leave_role, trace_enter, trace_leave
+
+from . import is_ours, ours
 
 PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
@@ -46,8 +47,7 @@ def apply(cls: type) -> None:
             leave_role(token)
 
     setattr(cls, _ORIGINAL, cls.__dict__.get("forward"))  # None: inherited
-    setattr(forward, OURS, True)
-    cls.forward = forward
+    cls.forward = ours(forward, inherited)
 
 
 def revert(cls: type) -> None:
@@ -55,7 +55,7 @@ def revert(cls: type) -> None:
     (ours inside it runs the original forward for modules without a route, which restore removed)."""
     original = cls.__dict__[_ORIGINAL]
     delattr(cls, _ORIGINAL)
-    if not getattr(cls.__dict__.get("forward"), OURS, False):
+    if not is_ours(cls.__dict__.get("forward")):
         return
     if original is None:
         del cls.forward

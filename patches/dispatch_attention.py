@@ -20,7 +20,6 @@ import functools
 from types import ModuleType
 
 import torch
-from omni_accel.patches import OURS
 
 from omni_accel.attention.diffusers_backend import explicit_choice
 from omni_accel.attention.routing import (
@@ -32,6 +31,8 @@ from omni_accel.attention.routing import (
     unregister_call_site,
     unsupported_reason,
 )
+
+from . import is_ours, ours
 
 PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
@@ -114,14 +115,13 @@ def apply(module: ModuleType) -> None:
         lambda: explicit_choice() is None,
     )
     setattr(module, _ORIGINAL, original)
-    setattr(dispatch_attention_fn, OURS, True)
-    module.dispatch_attention_fn = dispatch_attention_fn
+    module.dispatch_attention_fn = ours(dispatch_attention_fn, original)
 
 
 def revert(module: ModuleType) -> None:
     """Puts Diffusers' function back, unless a user's patch took our wrapper's place since: theirs stays
     (ours inside it passes calls through while no accelerated model's role is active)."""
     unregister_call_site(module.__name__)
-    if getattr(module.dispatch_attention_fn, OURS, False):
+    if is_ours(module.dispatch_attention_fn):
         module.dispatch_attention_fn = getattr(module, _ORIGINAL)
     delattr(module, _ORIGINAL)

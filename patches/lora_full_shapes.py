@@ -16,6 +16,8 @@ from types import ModuleType
 
 from omni_accel.parallel.tensor import full_shapes
 
+from . import ours
+
 PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")
 _METHODS = ("_maybe_expand_transformer_param_shape_or_error_", "_maybe_expand_lora_state_dict")
@@ -28,7 +30,7 @@ def _wrapped(function):
         with full_shapes(transformer):
             return function(cls, transformer, *args, **kwargs)
 
-    return classmethod(method)
+    return classmethod(ours(method, function))
 
 
 def _owners(module: ModuleType) -> list[type]:

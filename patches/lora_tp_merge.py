@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
+from . import ours
+
 PACKAGE = "peft"
 CHECKED_VERSIONS = ("0.21.0", "0.22.0")
 _ORIGINAL = "_omni_accel_original_get_delta_weight"
@@ -31,7 +33,7 @@ def apply(module: ModuleType) -> None:
         return shard.take(delta, shard.dim).contiguous()
 
     setattr(linear, _ORIGINAL, original)
-    linear.get_delta_weight = get_delta_weight
+    linear.get_delta_weight = ours(get_delta_weight, original)
 
 
 def revert(module: ModuleType) -> None:

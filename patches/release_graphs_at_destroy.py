@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from . import ours
+
 PACKAGE = "torch"
 CHECKED_VERSIONS = ("2.4.0", "2.14.0")
 
@@ -29,10 +31,9 @@ def apply(module: ModuleType) -> None:
         forget_groups()  # the peer buffers, which the graphs used and their groups map
         return original(*args, **kwargs)
 
-    destroy_process_group.__wrapped__ = original
     destroy_process_group.__doc__ = original.__doc__
     setattr(module, _ORIGINAL, original)
-    module.destroy_process_group = destroy_process_group
+    module.destroy_process_group = ours(destroy_process_group, original)
 
 
 def revert(module: ModuleType) -> None:

@@ -20,7 +20,6 @@ either way where they are torch's own, and functions called only by the module-l
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import types
@@ -28,12 +27,11 @@ from collections.abc import Callable, Iterable
 
 from torch import nn
 
-import omni_accel.patches
+from omni_accel.patches import unwrapped
 
 from ..utils.versions import forward_serial
 
 Holder = type | types.ModuleType  # where a watched function is looked up by name
-_PATCHES = os.path.dirname(omni_accel.patches.__file__) + os.sep
 
 
 class CodeWatch:
@@ -125,8 +123,7 @@ def _called_by_name(methods: Iterable[tuple[type, str]]) -> list[tuple[types.Mod
     found = []
     for holder, name in methods:
         function = getattr(holder, name)
-        while _ours(function):
-            function = function.__wrapped__
+        function = unwrapped(function)
         code = getattr(function, "__code__", None)
         module = sys.modules.get(getattr(function, "__module__", None) or "")
         if code is None or module is None:
@@ -141,8 +138,7 @@ def _called_by_name(methods: Iterable[tuple[type, str]]) -> list[tuple[types.Mod
 def _patched(holder: Holder, name: str, function: Callable | None) -> str | None:
     """Why ``function`` (``holder.name`` now) is not the code Diffusers or torch defines there, or None.
     Our own patches (``patches/``, which wrap what they patch) are looked through."""
-    while _ours(function):
-        function = function.__wrapped__
+    function = unwrapped(function)
     if isinstance(holder, types.ModuleType):
         package = _top_package(holder.__name__)
         if _defined_by(function, package, getattr(function, "__name__", "")) or _builtin_of(
@@ -178,12 +174,6 @@ def _builtin_of(function: Callable | None, package: str) -> bool:
     return isinstance(function, types.BuiltinFunctionType) and _top_package(
         getattr(function, "__module__", None) or ""
     ) in (package, "torch")
-
-
-def _ours(function: Callable | None) -> bool:
-    """``function`` is one of our patches' wrappers (``omni_accel.patches``)."""
-    code = getattr(function, "__code__", None)
-    return code is not None and hasattr(function, "__wrapped__") and code.co_filename.startswith(_PATCHES)
 
 
 def _top_package(module_name: str) -> str:
