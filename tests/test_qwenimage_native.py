@@ -50,6 +50,8 @@ class TestQwenImageContract(NativeContract):
         (ParallelConfig(tp=2), {}, None),
         (ParallelConfig(tp=2), {"num_attention_heads": 4}, dict(batch=1, side=3, text=5, padded=2, images=2)),
         (ParallelConfig(cfg=2), {"zero_cond_t": True}, dict(batch=2, side=2, text=5, padded=2, images=2)),
+        # per-token modulation with the rows split over the TP ranks (odd: 9 + 2 x 4 image tokens)
+        (ParallelConfig(tp=2), {"zero_cond_t": True}, dict(batch=1, side=3, text=5, padded=2, images=2)),
         # the text mask travels with its keys; 5 text tokens: split unevenly
         (ParallelConfig(ulysses=2), {}, dict(batch=2, side=4, text=5, padded=2)),
         (ParallelConfig(ring=2), {}, dict(batch=2, side=4, text=5, padded=2)),

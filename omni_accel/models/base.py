@@ -385,14 +385,18 @@ class NativeBlock:
         eager steps beside a compile would take the traced paths."""
         return torch.compiler.is_dynamo_compiling()
 
-    def own_share(self, per_token: torch.Tensor, stream: str, dim: int, length: int) -> torch.Tensor:
+    def own_share(
+        self, per_token: torch.Tensor, stream: str, dim: int, length: int, per_row: bool = False
+    ) -> torch.Tensor:
         """This rank's share of ``per_token`` (every token of ``stream`` along ``dim``: a mask, an index, a
         RoPE table the model passes whole to every block) under a sequence split, where this block holds
-        ``length`` of them; ``per_token`` itself where it is that long already."""
+        ``length`` of them; ``per_token`` itself where it is that long already. ``per_row``: one entry per
+        row of the block's ``hidden_states`` (a per-token modulation index), split over the TP ranks with
+        the rows; otherwise per position, which attention reads on the tokens gathered over them."""
         layout = self.omni_runtime.layout
         if per_token.shape[dim] == length or layout is None or layout.sequence is None:
             return per_token
-        return layout.sequence.split(per_token, Split(stream, dim, positions=True))
+        return layout.sequence.split(per_token, Split(stream, dim, positions=not per_row))
 
     def _modules_at(self, paths: tuple[str, ...]) -> list[nn.Module]:
         return [self._submodule(path) for path in paths]

@@ -129,8 +129,6 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
         )
         if reason is not None:
             return reason
-        if (self.zero_cond_t or modulate_index is not None) and self.omni_runtime.rows("image") is not None:
-            return "per-token modulation (zero_cond_t) with the tokens split over the tensor-parallel ranks"
         if rope is None or not (
             isinstance(rope, tuple | list)
             and len(rope) == 2
@@ -185,7 +183,7 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
             txt_mod = self.modulate("txt_mod", temb.chunk(2, dim=0)[0], weights)
             if modulate_index is not None:
                 img_mod = _per_token(
-                    img_mod, self.own_share(modulate_index, "image", 1, hidden_states.shape[1])
+                    img_mod, self.own_share(modulate_index, "image", 1, hidden_states.shape[1], per_row=True)
                 )
             modulation = [img_mod, txt_mod]
         else:
