@@ -118,7 +118,7 @@ def test_unpaired_calls_are_errors_and_unpaired_pipelines_call_through():
     call = _call(0)
     assert torch.equal(pairs.run(model, call, like), _Model()(**call))  # pairing off: a plain call
     pairs.pairing = True
-    pairs.branch = None
+    pairs.branch = "cache_context_of_another_hook"
     with pytest.raises(RuntimeError, match="expects calls inside cache_context"):
         pairs.run(model, call, like)
     pairs.branch = "uncond"
@@ -131,6 +131,21 @@ def test_unpaired_calls_are_errors_and_unpaired_pipelines_call_through():
     with pytest.raises(RuntimeError, match="its result was never computed"):
         pairs.finish_call(completed=True)
     assert not pairs.pairing
+
+
+def test_calls_outside_any_cache_context_pair_by_their_order():
+    """FLUX img2img, inpaint and Kontext, Wan video-to-video: no cache_context around the two calls."""
+    pairs, model = GuidanceBranches(None, BATCHED), _Model()
+    pairs.pairing = True
+    like = lambda call: torch.empty_like(call["hidden_states"])  # noqa: E731
+    for step in range(2):
+        first, second = _call(2 * step), _call(2 * step + 1, tokens=4)
+        waiting = pairs.run(model, first, like)
+        assert waiting.isnan().all()  # read before the second call, it shows
+        got = waiting, pairs.run(model, second, like)
+        assert all(torch.equal(g, w) for g, w in zip(got, _expected(first, second), strict=True))
+    assert model.batches == [2, 2] and pairs.ordered_calls == 4 and pairs.stacked_calls == 2
+    pairs.finish_call(completed=True)
 
 
 def test_inference_mode_tensors_are_compared_without_a_version_counter():

@@ -714,6 +714,37 @@ def _a_failed_auto_spread_is_undone_and_retried() -> None:
     assert _live_groups() == groups, "restore left process groups behind"
 
 
+def _true_cfg_without_cache_context() -> None:
+    """FLUX img2img makes its true-CFG calls outside any cache_context (Diffusers 0.42): paired by order."""
+    from diffusers import FluxImg2ImgPipeline
+
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    call = dict(
+        prompt="a cat",
+        negative_prompt="dark",
+        true_cfg_scale=3.0,
+        image=image,
+        strength=0.7,
+        num_inference_steps=3,
+    )
+
+    def img2img():
+        return FluxImg2ImgPipeline(**omni_accel.tiny_flux_pipeline(seed=0).components)
+
+    want = _latents(img2img(), **call)
+    for layout, expect in (
+        (ParallelConfig(cfg=2), "paired cond/uncond calls"),
+        (ParallelConfig(ulysses=2), "cond/uncond pairs in one call, 0 pairs run one after"),
+    ):
+        pipe = omni_accel.accelerate(img2img(), parallel=layout)
+        got = _latents(pipe, **call)
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        assert rel <= 1e-5, f"{layout}: relative error {rel:.2e} against one rank"
+        report = str(omni_accel.describe(pipe))
+        assert expect in report and "calls paired by their order (no cache_context)" in report, report
+        omni_accel.restore(pipe)
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _layouts_by_peer_writes()
@@ -749,6 +780,7 @@ def _two_ranks(rank: int, world: int) -> None:
     # true CFG: the pipeline calls the transformer twice per step; cfg=2 pairs the calls
     true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
     _check(ParallelConfig(cfg=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
+    _true_cfg_without_cache_context()
     # without a cfg group the two calls of a step run as one call of both branches (text ids compared)
     stacked = "guidance branches stacked in one batch: 2 cond/uncond pairs in one call, 0 pairs run one"
     for layout in (ParallelConfig(ulysses=2), ParallelConfig(tp=2)):

@@ -18,7 +18,11 @@ differ in shape past the batch) run one after the other.
 
 Both run in a hook on the Diffusers module (``SplitGuidance``, registered through Diffusers' HookRegistry);
 the branch of a call comes from the pipeline's ``cache_context("cond"/"uncond")``, which Diffusers hands to
-every stateful hook.
+every stateful hook. Pipelines that make the two calls outside any cache context (FLUX's img2img, inpaint
+and Kontext, Wan's video-to-video in Diffusers 0.42) are paired by order: the first call of a step waits for
+the second. Which call is the conditional one does not matter to the result, only that the pipeline reads
+the first result after the second call returns, as every Diffusers pipeline the registry pairs does; the
+waiting result is NaN until then, so a pipeline that read it early would show it rather than be silently off.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class GuidanceBranches:
         self._unpaired = False  # this step's conditional call ran at once: its unconditional one does too
         self.split_calls = self.paired_calls = self.replicated_calls = 0
         self.stacked_calls = self.unstacked_calls = self.hooked_calls = 0
+        self.ordered_calls = 0  # paired calls made outside any cache_context: paired by their order
 
     def run(
         self,
@@ -114,11 +119,15 @@ class GuidanceBranches:
         return {k: half(v, k in self._per_sample) if k in batched else v for k, v in kwargs.items()}
 
     def _paired(self, model, kwargs, output_like) -> torch.Tensor:
-        if self.branch not in _BRANCHES:
+        branch = self.branch
+        if branch is None:  # no cache_context around the calls: the first call of a pair, then the second
+            branch = "uncond" if self._pending is not None or self._unpaired else "cond"
+            self.ordered_calls += 1
+        elif branch not in _BRANCHES:
             raise RuntimeError(
-                f"CFG pairing expects calls inside cache_context('cond'/'uncond'), got {self.branch!r}."
+                f"CFG pairing expects calls inside cache_context('cond'/'uncond') or none, got {branch!r}."
             )
-        if self.branch == "cond":
+        if branch == "cond":
             if self._pending is not None:
                 raise RuntimeError("Two conditional calls without the unconditional one between them.")
             buffer = output_like(kwargs)
@@ -126,6 +135,8 @@ class GuidanceBranches:
                 self._unpaired = True
                 self.replicated_calls += 1
                 return model(**kwargs)
+            # a pipeline that read this result before its pair's second call would read NaN, not stale values
+            buffer.fill_(float("nan"))
             # a pipeline may edit a dict argument in place before the unconditional call (IP-adapter
             # embeddings): keep the conditional call's own
             self._pending = ({k: dict(v) if isinstance(v, dict) else v for k, v in kwargs.items()}, buffer)
@@ -215,15 +226,21 @@ class GuidanceBranches:
             )
 
     def describe(self) -> str:
+        ordered = (
+            f"; {self.ordered_calls} calls paired by their order (no cache_context)"
+            if self.ordered_calls
+            else ""
+        )
         if self.group is None:
             return (
                 f"guidance branches stacked in one batch: {self.stacked_calls} cond/uncond pairs in one "
                 f"call, {self.unstacked_calls} pairs run one after the other (inputs that do not stack), "
-                f"{self.hooked_calls} calls alone (a step cache on the blocks decides per branch)"
+                f"{self.hooked_calls} calls alone (a step cache on the blocks decides per branch){ordered}"
             )
         return (
             f"cfg parallel: {self.split_calls} batch-split calls, {self.paired_calls} paired cond/uncond "
-            f"calls, {self.replicated_calls} calls computed on both ranks (a batch of one, or a pair whose output shape was not known yet)"
+            f"calls, {self.replicated_calls} calls computed on both ranks (a batch of one, or a pair whose "
+            f"output shape was not known yet){ordered}"
         )
 
 
