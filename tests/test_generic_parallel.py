@@ -258,6 +258,14 @@ def _guidance_over_two_ranks() -> None:
         # FLUX with true CFG and Wan, with native=False: the pipeline pairs its calls as for native blocks
         (omni_accel.tiny_flux_pipeline, true_cfg, "paired", {"native": False}),
         (omni_accel.tiny_wan_pipeline, {"guidance_scale": 5.0, "num_frames": 5}, "paired", {"native": False}),
+        # two prompts of two tokens: FLUX's text ids [2, 3] could carry the batch too; not halved, the
+        # calls run whole on both ranks
+        (
+            omni_accel.tiny_flux_pipeline,
+            {"prompt": ["a cat", "a dog"], "max_sequence_length": 2},
+            "replicated",
+            {"native": False},
+        ),
     )
     for build_pipeline, call, counted, options in cases:
         plain = _pipeline_images(build_pipeline(seed=0), **call)
@@ -271,6 +279,8 @@ def _guidance_over_two_ranks() -> None:
             assert cfg.paired_calls == 2 and cfg.replicated_calls == 2, cfg.describe()
             again = _pipeline_images(pipe, **call)  # every step paired now
             assert cfg.paired_calls == 5 and torch.equal(again, got), cfg.describe()
+        elif counted == "replicated":
+            assert cfg.split_calls == 0 and cfg.replicated_calls == 3, cfg.describe()
         else:
             assert cfg.split_calls == 3, cfg.describe()
         assert "the guidance branches over the cfg ranks" in str(omni_accel.describe(pipe))

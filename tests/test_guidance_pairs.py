@@ -156,3 +156,30 @@ def test_inference_mode_tensors_are_compared_without_a_version_counter():
         got = _step(pairs, model, cond, uncond)
     assert model.batches == [2]
     assert all(torch.equal(g, w) for g, w in zip(got, _expected(cond, uncond), strict=True))
+
+
+def test_the_generic_tier_tells_batched_arguments_or_says_it_cannot():
+    from omni_accel.models.generic import batch_dim_arguments
+
+    def flux_call(batch: int, text: int) -> dict:
+        return dict(
+            hidden_states=torch.zeros(batch, 16, 8),
+            encoder_hidden_states=torch.zeros(batch, text, 8),
+            pooled_projections=torch.zeros(batch, 4),
+            timestep=torch.zeros(batch),
+            img_ids=torch.zeros(16, 3),
+            txt_ids=torch.zeros(text, 3),
+            joint_attention_kwargs=None,
+        )
+
+    assert batch_dim_arguments(flux_call(2, 3)) == (
+        "hidden_states",
+        "encoder_hidden_states",
+        "pooled_projections",
+        "timestep",
+    )
+    # two prompts of two tokens: the text ids [2, 3] look batched as much as the pooled projections
+    call = flux_call(2, 2)
+    assert batch_dim_arguments(call) is None
+    pairs = GuidanceBranches(None, batch_dim_arguments)
+    assert pairs._stack(call, dict(call)) is None  # such a pair runs one call after the other

@@ -233,21 +233,23 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
     )
 
 
-def batch_dim_arguments(arguments: dict[str, Any]) -> tuple[str, ...]:
+def batch_dim_arguments(arguments: dict[str, Any]) -> tuple[str, ...] | None:
     """A call's arguments that carry its batch (what CFG parallelism halves or stacks): the tensors whose
     first dimension is the batch of its ``hidden_states``. A model declares no batch dimensions, so this
-    is read from the call; the token ids and RoPE tables that lack one are as long as the sequence."""
+    is read from the call; the token ids and RoPE tables that lack one are as long as the sequence. None
+    where that cannot be told: a tensor of fewer than three dimensions whose first one is the batch while a
+    sequence is as long (FLUX's text ids [2, 3] beside two prompts of two tokens)."""
     first = arguments.get("hidden_states")
     if not isinstance(first, torch.Tensor):
         first = next((v for v in arguments.values() if isinstance(v, torch.Tensor) and v.ndim), None)
     if first is None or not first.ndim:
         return ()
     batch = first.shape[0]
-    return tuple(
-        name
-        for name, value in arguments.items()
-        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch
-    )
+    tensors = [(name, v) for name, v in arguments.items() if isinstance(v, torch.Tensor) and v.ndim]
+    lengths = {v.shape[1] for _, v in tensors if v.ndim >= 3}
+    if batch in lengths and any(v.ndim < 3 and v.shape[0] == batch for _, v in tensors):
+        return None
+    return tuple(name for name, v in tensors if v.shape[0] == batch)
 
 
 class LearnedOutputs:

@@ -46,12 +46,12 @@ _BRANCHES = ("cond", "uncond")
 class GuidanceBranches:
     """How a layout runs a CFG step's two branches: over the two ranks of ``group`` (CFG parallelism), or,
     with ``group`` None, stacked in one call. ``batched_inputs``: the forward arguments with a batch
-    dimension, or a function that names them from a call's arguments."""
+    dimension, or a function that names them from a call's arguments (None: it cannot tell)."""
 
     def __init__(
         self,
         group: dist.ProcessGroup | None,
-        batched_inputs: Sequence[str] | Callable[[dict[str, Any]], tuple[str, ...]],
+        batched_inputs: Sequence[str] | Callable[[dict[str, Any]], tuple[str, ...] | None],
         per_sample_inputs: Sequence[str] = (),
     ) -> None:
         if group is not None and dist.get_world_size(group) != 2:
@@ -86,10 +86,11 @@ class GuidanceBranches:
             return self._paired(model, kwargs, output_like)
         if self.group is None:
             return model(**kwargs)
-        batched = [name for name in self.batched(kwargs) if kwargs.get(name) is not None]
+        names = self.batched(kwargs)
+        batched = [name for name in names or () if kwargs.get(name) is not None]
         batch = self._batch_of(batched[0], kwargs[batched[0]]) if batched else 1
-        if batch % 2:
-            self.replicated_calls += 1  # one sample and no pairing: both ranks compute it
+        if batch % 2 or names is None:
+            self.replicated_calls += 1  # one sample, or no telling which arguments carry the batch
             return model(**kwargs)
         self.split_calls += 1
         out = model(**self._half(kwargs))
@@ -100,8 +101,8 @@ class GuidanceBranches:
     def _batch_of(self, name: str, value: Any) -> int:
         return len(value) if name in self._per_sample else value.shape[0]
 
-    def batched(self, kwargs: dict[str, Any]) -> tuple[str, ...]:
-        """The arguments of this call with a batch dimension."""
+    def batched(self, kwargs: dict[str, Any]) -> tuple[str, ...] | None:
+        """The arguments of this call with a batch dimension (None: the model's rule cannot tell)."""
         return self._batched(kwargs) if callable(self._batched) else self._batched
 
     def _half(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -173,6 +174,8 @@ class GuidanceBranches:
         if cond.keys() != uncond.keys():
             return None
         stacked, batched = {}, self.batched(cond)
+        if batched is None:
+            return None
         for name, a in cond.items():
             b = uncond[name]
             if name not in batched or a is None or b is None:
@@ -239,8 +242,8 @@ class GuidanceBranches:
             )
         return (
             f"cfg parallel: {self.split_calls} batch-split calls, {self.paired_calls} paired cond/uncond "
-            f"calls, {self.replicated_calls} calls computed on both ranks (a batch of one, or a pair whose "
-            f"output shape was not known yet){ordered}"
+            f"calls, {self.replicated_calls} calls computed on both ranks (a batch of one, a pair whose "
+            f"output shape was not known yet, or arguments whose batch dimension could not be told){ordered}"
         )
 
 

@@ -48,7 +48,7 @@ class ParallelPlan:
     splits whole heads). ``tensor``: block list -> its TP plan (a native model fills it in from its block
     classes' ``tp_plan``). ``sequence``: the SP plan.
     ``batched_inputs``: forward arguments with a batch dimension (CFG splits exactly these), or a function
-    that names them from a call's arguments (a model that declares none).
+    that names them from a call's arguments (a model that declares none; None where it cannot tell).
     ``output_like(module, arguments)``: an empty tensor shaped like the output of that call (None where
     that is not known yet: see ``SplitGuidance``). ``tokens_over_tp``: under tp, the blocks may take their
     tokens split over the TP ranks as well (native blocks gather them before the column-split projections,
@@ -61,7 +61,7 @@ class ParallelPlan:
     name: str
     attention_heads: str
     sequence: SequencePlan | None
-    batched_inputs: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]]
+    batched_inputs: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...] | None]
     output_like: Callable[[nn.Module, dict[str, Any]], torch.Tensor | None]
     tensor: Mapping[str, TensorPlan] = field(default_factory=dict)
     tokens_over_tp: bool = True
