@@ -15,8 +15,9 @@ from typing import Any
 
 
 def on_first_call(pipe: Any, action: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
-    """Installs the hook; ``action`` gets the call's arguments by name, defaults included. Returns the undo
-    (a no-op once the first call has happened)."""
+    """Installs the hook; ``action`` gets the call's arguments by name, defaults included, and ``self`` (the
+    pipeline: a rule may read its config, as the CFG pairing rules do). Returns the undo (a no-op once the
+    first call has happened)."""
     original = type(pipe)
     signature = inspect.signature(original.__call__)
 
@@ -24,7 +25,6 @@ def on_first_call(pipe: Any, action: Callable[[dict[str, Any]], None]) -> Callab
         bound = signature.bind_partial(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        arguments.pop(next(iter(signature.parameters)))  # self
         self.__class__ = original  # first: the action may give the class a patch of its own
         try:
             action(arguments)

@@ -70,6 +70,21 @@ def test_auto_from_the_environment_and_the_command_line():
         options_from_args(parser.parse_args(["--auto-parallel", "--tp", "2", "x.py"]))
 
 
+def test_auto_reads_the_pairing_rule_with_the_pipeline_in_the_arguments():
+    """FLUX.2 klein's rule reads the pipeline's ``is_distilled``: a guided call of a base checkpoint makes
+    two transformer calls a step, which auto gives a rank each (cfg=2)."""
+    from omni_accel.models.registry import spec_for
+    from omni_accel.pipeline_calls import on_first_call
+
+    pipe = omni_accel.tiny_flux2_klein_pipeline(seed=0)
+    assert pipe.config.is_distilled is False
+    rule = spec_for(pipe.transformer).native_model().cfg_pairing
+    seen = []
+    on_first_call(pipe, seen.append)
+    pipe(prompt="a cat", height=32, width=32, guidance_scale=4.0, num_inference_steps=1, output_type="latent")
+    assert rule(seen[0])
+
+
 def test_first_call_hook_sees_the_arguments_and_retries_after_an_error():
     from omni_accel.pipeline_calls import on_first_call
 
@@ -88,6 +103,7 @@ def test_first_call_hook_sees_the_arguments_and_retries_after_an_error():
         pipe(**call)
     pipe(**call, true_cfg_scale=2.0)  # the hook stayed after the error: this call runs the action again
     assert seen[1]["true_cfg_scale"] == 2.0 and seen[1]["guidance_scale"] == 3.5  # defaults included
+    assert seen[1]["self"] is pipe
     pipe(**call)
     assert len(seen) == 2 and type(pipe) is type(omni_accel.tiny_flux_pipeline(seed=0))
     undo()  # a no-op once the first call happened
