@@ -326,3 +326,26 @@ def test_a_call_our_providers_cannot_split_is_not_compiled_while_a_model_is_spli
         compiled(torch.ones(3))
     monkeypatch.setattr(routed_attention, "LIVE_SPLITS", 0)
     assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("HunyuanVideo15Transformer3DModel", {}),  # its key mask is made per forward: an inference tensor
+        ("WanTransformer3DModel", {"native": False}),  # the projection cache's outputs: inference tensors
+    ],
+)
+def test_forwards_under_inference_mode_with_inputs_made_outside_it(family, options):
+    from tiny_transformers import build
+
+    model, inputs = build(family)
+    plain = copy.deepcopy(model)
+    with torch.inference_mode():
+        want = plain(**inputs, return_dict=False)[0]
+    omni_accel.accelerate(Holder(model), **options)
+    for _ in range(2):  # the second: what the first stored (nothing made in inference mode) is reused
+        with torch.inference_mode():
+            got = model(**inputs, return_dict=False)[0]
+        assert rel_err(got, want) <= 1e-6
+    with torch.no_grad():  # and a call outside inference mode after them
+        assert rel_err(model(**inputs, return_dict=False)[0], want) <= 1e-6

@@ -307,7 +307,8 @@ class ExactProjectionCache:
         numerics: tuple,
     ) -> None:
         nbytes = output.numel() * output.element_size()
-        if self._bytes + nbytes > self.max_bytes:
+        # an output made under inference mode has no version counter to check a later use against
+        if self._bytes + nbytes > self.max_bytes or output.is_inference():
             return
         entry = _Entry(output.detach(), output._version, weakref.ref(module), module_state, numerics, nbytes)
         self._entries[key] = entry

@@ -22,6 +22,7 @@ from diffusers.models.transformers import transformer_hunyuan_video15 as diffuse
 from torch import nn
 
 from ..forward_hooks import OurHook
+from ..utils.versions import version_of
 
 _MASK_ARGUMENT = 3  # the block's forward(hidden_states, encoder_hidden_states, temb, attention_mask, ...)
 
@@ -121,7 +122,7 @@ class _OneMaskPerForward(OurHook):
         if text_mask is None or text_mask.ndim != 2 or hidden_states is None or text is None:
             return None
         tokens = hidden_states.shape[1] + text.shape[1]
-        key = (text_mask._version, tokens)
+        key = (version_of(text_mask), tokens)
         last = getattr(self._last, "entry", None)
         if last is None or last[0]() is not text_mask or last[1] != key:
             last = (weakref.ref(text_mask), key, key_mask(text_mask, tokens))
