@@ -460,7 +460,8 @@ class GraphMemory:
     def copied_out(self, outputs: list[Any], copies: list[Any]) -> None:
         """A replay's ``outputs`` were copied out to ``copies``."""
         for memory, copied in zip(outputs, copies, strict=True):
-            if isinstance(copied, torch.Tensor):
+            # a copy made under inference mode has no version counter: a write to it would leave no trace
+            if isinstance(copied, torch.Tensor) and not copied.is_inference():
                 self._holds[id(memory)] = (weakref.ref(memory), weakref.ref(copied), copied._version)
 
     def forget(self) -> None:

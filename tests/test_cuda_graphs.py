@@ -311,6 +311,22 @@ def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, c
     assert hooked_stats["inputs_in_place"] < stats["inputs_in_place"], (hooked_stats, stats)
 
 
+def test_block_graphs_under_inference_mode(monkeypatch):
+    """A pipeline called under ``torch.inference_mode()``: the replays' copies have no version counter, so
+    no block reads the one before's output in place (a write to it could not be seen); bitwise plain's."""
+    _graphs_played_on_the_cpu(monkeypatch)
+    call = {"prompt": "a cat", "num_inference_steps": 3, "output_type": "latent"}
+    plain = tiny_flux_pipeline()
+    fast = omni_accel.accelerate(tiny_flux_pipeline(), cuda_graphs=True)
+    for pipe in (plain, fast):
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=-1.0))
+    with torch.inference_mode():
+        want, got = (p(**call, generator=torch.Generator().manual_seed(0)).images for p in (plain, fast))
+    assert torch.equal(got, want)
+    stats = block_graph_stats(omni_accel.describe(fast).components[0].block_graphs)
+    assert stats["replays"] > 0 and stats["inputs_in_place"] == 0, stats
+
+
 def test_graph_memory_knows_what_an_output_still_holds():
     """The memory a replay copied an output out of holds that copy's values until the copy is written
     (its version counter, views included) or another replay runs (``forget``: any replay may write any of
@@ -331,6 +347,11 @@ def test_graph_memory_knows_what_an_output_still_holds():
     memory.copied_out([output], [copied])
     del output
     assert memory.holding(copied) is None  # the memory is gone (its id may be another tensor's)
+    output = torch.randn(4, 8)
+    with torch.inference_mode():  # a copy made there has no version counter: nothing is known to hold it
+        copied = output.clone()
+        memory.copied_out([output], [copied])
+        assert memory.holding(copied) is None and not memory.holds(output, copied)
 
 
 @torch.no_grad()
