@@ -542,6 +542,22 @@ def test_step_caches_replay_the_blocks_they_compute(cache, quantize):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache", [False, True])
+def test_replays_under_inference_mode(cache):
+    """A pipeline called under ``torch.inference_mode()``: the step's graph, or each block's under a step
+    cache, replays bitwise the eager steps."""
+    pipe = _gpu_pipeline()
+    if cache:
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=-1.0))
+    with torch.inference_mode():
+        _replays_match_eager(pipe)
+        _replays_match_eager(pipe)
+    component = omni_accel.describe(pipe).components[0]
+    stats = block_graph_stats(component.block_graphs) if cache else component.graphs.stats()
+    assert stats["replays"] > 0, stats
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("quantize", [None, "fp8"])
 def test_taylorseer_replays_a_graph_per_decision(quantize):
     """Under TaylorSeer (on the attention modules) each block replays the graph of its hooks' decision
