@@ -418,22 +418,24 @@ def h(x):
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["first-call", "background"])
-def test_a_call_past_dynamos_recompile_limit_runs_eagerly_alone(background):
+@pytest.mark.parametrize("asked", [False, True], ids=["automatic", "compile-given"])
+def test_a_call_past_dynamos_recompile_limit_runs_eagerly_alone(background, asked):
     """Dynamo's cache of compiled versions per code object is shared with every compile of a block class
     in the process (a user's compile_repeated_blocks of another pipeline, our other pipelines): a call that
     needs a version past its limit runs eagerly, said in the summary, and the versions compiled before keep
-    serving their inputs. Never an error from a compile nobody asked for."""
+    serving their inputs. Never an error, whether or not the user asked for the compile (``compile=`` given:
+    ``raise_failures``, where a failed compile is raised)."""
 
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1):
-        _past_the_recompile_limit(background)
+        _past_the_recompile_limit(background, asked)
 
 
-def _past_the_recompile_limit(background: bool) -> None:
+def _past_the_recompile_limit(background: bool, raise_failures: bool = False) -> None:
     from omni_accel.models.compiler import BlockCompiler
 
     compiler = BlockCompiler(
-        {"backend": "eager", "fullgraph": True}, background=background, raise_failures=False
+        {"backend": "eager", "fullgraph": True}, background=background, raise_failures=raise_failures
     )
     small, large = torch.randn(4), torch.randn(6)
     for _ in range(3):  # background: the first steps eager, the compile between, then compiled

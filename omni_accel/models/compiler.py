@@ -195,9 +195,8 @@ class BlockCompiler:
             if fn not in self._functions:
                 function = _Function(at_first_call=not background)
                 if not background:
-                    function.compiled = torch.compile(fn, **self.options)  # kept only once it is made
-                    if not self.raise_failures:
-                        function.compiled = _or_eager(function.compiled, fn, function)
+                    compiled = torch.compile(fn, **self.options)  # kept only once it is made
+                    function.compiled = _or_eager(compiled, fn, function, self.raise_failures)
                     logger.warning(  # shown by default: a long first call should not look like a hang
                         "compiling %s: its first call per input shape compiles (seconds to a minute; cached on "
                         "disk)",
@@ -261,9 +260,7 @@ class BlockCompiler:
             return
         with self._lock:
             function.window = (start, time.perf_counter())
-            function.compiled = _counted(compiled, function)
-            if not self.raise_failures:
-                function.compiled = _or_eager(function.compiled, fn, function)
+            function.compiled = _or_eager(_counted(compiled, function), fn, function, self.raise_failures)
             function.ready, function.compiling, self._pending = True, False, True
         logger.info("%s compiled in the background; used from the next step", fn.__qualname__)
 
@@ -311,12 +308,13 @@ def _with_graph_passes(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "options": {**passes, **(options.get("options") or {})}}
 
 
-def _or_eager(compiled: Callable, fn: Callable, function: _Function) -> Callable:
-    """``compiled``, or ``fn`` from the first call that ``compiled`` fails (logged; the compile nobody asked
-    for must not fail the call). An error ``fn`` raises too is the caller's own, raised as it is. A call
-    past Dynamo's recompile limit (its cache of compiled versions per code object is shared with every
-    compile of the same block class in the process) runs eagerly alone: the versions compiled before keep
-    serving the inputs they were compiled for."""
+def _or_eager(compiled: Callable, fn: Callable, function: _Function, raise_failures: bool) -> Callable:
+    """``compiled``, where a call past Dynamo's recompile limit (its cache of compiled versions per code
+    object is shared with every compile of the same block class in the process) runs ``fn`` eagerly alone,
+    whoever asked for the compile: the versions compiled before keep serving the inputs they were compiled
+    for. Unless ``raise_failures``, ``fn`` as well from the first call that ``compiled`` fails (logged; the
+    compile nobody asked for must not fail the call); an error ``fn`` raises too is the caller's own, raised
+    as it is."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if function.failed is not None:
@@ -330,6 +328,8 @@ def _or_eager(compiled: Callable, fn: Callable, function: _Function) -> Callable
             function.over_limit += 1
             return out
         except Exception as error:
+            if raise_failures:
+                raise
             out = fn(*args, **kwargs)
             function.failed = _reason(error)
             logger.warning(
