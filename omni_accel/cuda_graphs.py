@@ -50,6 +50,7 @@ import torch
 import torch.utils._pytree as pytree
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from torch import nn
+from torch.utils._device import DeviceContext
 
 from omni_accel.patches.hooks_around_native_math import (
     Decision,
@@ -71,6 +72,7 @@ from .forward_hooks import (
     is_hooked,
 )
 from .utils.logging import get_logger
+from .utils.precision import float32_precision
 from .utils.values import PLAIN_VALUES
 
 logger = get_logger(__name__)
@@ -342,6 +344,13 @@ class StepGraphs(InstanceForward):
         }
 
 
+def _plain_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with a version counter even under inference mode: graphs keyed apart by the mode may share
+    it (``static_inputs``), and a call outside inference mode must be able to write it."""
+    with torch.inference_mode(False):
+        return tensor.clone()
+
+
 def static_inputs(leaves: list[Any], kept: list[list[Any]], memory: GraphMemory | None = None) -> list[Any]:
     """The memory a new graph reads its argument leaves from: for each tensor, the graph memory that holds
     it (``memory``: see ``GraphMemory``), else the static input of a kept graph (``kept``: their inputs) at
@@ -361,7 +370,7 @@ def static_inputs(leaves: list[Any], kept: list[list[Any]], memory: GraphMemory 
                 if index < len(other) and _same_layout(other[index], leaf) and id(other[index]) not in taken
             )
             held = next(shared, None)
-        inputs.append(leaf.clone() if held is None else held)
+        inputs.append(_plain_clone(leaf) if held is None else held)
         taken.add(id(inputs[-1]))
     return inputs
 
@@ -629,7 +638,25 @@ def _eager_reason(module: nn.Module, leaves: list[Any]) -> str | None:
         return "autograd is enabled (pipelines call under torch.no_grad())"
     if global_hooks_active():
         return _HOOKED
-    return None  # hooks on the module itself or below are found while its state is read (step_key)
+    return _modes_reason()  # hooks on the module itself or below are found while its state is read (step_key)
+
+
+def _modes_reason() -> str | None:
+    """Why the modes active around a call keep it from a graph (a mode may change what each operator
+    computes, and a replay runs no Python): any torch-function or dispatch mode but ours and a
+    ``DeviceContext``, whose device the key holds."""
+    ours = DeviceContext | CaptureConstants
+    foreign = [type(mode).__name__ for mode in _modes() if not isinstance(mode, ours)]
+    return f"{', '.join(foreign)} active around the call" if foreign else None
+
+
+def _modes() -> list[Any]:
+    """The torch-function and dispatch modes active on this thread (``torch.set_default_device`` keeps a
+    ``DeviceContext`` there, which only picks where factory calls without a device put their tensors)."""
+    return [
+        *torch.overrides._get_current_function_mode_stack(),
+        *torch.utils._python_dispatch._get_current_dispatch_mode_stack(),
+    ]
 
 
 _HOOKED = "hooks on the transformer or its submodules (a step cache, offload...) decide per call"
@@ -797,7 +824,8 @@ def _layout_hooks_state(module: nn.Module) -> tuple | None:
 
 def _global_state() -> tuple:
     """The process-wide switches a step's kernels are picked by: autocast, reduced-precision matmuls, which
-    SDPA kernels PyTorch may use, determinism, an ``attention_scope`` and Diffusers' attention backend.
+    SDPA kernels PyTorch may use, determinism, inference mode, the default dtype and device (what factory
+    calls in the forward make), an ``attention_scope`` and Diffusers' attention backend.
     Kernels built since a capture are not part of the key: its graph computes the same function with what
     served while they were built, and is captured anew at the first call where a capture may run
     (``kernel_builds.settled``)."""
@@ -805,15 +833,21 @@ def _global_state() -> tuple:
     return (
         torch.is_autocast_enabled("cuda"),
         torch.get_autocast_dtype("cuda"),
-        cuda.matmul.allow_tf32,
+        float32_precision(),
         cuda.matmul.allow_bf16_reduced_precision_reduction,
         cuda.matmul.allow_fp16_reduced_precision_reduction,
-        torch.backends.cudnn.allow_tf32,
+        getattr(cuda.matmul, "allow_fp16_accumulation", None),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
         cuda.flash_sdp_enabled(),
         cuda.mem_efficient_sdp_enabled(),
         cuda.math_sdp_enabled(),
         cuda.cudnn_sdp_enabled(),
         torch.are_deterministic_algorithms_enabled(),
+        # a graph captured in inference mode holds inference tensors, which no call outside it may write
+        torch.is_inference_mode_enabled(),
+        torch.get_default_dtype(),
+        tuple(mode.device for mode in _modes() if isinstance(mode, DeviceContext)),
         current_scope(),
         _AttentionBackendRegistry._active_backend,
     )

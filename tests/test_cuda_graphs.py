@@ -6,6 +6,7 @@ it. On a GPU (``-m gpu``): replayed pipelines bitwise equal to the same accelera
 across new resolutions, batch sizes, LoRA scales, weight edits and compile.
 """
 
+import contextlib
 import copy
 import dataclasses
 import faulthandler
@@ -96,6 +97,66 @@ def test_what_keys_a_graph():
     key = differs_after("disabled adapters", pipe.disable_lora)
     key = differs_after("enabled adapters", pipe.enable_lora)
     key = differs_after("a fused LoRA", pipe.fuse_lora)
+
+
+@contextlib.contextmanager
+def _switched(owner, name: str, value):
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
+@torch.no_grad()
+def test_global_switches_and_modes_key_a_graph_or_keep_the_call_eager():
+    """What a forward computes besides its arguments and modules: each switch is in the key, read without
+    raising where PyTorch's newer ``fp32_precision`` API was used (its legacy getters raise then); a
+    torch-function or dispatch mode around the call keeps it eager, a default device is keyed."""
+    from torch.overrides import TorchFunctionMode
+
+    from omni_accel.cuda_graphs import _modes_reason
+
+    pipe = omni_accel.accelerate(_bare(random_flux_transformer()), cuda_graphs=True)
+    transformer = pipe.transformer
+    x = flux_inputs(transformer)
+    transformer(**x)
+    key = _key(transformer, **x)
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    switches = {
+        "inference mode": torch.inference_mode,
+        "a default dtype": lambda: _switched_dtype(torch.float64),
+        "a default device": lambda: torch.device("cpu"),
+        "TF32 through the fp32_precision API": lambda: _switched(matmul, "fp32_precision", "tf32"),
+        "cudnn.benchmark": lambda: _switched(cudnn, "benchmark", not cudnn.benchmark),
+        "cudnn.deterministic": lambda: _switched(cudnn, "deterministic", not cudnn.deterministic),
+    }
+    if hasattr(matmul, "allow_fp16_accumulation"):
+        switches["fp16 accumulation"] = lambda: _switched(matmul, "allow_fp16_accumulation", True)
+    for what, switch in switches.items():
+        with switch():
+            assert _key(transformer, **x) not in (key, None), what
+            assert _modes_reason() is None, what  # a default device is keyed, not refused
+    assert _key(transformer, **x) == key
+
+    class Scaled(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Scaled():
+        assert _modes_reason() == "Scaled active around the call"
+    assert _modes_reason() is None
+
+
+@contextlib.contextmanager
+def _switched_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def test_the_state_walk_reads_every_module_once_and_every_tensor_of_each():
@@ -325,6 +386,14 @@ def test_block_graphs_under_inference_mode(monkeypatch):
     assert torch.equal(got, want)
     stats = block_graph_stats(omni_accel.describe(fast).components[0].block_graphs)
     assert stats["replays"] > 0 and stats["inputs_in_place"] == 0, stats
+    # then outside inference mode (the pipeline's own no_grad): graphs of their own, which may write their
+    # inputs (a graph captured in inference mode holds inference tensors no call outside it may write)
+    for cache in (True, False):
+        if not cache:
+            for pipe in (plain, fast):
+                pipe.transformer.disable_cache()
+        want, got = (p(**call, generator=torch.Generator().manual_seed(0)).images for p in (plain, fast))
+        assert torch.equal(got, want)
 
 
 def test_graph_memory_knows_what_an_output_still_holds():

@@ -48,6 +48,26 @@ def test_hit_is_bitwise_and_counted():
     assert (cache.hits, cache.misses) == (1, 1)
 
 
+def test_a_hit_is_keyed_on_the_fp32_precision_set_either_way():
+    """PyTorch's ``fp32_precision`` API (2.9+): once a user sets it, the legacy getters raise; the cache reads
+    the new one and keys on it, as on the legacy switches."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this PyTorch has no fp32_precision API")
+    cache, lin = ExactProjectionCache(), _linear()
+    first = _project(cache, lin, _cond())
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        assert torch.equal(_project(cache, lin, _cond()), first)
+        assert (cache.hits, cache.misses) == (0, 2)  # computed under the other setting
+    finally:
+        matmul.fp32_precision = before
+    for _ in range(2):  # the entry now holds the other setting's output: computed again, then reused
+        assert torch.equal(_project(cache, lin, _cond()), first)
+    assert (cache.hits, cache.misses) == (1, 3)
+
+
 def test_disabled_cache_computes_every_time():
     cache, lin = ExactProjectionCache(max_bytes=0), _linear()
     calls = []

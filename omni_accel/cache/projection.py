@@ -45,6 +45,7 @@ from torch import nn
 
 from ..forward_hooks import has_hooks
 from ..utils.module_settings import settings
+from ..utils.precision import float32_precision
 from ..utils.watched import Watcher, weight_version
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -64,11 +65,10 @@ def _numerics(device_type: str) -> tuple:
     return (
         torch.is_autocast_enabled(device_type),
         torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None,
-        torch.get_float32_matmul_precision(),
-        torch.backends.cuda.matmul.allow_tf32,
+        float32_precision(),
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        torch.backends.cudnn.allow_tf32,
+        getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None),
     )
 
 
