@@ -418,6 +418,70 @@ def test_generic_tier_fp8_keeps_lora_in_bf16_beside():
     assert rel_err(_sample(pipe.transformer, inputs), _oracle(model, inputs)) < _TIGHT
 
 
+def _lora(model: nn.Module, rank: int = 16) -> None:
+    from peft import LoraConfig
+
+    torch.manual_seed(5)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "proj_out", "ff.net.2"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+
+
+def test_generic_tier_fp8_lora_loaded_before_accelerate_runs_as_one_loaded_after():
+    """The adapter's own linears (peft's lora_A / lora_B) stay out of FP8 whenever it was loaded."""
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    before, after = copy.deepcopy(model), copy.deepcopy(model)
+    _lora(before)
+    before = omni_accel.accelerate(_Holder(before), quantize="fp8", native=False)
+    after = omni_accel.accelerate(_Holder(after), quantize="fp8", native=False)
+    _lora(after.transformer)
+    assert torch.equal(_sample(before.transformer, inputs), _sample(after.transformer, inputs))
+    fp8_store = omni_accel.describe(before).components[0].runtime.fp8
+    assert fp8_store.copies == omni_accel.describe(after).components[0].runtime.fp8.copies == 46
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_fp8_with_autograd_on_computes_and_differentiates_as_diffusers(native):
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    fast = omni_accel.accelerate(_Holder(copy.deepcopy(model)), quantize="fp8", native=native).transformer
+    grads = []
+    for m in (model, fast):
+        x = inputs["hidden_states"].clone().requires_grad_()
+        out = m(**{**inputs, "hidden_states": x}, return_dict=False)[0]
+        out.square().mean().backward()
+        grads.append((out.detach(), x.grad, {n: p.grad for n, p in m.named_parameters()}))
+    (want, want_x, want_p), (got, got_x, got_p) = grads
+    assert torch.equal(got, want) and torch.equal(got_x, want_x)
+    assert all(got_p[n] is not None and torch.equal(got_p[n], g) for n, g in want_p.items() if g is not None)
+
+
+def test_fp8_copies_of_moved_weights_are_dropped_and_inference_mode_copies_can_be_remade():
+    """Weights that move (offload, load_state_dict(assign=True)) leave no copies behind in an eager
+    forward; copies made under inference mode are re-made in place by a later call outside it."""
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    pipe = omni_accel.accelerate(_Holder(copy.deepcopy(model)), quantize="fp8", cuda_graphs=False)
+    fast, store = pipe.transformer, omni_accel.describe(pipe).components[0].runtime.fp8
+    with torch.inference_mode():
+        _sample(fast, inputs)
+    copies = store.copies
+    for _ in range(3):
+        with torch.no_grad():
+            for param in fast.parameters():
+                param.data = param.data.clone()  # every weight at a new address
+        _sample(fast, inputs)
+        assert store.copies == copies
+    edited = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in (edited, fast):
+            m.transformer_blocks[0].attn.to_q.weight.mul_(2)
+    assert rel_err(_sample(fast, inputs), _oracle(edited, inputs)) < _ONE_FLIP
+
+
 @pytest.mark.parametrize("kind", ["first_block", "mag", "taylorseer"])
 def test_diffusers_step_caches_compose_with_fp8(kind):
     """A step cache on the FP8 native blocks decides and computes as it does on Diffusers' own blocks with

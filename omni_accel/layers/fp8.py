@@ -160,7 +160,9 @@ class Fp8Weights:
 
     A copy is keyed by the (maybe packed) weight it was made from, and remembers the parameters behind it
     (``sources``) with their version counters; those parameters are watched (``utils.watched``) so that a
-    write through ``.data`` counts. ``refresh`` re-makes stale copies in place before a CUDA graph replay."""
+    write through ``.data`` counts. ``refresh``, as each forward begins, re-makes stale copies in place (a
+    CUDA graph replays them) and forgets those of weights that moved (offload, ``load_state_dict(assign=
+    True)``), whose new memory gets copies of its own."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, _Entry] = {}
@@ -194,7 +196,7 @@ class Fp8Weights:
                 for source in sources:
                     self._watcher.watch(source)
                 entry = self._entries[key] = _Entry(
-                    quantize_weight(weight),
+                    _plain_quantized(weight),
                     tuple(weakref.ref(s) for s in sources),
                     tuple(weight_version(s) for s in sources),
                 )
@@ -233,7 +235,7 @@ class Fp8Weights:
             self._watcher.release()
 
     def _requantize(self, entry: _Entry, weight: torch.Tensor) -> None:
-        fresh = quantize_weight(weight)
+        fresh = _plain_quantized(weight)
         entry.fp8.data.copy_(fresh.data)
         entry.fp8.scale.copy_(fresh.scale)
         entry.versions = tuple(weight_version(ref()) for ref in entry.sources)
@@ -253,6 +255,13 @@ class Fp8Weights:
             return [weight_version(ref()) for ref in refs] == versions
         except AttributeError:  # a parameter is gone: its reference gives None
             return False
+
+
+def _plain_quantized(weight: torch.Tensor) -> Fp8Weight:
+    """``quantize_weight(weight)`` as tensors with a version counter, even under inference mode: a copy made
+    in a call there is re-made in place by a later call outside it."""
+    with torch.inference_mode(False):
+        return quantize_weight(weight)
 
 
 def _key(weight: torch.Tensor) -> tuple:

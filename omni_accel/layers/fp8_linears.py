@@ -9,7 +9,8 @@ constructed without an FP8 GPU; here the bf16 parameters stay what they are, the
 ``Fp8Weights`` store, and the result is the same quantization the native blocks compute (tested on the CPU
 against Diffusers with quantized projections).
 
-Calls of fewer than ``MIN_FP8_ROWS`` rows (per-sample conditioning projections, such as the AdaLN modulation)
+A LoRA's own linears (peft's ``lora_A`` / ``lora_B``) stay as they are, loaded before ``accelerate`` or after,
+and with autograd on every linear computes as Diffusers' does. Calls of fewer than ``MIN_FP8_ROWS`` rows (per-sample conditioning projections, such as the AdaLN modulation)
 quantize the weight alone (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3
 GEMM to pay, but the weight's read, their whole time, halves. Linears the FP8 GEMM cannot take
 (``fp8_reason``), quantized or offloaded weights stay as they are. A transformer pre-hook
@@ -66,7 +67,8 @@ class Fp8Linear(InstanceForward):
         self._made_of = (weakref.ref(weight), weight.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or self.weight8 is None:
+        # with autograd on, the linear as Diffusers computes it: the e4m3 copy has no gradient to give
+        if not self.enabled or self.weight8 is None or torch.is_grad_enabled():
             return self._forward()(x)
         if x.numel() < MIN_FP8_ROWS * x.shape[-1]:
             return weight_only_linear(x, self.weight8, self.module.bias)
@@ -96,8 +98,9 @@ def install_fp8_linears(
     """Gives every plain linear of ``blocks`` an ``Fp8Linear`` forward; returns how many and the undos."""
     forwards = []
     for _, block in blocks:
+        adapters = _adapter_linears(block)
         for module in block.modules():
-            if type(module) is nn.Linear and "forward" not in module.__dict__:
+            if type(module) is nn.Linear and "forward" not in module.__dict__ and id(module) not in adapters:
                 forward = Fp8Linear(module, store)
                 forward.install()
                 forwards.append(forward)
@@ -112,3 +115,15 @@ def install_fp8_linears(
         store.release()
 
     return len(forwards), [undo]
+
+
+def _adapter_linears(block: nn.Module) -> set[int]:
+    """The ids of the linears inside LoRA layers (peft's ``lora_A`` / ``lora_B``) of ``block``: an adapter
+    loaded before ``accelerate`` runs as one loaded after, in full precision beside the FP8 base GEMM."""
+    found = set()
+    for layer in block.modules():
+        for name in ("lora_A", "lora_B"):
+            adapters = getattr(layer, name, None)
+            if isinstance(adapters, nn.ModuleDict):
+                found.update(id(module) for module in adapters.modules())
+    return found

@@ -139,11 +139,6 @@ class NativeRuntime(CompiledSteps):
         the patch's Python."""
         return None if self.code is None else self.code.reason()
 
-    def begin_step(self) -> int:
-        if self.fp8 is not None:  # a replay reads the e4m3 copies: re-made in place if their weights moved
-            self.fp8.refresh()
-        return super().begin_step()
-
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
         # A copy keeps the provider choice and gets its own (empty) caches; compiled code is not copied.
         return NativeRuntime(
