@@ -909,19 +909,22 @@ def _bind_forward_runtime(component: _Component) -> None:
 
 def _mark_forwards(component: _Component) -> None:
     """What is kept for one forward starts afresh at each: an inference tensor's memos
-    (``utils.versions``), the conditioning tensors the projection cache compared, the FP8 copies of weights
-    written or moved since the last forward."""
-    begin = functools.partial(_forward_begins, component)
+    (``utils.versions``), the conditioning tensors the projection cache compared, native blocks' FP8
+    copies of weights written or moved since the last forward (the generic tier's linears bring theirs up
+    to date in a hook of their own). The hook holds the stores themselves: a deep copy of the model then
+    gets a hook on its own copies."""
+    runtime = component.runtime
+    fp8 = runtime.fp8 if isinstance(runtime, NativeRuntime) else None
+    begin = functools.partial(_forward_begins, component.cache, fp8)
     component.undo += scoped_hooks(component.original, begin, _nothing_to_leave)
 
 
-def _forward_begins(component: _Component) -> None:
+def _forward_begins(cache: ExactProjectionCache | None, fp8: Fp8Weights | None) -> None:
     versions.new_forward()
-    if component.cache is not None:
-        component.cache.begin_forward()
-    # native blocks read the copies (the generic tier's linears bring theirs up to date in a hook of their own)
-    if isinstance(component.runtime, NativeRuntime) and component.runtime.fp8 is not None:
-        component.runtime.fp8.refresh()
+    if cache is not None:
+        cache.begin_forward()
+    if fp8 is not None:
+        fp8.refresh()
 
 
 def _nothing_to_leave(_token: None) -> None:
