@@ -407,11 +407,14 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
             "exactly as in Diffusers",
         )
     graphs = module.__dict__.get("forward")
+    detail = "already accelerated by another pipeline that shares this module; restore that pipeline to undo"
+    if getattr(runtime, "fp8", None) is not None:  # its options are the other pipeline's, lossy ones too
+        detail += "; LOSSY: quantize='fp8' (asked by that pipeline)"
     return ComponentReport(
         name,
         type(module).__name__,
         _SHARED,
-        "already accelerated by another pipeline that shares this module; restore that pipeline to undo",
+        detail,
         runtime.selector,
         cache=runtime.cache,
         cfg=runtime.layout.cfg if runtime.layout is not None else None,

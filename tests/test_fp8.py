@@ -505,3 +505,11 @@ def test_diffusers_step_caches_compose_with_fp8(kind):
     assert not torch.equal(expected, uncached)  # the cache reused something
     assert rel_err(got, expected) < _TIGHT
     assert omni_accel.describe(fast).components[0].runtime.fallbacks == {}  # every block ran natively
+
+
+def test_a_from_pipe_sibling_of_an_fp8_pipeline_says_it_is_lossy():
+    from diffusers import FluxImg2ImgPipeline
+
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), quantize="fp8")
+    sibling = omni_accel.accelerate(FluxImg2ImgPipeline.from_pipe(pipe))  # no quantize: the module is shared
+    assert "LOSSY: quantize='fp8' (asked by that pipeline)" in str(omni_accel.describe(sibling))
