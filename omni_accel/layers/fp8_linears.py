@@ -9,9 +9,9 @@ constructed without an FP8 GPU; here the bf16 parameters stay what they are, the
 ``Fp8Weights`` store, and the result is the same quantization the native blocks compute (tested on the CPU
 against Diffusers with quantized projections).
 
-A LoRA's own linears (peft's ``lora_A`` / ``lora_B``) stay as they are, loaded before ``accelerate`` or after,
-and with autograd on every linear computes as Diffusers' does. Calls of fewer than ``MIN_FP8_ROWS`` rows (per-sample conditioning projections, such as the AdaLN modulation)
-quantize the weight alone (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3
+A LoRA's own linears (peft's ``lora_A`` / ``lora_B``) stay as they are, loaded before ``accelerate`` or
+after, and with autograd on every linear computes as Diffusers' does. Calls of fewer than ``MIN_FP8_ROWS``
+rows (per-sample conditioning projections, such as the AdaLN modulation) quantize the weight alone (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3
 GEMM to pay, but the weight's read, their whole time, halves. Linears the FP8 GEMM cannot take
 (``fp8_reason``), quantized or offloaded weights stay as they are. A transformer pre-hook
 brings every copy up to date (in place where the weight was written in place) before each forward: before a
