@@ -11,11 +11,12 @@ against Diffusers with quantized projections).
 
 A LoRA's own linears (peft's ``lora_A`` / ``lora_B``) stay as they are, loaded before ``accelerate`` or
 after, and with autograd on every linear computes as Diffusers' does. Calls of fewer than ``MIN_FP8_ROWS``
-rows (per-sample conditioning projections, such as the AdaLN modulation) quantize the weight alone (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3
-GEMM to pay, but the weight's read, their whole time, halves. Linears the FP8 GEMM cannot take
-(``fp8_reason``), quantized or offloaded weights stay as they are. A transformer pre-hook
-brings every copy up to date (in place where the weight was written in place) before each forward: before a
-CUDA graph replay too, and outside any compiled region.
+rows (per-sample conditioning projections, such as the AdaLN modulation) quantize the weight alone
+(``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3 GEMM to pay, but the
+weight's read, their whole time, halves. Linears the FP8 GEMM cannot take (``fp8_reason``), quantized or
+offloaded weights stay as they are. A transformer pre-hook brings every copy up to date (in place where the
+weight was written in place) before each forward: before a CUDA graph replay too, and outside any compiled
+region.
 """
 
 from __future__ import annotations
