@@ -450,8 +450,8 @@ def image_output_like(transformer: nn.Module, arguments: dict[str, Any]) -> torc
 @dataclass(frozen=True)
 class Structure:
     """A block's submodules as its math assumes them, taken at ``accelerate``: depth first, each one's class
-    and plain settings (``utils.module_settings``), the subtrees in ``skip`` (a tree of names; None: not walked)
-    left out. Compared whole at each call: about as cheap as the walk for hooks."""
+    and plain settings (``utils.module_settings``), the subtrees in ``skip`` (a tree of names; None: not
+    walked) left out. Compared whole at each call: about as cheap as the walk for hooks."""
 
     skip: dict
     fingerprint: tuple

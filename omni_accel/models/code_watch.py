@@ -13,9 +13,10 @@ expects the patch to run, and in plain Diffusers it does. So the blocks watch:
 
 A patched one sends the blocks to Diffusers' forward, which calls it, and keeps the steps out of CUDA
 graphs, whose replays would skip its Python. The watch is read once per forward: a patch made and undone
-in the middle of one (a hook on one block that patches for that block alone) is not seen. Not watched: functions reached through an attribute
-(``F.linear``, ``torch.nn.functional.scaled_dot_product_attention``), which the native math does not call
-either way where they are torch's own, and functions called only by the module-level ones.
+in the middle of one (a hook on one block that patches for that block alone) is not seen. Not watched:
+functions reached through an attribute (``F.linear``, ``torch.nn.functional.scaled_dot_product_attention``),
+which the native math does not call either way where they are torch's own, and functions called only by
+the module-level ones.
 """
 
 from __future__ import annotations
@@ -122,8 +123,7 @@ def _called_by_name(methods: Iterable[tuple[type, str]]) -> list[tuple[types.Mod
     """(module, name) of each plain function that ``methods`` call by a global name of their module."""
     found = []
     for holder, name in methods:
-        function = getattr(holder, name)
-        function = unwrapped(function)
+        function = unwrapped(getattr(holder, name))
         code = getattr(function, "__code__", None)
         module = sys.modules.get(getattr(function, "__module__", None) or "")
         if code is None or module is None:
@@ -170,7 +170,8 @@ def _defined_by(function: Callable | None, module_name: str, qualname: str) -> b
 
 
 def _builtin_of(function: Callable | None, package: str) -> bool:
-    """``function`` is a function of torch's or ``package``'s written in C (``torch.rsqrt`` imported by name)."""
+    """``function`` is a function of torch's or ``package``'s written in C (``torch.rsqrt`` imported by
+    name)."""
     return isinstance(function, types.BuiltinFunctionType) and _top_package(
         getattr(function, "__module__", None) or ""
     ) in (package, "torch")
