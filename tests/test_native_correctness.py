@@ -212,3 +212,30 @@ def test_ip_adapter_with_replayed_steps_changes_with_its_scale():
     for expected, got in outputs:
         assert rel_err(got, expected) <= 1e-5
     assert not torch.allclose(outputs[0][1], outputs[1][1])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_lora_training_steps_then_inference_match_diffusers(fused):
+    """An adapter on the AdaLN modulation trained with an optimizer (a fused one writes the weights without
+    moving their version counters), then a no-grad call: the projection cache serves no stale modulation."""
+    from peft import LoraConfig
+
+    plain, fast = _pair()
+    inputs = flux_inputs(plain)
+    optimizers = []
+    for model in (plain, fast):
+        torch.manual_seed(4)
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=2, target_modules=["norm1.linear", "to_q"], init_lora_weights=False))
+        adapters = [param for name, param in model.named_parameters() if "lora" in name]
+        optimizers.append(torch.optim.AdamW(adapters, lr=1e-2, fused=fused))
+    for _ in range(2):
+        for model, optimizer in zip((plain, fast), optimizers, strict=True):
+            with torch.no_grad():
+                model(**inputs)  # fills the cache
+            loss = model(**inputs, return_dict=False)[0].square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            assert rel_err(fast(**inputs)[0], plain(**inputs)[0]) <= 1e-5

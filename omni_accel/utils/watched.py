@@ -8,6 +8,11 @@ parameter two watchers share turns back only when the last one lets it go. The s
 ``weight_version``: the version counter plus the ``.data`` uses, counted apart so that autograd, which checks
 the version counter of what it saved, does not see a read of ``.data`` (a weight norm logged between a
 training forward and its backward) as a write.
+
+Fused optimizers (``fused=True``) and others with kernels of their own write the parameters without moving
+the version counter: while any parameter is watched, a process-wide optimizer step hook counts each step as
+a write to the watched parameters it updates (before the step and after it, so a step that fails midway and a
+store filled during the step count too); other parameters and the step itself are left alone.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 _USES = "_omni_data_uses"  # on a watched parameter: how many times its ``.data`` was read or set
 
@@ -62,8 +68,23 @@ def weight_version(tensor: torch.Tensor) -> int:
     return tensor._version + tensor.__dict__.get(_USES, 0)
 
 
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if type(param) is WatchedParameter:
+                _count_use(param)
+
+
 _LOCK = threading.Lock()
 _COUNT = "_omni_watchers"  # on a watched parameter: how many watchers hold it
+_STEP_HOOKS: list = []  # the optimizer step hooks, registered at the first watch in the process
+
+
+def _hook_optimizer_steps() -> None:
+    """Registers ``_count_optimizer_step`` around every optimizer step, once (under ``_LOCK``)."""
+    if not _STEP_HOOKS:
+        _STEP_HOOKS.append(register_optimizer_step_pre_hook(_count_optimizer_step))
+        _STEP_HOOKS.append(register_optimizer_step_post_hook(_count_optimizer_step))
 
 
 class Watcher:
@@ -79,6 +100,7 @@ class Watcher:
             if ref is not None and ref() is param:
                 return
             if type(param) is nn.Parameter:
+                _hook_optimizer_steps()
                 param.__class__ = WatchedParameter
             elif type(param) is not WatchedParameter:
                 return
