@@ -1,5 +1,7 @@
 """Every exactness rule of ExactProjectionCache has a test that fails when the rule is broken."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,18 @@ def _fused_step(module: torch.nn.Module) -> None:
     for param in module.parameters():
         param.grad = torch.ones_like(param)
     torch.optim.SGD(module.parameters(), lr=0.1, fused=True).step()
+
+
+def test_watched_parameters_take_the_optimizer_path_plain_ones_take(monkeypatch):
+    """A parameter the cache depends on picks the same optimizer implementation as a plain one: the
+    multi-tensor one where its device has kernels (patched to include the CPU here), not the per-tensor loop."""
+    optimizer = importlib.import_module("torch.optim.optimizer")
+    monkeypatch.setattr(optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    cache, lin = ExactProjectionCache(), _linear()
+    plain = optimizer._default_to_fused_or_foreach(list(lin.parameters()), False)
+    _project(cache, lin, _cond())
+    assert type(lin.weight) is not torch.nn.Parameter  # watched
+    assert optimizer._default_to_fused_or_foreach(list(lin.parameters()), False) == plain == (False, True)
 
 
 def test_buffer_changes_invalidate():

@@ -12,7 +12,9 @@ training forward and its backward) as a write.
 Fused optimizers (``fused=True``) and others with kernels of their own write the parameters without moving
 the version counter: while any parameter is watched, a process-wide optimizer step hook counts each step as
 a write to the watched parameters it updates (before the step and after it, so a step that fails midway and a
-store filled during the step count too); other parameters and the step itself are left alone.
+store filled during the step count too); other parameters and the step itself are left alone. And so that
+an optimizer picks its implementation (the multi-tensor one on a GPU) for a watched parameter as for a plain
+one, ``WatchedParameter`` joins the types torch's optimizers take for it, as torch's own ``DTensor`` does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    _foreach_supported_types,
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 _USES = "_omni_data_uses"  # on a watched parameter: how many times its ``.data`` was read or set
 
@@ -80,11 +86,14 @@ _COUNT = "_omni_watchers"  # on a watched parameter: how many watchers hold it
 _STEP_HOOKS: list = []  # the optimizer step hooks, registered at the first watch in the process
 
 
-def _hook_optimizer_steps() -> None:
-    """Registers ``_count_optimizer_step`` around every optimizer step, once (under ``_LOCK``)."""
+def _join_optimizer_steps() -> None:
+    """Registers ``_count_optimizer_step`` around every optimizer step and makes ``WatchedParameter`` a
+    type the optimizers' multi-tensor path takes, once (under ``_LOCK``)."""
     if not _STEP_HOOKS:
         _STEP_HOOKS.append(register_optimizer_step_pre_hook(_count_optimizer_step))
         _STEP_HOOKS.append(register_optimizer_step_post_hook(_count_optimizer_step))
+        if WatchedParameter not in _foreach_supported_types:
+            _foreach_supported_types.append(WatchedParameter)
 
 
 class Watcher:
@@ -100,7 +109,7 @@ class Watcher:
             if ref is not None and ref() is param:
                 return
             if type(param) is nn.Parameter:
-                _hook_optimizer_steps()
+                _join_optimizer_steps()
                 param.__class__ = WatchedParameter
             elif type(param) is not WatchedParameter:
                 return
