@@ -319,7 +319,12 @@ class NativeBlock:
 
     def _block_reason(self, inputs: Sequence[Any]) -> str | None:
         if forward_in_flight() is not self.omni_runtime:
-            return "the block was called outside its accelerated transformer's forward"
+            # Gradient checkpointing recomputes the block in the backward pass, after the forward: name the
+            # gradient, as the forward's call did.
+            return (
+                gradient_reason(self, inputs)
+                or "the block was called outside its accelerated transformer's forward"
+            )
         code = self.omni_runtime.code
         reason = None if code is None else code.reason()
         if reason is not None:
@@ -504,9 +509,13 @@ def diffusers_only_reason(block: nn.Module, inputs: Any, around: Sequence[nn.Mod
             f"hooks on {hooked} (e.g. a step cache, layerwise casting or offload of submodules, or a forward "
             "set on the module)"
         )
+    return gradient_reason(block, inputs)
+
+
+def gradient_reason(block: nn.Module, inputs: Any) -> str | None:
+    """Why a gradient must flow through this call of ``block`` (to its weights or to its inputs), or None.
+    Fused kernels and our attention op have no backward, so Diffusers' forward computes such a call."""
     if torch.is_grad_enabled():
-        # Fused kernels and our attention op have no backward: whenever a gradient flows through this block
-        # (to its weights or to its inputs), Diffusers' forward computes it.
         if any(p.requires_grad for p in block.parameters()):
             return "gradients enabled for parameters that require them"
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(inputs)):
