@@ -168,3 +168,29 @@ def test_accelerate_takes_every_option_of_accel_config_by_keyword():
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     ]
     assert keywords == [field.name for field in dataclasses.fields(omni_accel.AccelConfig)]
+
+
+def test_an_error_halfway_through_the_block_swap_leaves_no_block_native(pipe, monkeypatch):
+    """Packing allocates (an out-of-memory error may come at any block): the blocks swapped before it go back,
+    and a later accelerate does its own swap rather than taking the leftovers for another pipeline's."""
+    from omni_accel.models.base import NativeBlock
+
+    prepack, calls = NativeBlock.prepack, []
+
+    def fails_at_the_third(block):
+        calls.append(block)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("injected")
+        prepack(block)
+
+    monkeypatch.setattr(NativeBlock, "prepack", fails_at_the_third)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        omni_accel.accelerate(pipe)
+    monkeypatch.undo()
+    blocks = [*pipe.transformer.transformer_blocks, *pipe.transformer.single_transformer_blocks]
+    assert len(calls) == 3 and all(type(b).__module__.startswith("diffusers.") for b in blocks)
+    assert not any("omni_runtime" in vars(b) for b in blocks)
+    assert "_repeated_blocks" not in vars(pipe.transformer)
+    _untouched(pipe)
+    omni_accel.accelerate(pipe)
+    assert omni_accel.describe(pipe).components[0].mode == "native"

@@ -557,8 +557,9 @@ class SwappedBlocks:
         for block, diffusers_cls, native_cls in self.blocks:
             hook_chains.revert(block, diffusers_cls, native_cls)
             block.__class__ = diffusers_cls
-            del block.omni_runtime, block.omni_name, block.omni_structure
-        object.__delattr__(self.transformer, "_repeated_blocks")
+            for name in ("omni_runtime", "omni_name", "omni_structure"):  # a swap stopped halfway set fewer
+                vars(block).pop(name, None)
+        vars(self.transformer).pop("_repeated_blocks", None)
 
 
 def native_blocks(transformer: nn.Module, model: NativeModel) -> list[nn.Module]:
@@ -579,19 +580,25 @@ def swap_blocks(transformer: nn.Module, model: NativeModel, runtime: NativeRunti
                     "omni_accel makes only the blocks it knows native."
                 )
             named.append((f"{list_name}.{index}", block, diffusers_cls, native_cls))
-    for name, block, diffusers_cls, native_cls in named:
-        block.__class__ = native_cls
-        block.omni_runtime = runtime
-        block.omni_name = name
-        hook_chains.apply(block, diffusers_cls, native_cls)
-        block.prepack()
-        block.omni_structure = block.structure()
-    runtime.code = CodeWatch.of_blocks(
-        [entry[1] for entry in named], lambda block: type(block).diffusers_class()
-    )
-    # Diffusers' compile_repeated_blocks() finds blocks by class name: point it at the native classes.
-    object.__setattr__(transformer, "_repeated_blocks", [cls.__name__ for cls in model.blocks.values()])
-    return SwappedBlocks(transformer, [entry[1:] for entry in named])
+    swapped = SwappedBlocks(transformer, [])
+    try:
+        for name, block, diffusers_cls, native_cls in named:
+            block.__class__ = native_cls
+            swapped.blocks.append((block, diffusers_cls, native_cls))
+            block.omni_runtime = runtime
+            block.omni_name = name
+            hook_chains.apply(block, diffusers_cls, native_cls)
+            block.prepack()  # allocates the packed storage: may run out of memory halfway through the blocks
+            block.omni_structure = block.structure()
+        runtime.code = CodeWatch.of_blocks(
+            [entry[1] for entry in named], lambda block: type(block).diffusers_class()
+        )
+        # Diffusers' compile_repeated_blocks() finds blocks by class name: point it at the native classes.
+        object.__setattr__(transformer, "_repeated_blocks", [cls.__name__ for cls in model.blocks.values()])
+    except BaseException:
+        swapped.undo()  # no block is left native (a half-swapped transformer passes for an accelerated one)
+        raise
+    return swapped
 
 
 _REGISTER_LOCK = threading.Lock()
