@@ -229,7 +229,13 @@ def _plan_and_commit(
     """``accelerate``'s plan and commit under ``parallel`` (None: one device, or a layout chosen at the first
     call): the components, the other reports (the VAE's split) and the pipeline-level undos (the mesh's
     groups destroyed last)."""
-    components = [_plan(name, getattr(pipe, name), config, parallel) for name in names]
+    components: list[_Component] = []
+    for name in names:
+        module = getattr(pipe, name)
+        first = next((c for c in components if c.original is module), None)
+        components.append(
+            _plan(name, module, config, parallel) if first is None else _held_twice(name, first)
+        )
     distributed = parallel is not None and parallel.mesh is not None
     vae_coders, others = _plan_vae(pipe, config) if distributed else ([], [])
     vae = getattr(pipe, "vae", None)
@@ -244,6 +250,15 @@ def _plan_and_commit(
     if distributed:
         undo.insert(0, parallel.close)  # restore runs it last, once the components are undone
     return components, others, undo
+
+
+def _held_twice(name: str, first: _Component) -> _Component:
+    """A module the pipeline holds under a second name as well (``pipe.transformer_2 = pipe.transformer``):
+    accelerated once, as ``first``, which owns it; this name shares it."""
+    module = first.original
+    detail = f"the module pipe.{first.name} holds too: accelerated once, as pipe.{first.name}"
+    report = ComponentReport(name, type(module).__name__, _SHARED, detail)
+    return _Component(name, module, first.spec, report, shared=True)
 
 
 def _commit_all(

@@ -82,6 +82,24 @@ def test_swapped_accelerated_transformers_are_described_where_they_are_now():
     assert first.mode == "replaced" and "accelerated by another pipeline" in first.detail
 
 
+def test_one_module_held_under_two_names_is_accelerated_once():
+    """Plain Diffusers runs ``pipe.transformer_2 = pipe.transformer``; accelerate swapped its blocks twice
+    (and refused it as holding blocks it did not know)."""
+    pipe = omni_accel.tiny_wan_pipeline(seed=0, two_experts=True)
+    pipe.transformer_2 = pipe.transformer
+    call = dict(prompt="a cat", num_inference_steps=4, height=16, width=16, num_frames=1, output_type="pt")
+    before = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    omni_accel.accelerate(pipe)
+    first, second = omni_accel.describe(pipe).components[:2]
+    assert (first.mode, second.mode) == ("native", "native")
+    assert "set up as pipe.transformer, which pipe.transformer_2 holds now" in second.detail
+    fast = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    assert rel_err(fast, before) < 1e-5
+    omni_accel.restore(pipe)
+    assert type(pipe.transformer.blocks[0]).__name__ == "WanTransformerBlock"
+    assert torch.equal(pipe(**call, generator=torch.Generator().manual_seed(0)).frames, before)
+
+
 @pytest.mark.parametrize(
     ("attention", "message"),
     [
