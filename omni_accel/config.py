@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,9 +95,17 @@ class AccelConfig:
             raise TypeError(
                 f"parallel must be an omni_accel.ParallelConfig or 'auto', got {self.parallel!r}."
             )
-        if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
-            raise TypeError(f"components must be a tuple of attribute names, got {self.components!r}.")
-        object.__setattr__(self, "components", tuple(self.components))
+        components = self.components
+        iterable = isinstance(components, Iterable) and not isinstance(components, str)
+        names = tuple(components) if iterable else None
+        if names is None or not all(isinstance(c, str) for c in names):
+            raise TypeError(f"components must be a tuple of attribute names, got {components!r}.")
+        object.__setattr__(self, "components", names)
+        if not self.components:
+            raise ValueError(
+                f"components=() names no denoiser, so accelerate would do nothing; name the pipeline's "
+                f"transformers (the default {list(DEFAULT_COMPONENTS)} takes those it holds)."
+            )
         if self.quantize not in QUANTIZATIONS:
             raise ValueError(
                 f"quantize must be one of {sorted(q for q in QUANTIZATIONS if q)} or None (lossless), got "

@@ -47,6 +47,16 @@ def test_config_of_the_wrong_type(pipe):
         AccelConfig(attention=3)
     with pytest.raises(TypeError, match="components must be a tuple"):
         AccelConfig(components="transformer")
+    with pytest.raises(TypeError, match="components must be a tuple of attribute names, got 5"):
+        AccelConfig(components=5)
+    assert AccelConfig(components=iter(["transformer"])).components == ("transformer",)
+
+
+def test_no_components_is_refused_not_reported_as_a_pipeline_without_transformer(pipe):
+    """components=() did nothing and said the pipeline had no transformer."""
+    with pytest.raises(ValueError, match=r"components=\(\) names no denoiser.*the default \['transformer'"):
+        omni_accel.accelerate(pipe, components=())
+    _untouched(pipe)
 
 
 @pytest.mark.parametrize(
