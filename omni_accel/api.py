@@ -186,13 +186,14 @@ def accelerate(
 
     names = _denoiser_names(pipe, config)
     if not names:
-        note = ComponentReport(
-            ", ".join(config.components),
-            "-",
-            "absent",
+        detail = (
             f"{type(pipe).__name__} has no transformer component; nothing was accelerated and the pipeline "
-            "runs exactly as in Diffusers",
+            "runs exactly as in Diffusers"
         )
+        others = sorted(name for name, module in pipe.components.items() if _is_denoiser(module))
+        if others:  # a UNet: not taken by default (no native blocks), taken when named
+            detail += f"; components={tuple(others)!r} accelerates its denoiser"
+        note = ComponentReport(", ".join(config.components), "-", "absent", detail)
         setattr(pipe, _STATE_ATTR, _State(config, [], [], absent=[note]))
         logger.warning("%s: %s", type(pipe).__name__, note.detail)
         return pipe

@@ -132,6 +132,25 @@ def test_pipeline_without_transformer_is_left_as_is_with_a_report(pipe):
     omni_accel.restore(pipe)
 
 
+def test_a_unet_pipeline_is_told_how_to_accelerate_its_unet():
+    """The default takes transformers only; the report named no way to take a pipeline's UNet."""
+    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    torch.manual_seed(0)
+    blocks = dict(
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D")
+    )
+    unet = UNet2DModel(
+        sample_size=8, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, **blocks
+    )
+    pipe = DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=10))
+    omni_accel.accelerate(pipe)
+    assert "components=('unet',) accelerates its denoiser" in str(omni_accel.describe(pipe))
+    omni_accel.restore(pipe)
+    omni_accel.accelerate(pipe, components=("unet",))
+    assert omni_accel.describe(pipe).components[0].name == "unet"
+
+
 def test_a_compiled_transformer_is_refused_with_the_way_out(pipe):
     pipe.transformer = torch.compile(pipe.transformer)
     with pytest.raises(ValueError, match=r"_orig_mod\) and pass compile=True"):
