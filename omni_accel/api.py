@@ -23,6 +23,7 @@ import importlib.util
 import itertools
 import os
 import re
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,6 +184,7 @@ def accelerate(
     if config is not None and not isinstance(config, AccelConfig):
         raise TypeError(f"config must be an omni_accel.AccelConfig, got {type(config).__name__}.")
     config = (config or AccelConfig()).with_overrides(**overrides)
+    asked = _asked(config, overrides)
 
     names = _denoiser_names(pipe, config)
     if not names:
@@ -207,7 +209,7 @@ def accelerate(
     deferred = layout is _AT_FIRST_CALL
     parallel = init_parallel(layout) if layout is not None and not deferred else None
     try:
-        components, others, undo = _plan_and_commit(pipe, names, config, parallel, auto_reason)
+        components, others, undo = _plan_and_commit(pipe, names, config, parallel, auto_reason, asked)
     except BaseException:
         if parallel is not None:
             parallel.close()  # a refused layout leaves no process groups behind either
@@ -226,6 +228,7 @@ def _plan_and_commit(
     config: AccelConfig,
     parallel: ParallelState | None,
     auto_reason: str | None,
+    asked: frozenset[str],
 ) -> tuple[list[_Component], list[ComponentReport], list[Callable[[], None]]]:
     """``accelerate``'s plan and commit under ``parallel`` (None: one device, or a layout chosen at the first
     call): the components, the other reports (the VAE's split) and the pipeline-level undos (the mesh's
@@ -235,7 +238,7 @@ def _plan_and_commit(
         module = getattr(pipe, name)
         first = next((c for c in components if c.original is module), None)
         components.append(
-            _plan(name, module, config, parallel) if first is None else _held_twice(name, first)
+            _plan(name, module, config, parallel, asked) if first is None else _held_twice(name, first)
         )
     distributed = parallel is not None and parallel.mesh is not None
     vae_coders, others = _plan_vae(pipe, config) if distributed else ([], [])
@@ -248,9 +251,56 @@ def _plan_and_commit(
             if component.runtime is not None:
                 component.report.layout = f"parallel='auto': {auto_reason}"
     undo = _commit_all(pipe, components, vae_coders, parallel if distributed else None)
+    for component in components:
+        if not component.shared:  # what a pipeline sharing the module (from_pipe) is compared with
+            _SET_UP_WITH[component.original] = config
+            component.undo.insert(0, functools.partial(_SET_UP_WITH.pop, component.original, None))
     if distributed:
         undo.insert(0, parallel.close)  # restore runs it last, once the components are undone
     return components, others, undo
+
+
+# The options each accelerated transformer was set up with, by module: another pipeline holding it (from_pipe)
+# shares that setup, and options it asks that differ are refused (``_check_shared_options``).
+_SET_UP_WITH: weakref.WeakKeyDictionary[nn.Module, AccelConfig] = weakref.WeakKeyDictionary()
+# The options that set up a transformer (the others are the pipeline's own: which components, its VAE).
+_MODULE_OPTIONS = (
+    "attention",
+    "native",
+    "projection_cache_bytes",
+    "parallel",
+    "compile",
+    "compile_in_background",
+    "cuda_graphs",
+    "quantize",
+)
+
+
+def _asked(config: AccelConfig, overrides: Mapping[str, Any]) -> frozenset[str]:
+    """The options the caller set: given as keywords, or in ``config`` at other than their defaults."""
+    default = AccelConfig()
+    differ = {
+        f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(default, f.name)
+    }
+    return frozenset(overrides) | differ
+
+
+def _check_shared_options(name: str, module: nn.Module, config: AccelConfig, asked: frozenset[str]) -> None:
+    """Raises where this call asks options for ``module`` other than those another pipeline that holds it
+    (from_pipe) accelerated it with: one module runs one setup, and the asked ones would be ignored."""
+    owner = _SET_UP_WITH.get(module)
+    if owner is None:
+        return
+    differ = [o for o in _MODULE_OPTIONS if o in asked and getattr(config, o) != getattr(owner, o)]
+    if differ:
+        theirs = ", ".join(f"{o}={getattr(owner, o)!r}" for o in differ)
+        ours = ", ".join(f"{o}={getattr(config, o)!r}" for o in differ)
+        raise ValueError(
+            f"pipe.{name} ({type(module).__name__}) is shared with another pipeline (from_pipe) that "
+            f"accelerated it with {theirs}, and this call asks {ours}: one module runs one setup. Call "
+            "accelerate without these options to share that setup, or omni_accel.restore() the other "
+            "pipeline first."
+        )
 
 
 def _held_twice(name: str, first: _Component) -> _Component:
@@ -446,7 +496,9 @@ def _state(pipe: Pipeline) -> _State:
     return state
 
 
-def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelState | None) -> _Component:
+def _plan(
+    name: str, module: nn.Module, config: AccelConfig, parallel: ParallelState | None, asked: frozenset[str]
+) -> _Component:
     """Decides what to do with one component and builds it, touching nothing in the pipeline."""
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError(
@@ -455,6 +507,7 @@ def _plan(name: str, module: nn.Module, config: AccelConfig, parallel: ParallelS
         )
     spec = spec_for(module)
     if _runtime_of(module) is not None:  # e.g. a sibling made by from_pipe shares an accelerated transformer
+        _check_shared_options(name, module, config, asked)
         return _Component(name, module, spec, _shared_report(name, module), shared=True)
     native_ok = spec is not None and spec.native is not None and config.native
     distributed = parallel is not None and parallel.mesh is not None

@@ -55,6 +55,26 @@ def test_a_from_pipe_sibling_is_described_as_it_is_after_its_owner_restores():
     assert rel_err(got.images, expected.images) <= 1e-5
 
 
+def test_options_a_from_pipe_sibling_asks_that_its_shared_module_does_not_run_are_refused():
+    """They were silently ignored (an invalid provider, quantize, compile...): the module runs its owner's
+    setup. The same options, or none, share it; after the owner restores, the sibling sets it up itself."""
+    owner = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), attention="sdpa")
+    sibling = FluxImg2ImgPipeline.from_pipe(owner)
+    for options in ({"quantize": "fp8"}, {"attention": "sdpa_cudnn"}, {"config": AccelConfig(compile=True)}):
+        with pytest.raises(
+            ValueError, match=r"shared with another pipeline \(from_pipe\) that accelerated it"
+        ):
+            omni_accel.accelerate(sibling, **options)
+        with pytest.raises(ValueError, match="not accelerated"):
+            omni_accel.describe(sibling)
+    omni_accel.accelerate(sibling, attention="sdpa", components=("transformer",))
+    assert omni_accel.describe(sibling).components[0].mode == "native (shared)"
+    omni_accel.restore(sibling)
+    omni_accel.restore(owner)
+    omni_accel.accelerate(sibling, quantize="fp8")
+    assert omni_accel.describe(sibling).components[0].mode == "native"
+
+
 def test_a_replaced_transformer_is_described_as_plain():
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
     pipe.transformer = omni_accel.tiny_flux_pipeline(seed=1).transformer
