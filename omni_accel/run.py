@@ -57,7 +57,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         options["projection_cache_bytes"] = args.projection_cache_bytes
     if args.quantize:
         options["quantize"] = args.quantize
-    degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg") if getattr(args, d)}
+    # ``is not None``: a degree of 0 is ParallelConfig's to refuse, not to drop.
+    degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg") if getattr(args, d) is not None}
     if degrees and args.auto_parallel:
         raise SystemExit("omni-accel run: give --auto-parallel or parallel degrees, not both")
     if degrees:

@@ -100,6 +100,14 @@ def test_options_from_the_environment():
     assert options_from_args(args)["quantize"] == "fp8"
 
 
+def test_a_parallel_degree_of_zero_is_refused_not_dropped():
+    """``--tp 0`` ran the script without a layout, as if no degree were given."""
+    from omni_accel.run import build_parser, options_from_args
+
+    with pytest.raises(ValueError, match="ParallelConfig.tp must be a positive int, got 0"):
+        options_from_args(build_parser().parse_args(["--tp", "0", "x.py"]))
+
+
 def test_ipython_extension_enables_and_disables():
     omni_accel.load_ipython_extension(None)
     try:
