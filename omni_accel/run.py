@@ -13,6 +13,7 @@ every rank writes the same file.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from typing import Any
@@ -60,7 +61,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     # ``is not None``: a degree of 0 is ParallelConfig's to refuse, not to drop.
     degrees = {d: getattr(args, d) for d in ("tp", "ulysses", "ring", "cfg") if getattr(args, d) is not None}
     if degrees and args.auto_parallel:
-        raise SystemExit("omni-accel run: give --auto-parallel or parallel degrees, not both")
+        raise ValueError("give --auto-parallel or parallel degrees, not both")
     if degrees:
         options["parallel"] = ParallelConfig(**degrees)
     elif args.auto_parallel:
@@ -69,8 +70,14 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    auto.enable(**options_from_args(args))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not os.path.exists(args.script):  # a file, or a folder or zip with a __main__.py (as python runs)
+        parser.error(f"no script at {args.script!r}")
+    try:  # a wrong option (flag or OMNI_ACCEL_*) is a usage error: its message, exit status 2, no traceback
+        auto.enable(**options_from_args(args))
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
     sys.argv = [args.script, *args.args]
     try:
         runpy.run_path(args.script, run_name="__main__")

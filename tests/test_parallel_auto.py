@@ -66,7 +66,7 @@ def test_auto_from_the_environment_and_the_command_line():
     assert options_from_env({"OMNI_ACCEL_PARALLEL": "auto"}) == {"parallel": "auto"}
     parser = build_parser()
     assert options_from_args(parser.parse_args(["--auto-parallel", "x.py"]))["parallel"] == "auto"
-    with pytest.raises(SystemExit, match="give --auto-parallel or parallel degrees"):
+    with pytest.raises(ValueError, match="give --auto-parallel or parallel degrees"):
         options_from_args(parser.parse_args(["--auto-parallel", "--tp", "2", "x.py"]))
 
 

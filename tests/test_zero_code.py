@@ -108,6 +108,25 @@ def test_a_parallel_degree_of_zero_is_refused_not_dropped():
         options_from_args(build_parser().parse_args(["--tp", "0", "x.py"]))
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cfg", "3", str(SCRIPT)], "cfg=3: classifier-free guidance has two branches"),
+        (["--tp", "2", "--auto-parallel", str(SCRIPT)], "give --auto-parallel or parallel degrees, not both"),
+        (["no_such_script.py"], "no script at 'no_such_script.py'"),
+    ],
+)
+def test_a_wrong_run_option_is_a_usage_error(argv, message, capsys):
+    """It was a traceback with exit status 1, like an error of the script itself."""
+    from omni_accel import run
+
+    with pytest.raises(SystemExit) as exited:
+        run.main(argv)
+    assert exited.value.code == 2
+    assert f"omni-accel run: error: {message}" in capsys.readouterr().err
+    assert not omni_accel.auto.enabled()
+
+
 def test_ipython_extension_enables_and_disables():
     omni_accel.load_ipython_extension(None)
     try:
