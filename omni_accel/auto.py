@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from diffusers import DiffusionPipeline, ModularPipeline
@@ -93,18 +94,34 @@ def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if env.get("OMNI_ACCEL_ATTENTION"):
         options["attention"] = env["OMNI_ACCEL_ATTENTION"]
-    if env.get("OMNI_ACCEL_COMPILE", "").lower() in _YES:
+    if _switch(env, "OMNI_ACCEL_COMPILE"):  # 0: the automatic choice, as when unset
         options["compile"] = True
-    graphs = env.get("OMNI_ACCEL_CUDA_GRAPHS", "").lower()
-    if graphs in _YES or graphs in _NO:
-        options["cuda_graphs"] = graphs in _YES
+    graphs = _switch(env, "OMNI_ACCEL_CUDA_GRAPHS")
+    if graphs is not None:
+        options["cuda_graphs"] = graphs
     if env.get("OMNI_ACCEL_PARALLEL"):
         options["parallel"] = parse_parallel(env["OMNI_ACCEL_PARALLEL"])
-    if env.get("OMNI_ACCEL_PROJECTION_CACHE_BYTES"):
-        options["projection_cache_bytes"] = int(env["OMNI_ACCEL_PROJECTION_CACHE_BYTES"])
+    budget = env.get("OMNI_ACCEL_PROJECTION_CACHE_BYTES", "")
+    if budget:
+        if not budget.strip().isdigit():
+            raise ValueError(
+                f"OMNI_ACCEL_PROJECTION_CACHE_BYTES={budget!r}: expected a number of bytes, like 0 or 268435456"
+            )
+        options["projection_cache_bytes"] = int(budget)
     if env.get("OMNI_ACCEL_QUANTIZE"):
         options["quantize"] = env["OMNI_ACCEL_QUANTIZE"]
     return options
+
+
+def _switch(env: Mapping[str, str], name: str) -> bool | None:
+    """An on/off variable: True, False, or None where unset or empty; any other value is refused (a typo
+    such as ``on`` would otherwise leave the option silently at its default)."""
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value not in _YES + _NO:
+        raise ValueError(f"{name}={env[name]!r}: expected one of {', '.join(_YES + _NO)}")
+    return value in _YES
 
 
 def parse_parallel(text: str) -> ParallelConfig | str:

@@ -94,6 +94,15 @@ def test_options_from_the_environment():
     }
     with pytest.raises(ValueError, match="items like tp=2"):
         parse_parallel("tp2")
+    # a value outside the accepted ones left the option silently at its default, or named no variable
+    with pytest.raises(ValueError, match="OMNI_ACCEL_CUDA_GRAPHS='off': expected one of 1, true, yes, 0"):
+        options_from_env({"OMNI_ACCEL_CUDA_GRAPHS": "off"})
+    with pytest.raises(ValueError, match="OMNI_ACCEL_COMPILE='2': expected one of"):
+        options_from_env({"OMNI_ACCEL_COMPILE": "2"})
+    with pytest.raises(
+        ValueError, match="OMNI_ACCEL_PROJECTION_CACHE_BYTES='1e6': expected a number of bytes"
+    ):
+        options_from_env({"OMNI_ACCEL_PROJECTION_CACHE_BYTES": "1e6"})
     from omni_accel.run import build_parser, options_from_args
 
     args = build_parser().parse_args(["--quantize", "fp8", "x.py"])
