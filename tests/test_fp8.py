@@ -401,6 +401,33 @@ def test_generic_tier_fp8_is_diffusers_with_quantized_projections():
     assert all(type(p) is nn.Parameter for p in ours.parameters())
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_generic_tier_fp8_quantizes_the_weights_group_offload_loads(when, tmp_path):
+    """Block-level group offload to disk leaves empty tensors in the parameters between calls; the
+    transformer's pre-hook saw those, so each linear's copy is made again from the weight its block loaded
+    (it used to multiply by the e4m3 copy of uninitialized memory: NaN or garbage)."""
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    expected = _sample(
+        omni_accel.accelerate(_Holder(copy.deepcopy(model)), quantize="fp8", native=False).transformer, inputs
+    )
+    offloaded = copy.deepcopy(model)
+
+    def offload() -> None:
+        cpu = torch.device("cpu")
+        offloaded.enable_group_offload(
+            cpu, cpu, offload_type="block_level", num_blocks_per_group=1, offload_to_disk_path=str(tmp_path)
+        )
+
+    if when == "before":
+        offload()
+    omni_accel.accelerate(_Holder(offloaded), quantize="fp8", native=False)
+    if when == "after":
+        offload()
+    for _ in range(2):
+        assert torch.equal(_sample(offloaded, inputs), expected)
+
+
 def test_generic_tier_fp8_keeps_lora_in_bf16_beside():
     from peft import LoraConfig
 

@@ -16,7 +16,8 @@ rows (per-sample conditioning projections, such as the AdaLN modulation) quantiz
 weight's read, their whole time, halves. Linears the FP8 GEMM cannot take (``fp8_reason``), quantized or
 offloaded weights stay as they are. A transformer pre-hook brings every copy up to date (in place where the
 weight was written in place) before each forward: before a CUDA graph replay too, and outside any compiled
-region.
+region. An eager call checks again that its weight is the one copied: an offload hook of its block or of the
+transformer loads the weights after that pre-hook.
 """
 
 from __future__ import annotations
@@ -69,7 +70,13 @@ class Fp8Linear(InstanceForward):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # with autograd on, the linear as Diffusers computes it: the e4m3 copy has no gradient to give
-        if not self.enabled or self.weight8 is None or torch.is_grad_enabled():
+        if not self.enabled or torch.is_grad_enabled():
+            return self._forward()(x)
+        if not torch.compiler.is_dynamo_compiling():
+            # An offload hook (group offload of a block, model offload) may have loaded the weight since the
+            # transformer's pre-hook copied what was there (the CPU's copy, or an empty disk-offloaded one).
+            self.refresh()
+        if self.weight8 is None:
             return self._forward()(x)
         if x.numel() < MIN_FP8_ROWS * x.shape[-1]:
             return weight_only_linear(x, self.weight8, self.module.bias)
