@@ -235,9 +235,10 @@ def _adapter_rows(terms: tuple[LowRank, ...], rows: slice) -> tuple[LowRank, ...
     )
 
 
-def read_packed(modules: Sequence[nn.Module], where: str) -> LinearWeights:
-    """The weights of several linears that read one input, as one packed GEMM (packing them if needed)."""
-    resolved = [_resolve(m, f"{where}[{i}]") for i, m in enumerate(modules)]
+def read_packed(modules: Sequence[nn.Module], paths: Sequence[str]) -> LinearWeights:
+    """The weights of several linears that read one input, as one packed GEMM (packing them if needed).
+    ``paths``: each linear's name in the block, as Diffusers names it (what an ``Unsupported`` reason says)."""
+    resolved = [_resolve(m, path) for m, path in zip(modules, paths, strict=True)]
     bases = [base for base, _ in resolved]
     packed = _packed_view(bases)
     if packed is None:
@@ -273,11 +274,11 @@ def takes_fp8_rows(weights: LinearWeights) -> bool:
     return weights.fp8 is not None and not weights.weight_only and not any(weights.adapters)
 
 
-def prepack(modules: Sequence[nn.Module]) -> None:
+def prepack(modules: Sequence[nn.Module], paths: Sequence[str]) -> None:
     """Packs the linears of ``modules`` (as ``read_packed`` would at a call) when they can be; a projection
     that cannot (quantized, offloaded, mixed dtypes...) is left alone and says why at its calls."""
     with contextlib.suppress(Unsupported):
-        read_packed(modules, "prepack")
+        read_packed(modules, paths)
 
 
 def _packed_view(bases: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:

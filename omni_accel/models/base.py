@@ -253,7 +253,7 @@ class NativeBlock:
         if reason is None:
             try:
                 weights = {
-                    name: read_packed(self._modules_at(paths), name)
+                    name: read_packed(self._modules_at(paths), paths)
                     for name, paths in self.packed_projections().items()
                 }
                 weights.update(
@@ -373,7 +373,7 @@ class NativeBlock:
         it: tensors a user takes from ``state_dict()`` afterwards stay the weights every call reads. A
         projection that cannot be packed (quantized, offloaded...) is left as it is: its calls say why."""
         for paths in self.packed_projections().values():
-            prepack(self._modules_at(paths))
+            prepack(self._modules_at(paths), paths)
 
     def run_as_diffusers(self) -> bool:
         """True while ``torch.compile`` traces this block (a user's ``compile_repeated_blocks()`` or
