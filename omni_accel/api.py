@@ -1093,14 +1093,29 @@ def _route_attention(component: _Component) -> None:
             # Strings: Dynamo guards on their value, so blocks of one role share compiled code (see patches/).
             route = (role, category)
             object.__setattr__(child, attention_roles.ROUTE, route)
-            component.undo.append(lambda child=child, route=route: _unroute(child, route))
+            # A partial, not a closure: a deep copy of the pipeline unroutes its own copy of the module.
+            component.undo.append(functools.partial(_unroute, child, route))
             route_classes.add(f"{type(child).__module__}:{type(child).__qualname__}")
-    for target in sorted(route_classes):
-        patches.apply("attention_roles", target)
-        component.undo.append(lambda target=target: patches.revert("attention_roles", target))
+    for target in sorted(route_classes):  # one at a time: a failed apply leaves the earlier ones undoable
+        component.undo.append(_HeldPatch("attention_roles", target))
     for name, target in component.spec.attention_routes:
+        component.undo.append(_HeldPatch(name, target))
+
+
+class _HeldPatch:
+    """One component's reference to a patch, applied when made; calling it reverts that reference. A deep
+    copy or an unpickled copy of the pipeline holding it makes a reference of its own, applied again (in a
+    new process too), so that restoring one copy leaves the patch in place for the other."""
+
+    def __init__(self, name: str, target: str) -> None:
         patches.apply(name, target)
-        component.undo.append(lambda name=name, target=target: patches.revert(name, target))
+        self.name, self.target = name, target
+
+    def __call__(self) -> None:
+        patches.revert(self.name, self.target)
+
+    def __reduce__(self):
+        return _HeldPatch, (self.name, self.target)
 
 
 def _unroute(module: nn.Module, route: tuple[str, str, str]) -> None:
@@ -1227,8 +1242,7 @@ def _apply_layout_patches(component: _Component, layout: Parallelized) -> None:
     )
     for patch in needed:
         if patch.required or patches.applicable(patch.name):
-            patches.apply(patch.name, patch.target)
-            component.undo.append(lambda patch=patch: patches.revert(patch.name, patch.target))
+            component.undo.append(_HeldPatch(patch.name, patch.target))
 
 
 def _parallelize_generic(component: _Component) -> None:

@@ -168,3 +168,31 @@ def test_restore_leaves_a_users_patch_made_after_accelerate():
         assert not torch.equal(patched, call().images)
     finally:
         transformer_flux.dispatch_attention_fn, FluxAttention.forward = originals
+
+
+def test_copies_of_a_routed_pipeline_hold_their_own_routes_and_patches():
+    """A deep copy and an unpickled copy route their own modules and hold their own reference to each patch:
+    restoring a copy leaves the original routed, and every pipeline restores once each."""
+    import copy
+    import pickle
+
+    from omni_accel.patches import attention_roles
+
+    build, call, _ = CASES["sd3"]
+    expected = _out(_latents(build(seed=0), call))
+    applied_before = patches.applied()
+    pipe = omni_accel.accelerate(build(seed=0))
+
+    def routed(p):
+        return [attention_roles.ROUTE in vars(m) for m in p.transformer.modules() if hasattr(m, "processor")]
+
+    # Pickled first: once run, transformers' output-capturing hooks (local functions) make a text encoder
+    # unpicklable, with or without omni_accel.
+    for make_copy in (lambda p: pickle.loads(pickle.dumps(p)), copy.deepcopy):
+        twin = make_copy(pipe)
+        assert torch.equal(_out(_latents(twin, call)), expected)
+        omni_accel.restore(twin)
+        assert not any(routed(twin)) and all(routed(pipe))
+        assert torch.equal(_out(_latents(pipe, call)), expected)
+    omni_accel.restore(pipe)
+    assert patches.applied() == applied_before
