@@ -177,6 +177,16 @@ def test_deepcopy_and_pickle():
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in expected.items())
 
 
+def test_pickled_qwenimage_pipeline_runs_as_plain_diffusers():
+    """The registry's spec for Qwen-Image (its true-CFG rule) travels with the pipeline's state: it pickles."""
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    twin = pickle.loads(pickle.dumps(omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0))))
+    call = dict(CALL, negative_prompt="a dog", true_cfg_scale=4.0)
+    expected, got = (p(**call, generator=torch.Generator().manual_seed(0)).images for p in (plain, twin))
+    assert rel_err(got, expected) <= 1e-5
+    _native_calls_only(twin)
+
+
 def test_offload_and_layerwise_casting_before_and_after():
     plain, fast = _pair()
     for pipe in (plain, fast):

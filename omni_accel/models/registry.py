@@ -51,6 +51,12 @@ def _import(target: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
+def _qwenimage_true_cfg_pairs(arguments: dict[str, Any]) -> bool:
+    """Qwen-Image's rule, imported when asked; a named function, so that a pipeline holding the spec
+    pickles."""
+    return _import("omni_accel.models.qwenimage:true_cfg_pairs")(arguments)
+
+
 _TRANSFORMERS = "diffusers.models.transformers"
 
 # Wan and Wan VACE share their attention (Diffusers' WanAttnProcessor) and their cache sites.
@@ -93,7 +99,7 @@ _SPECS: dict[str, ModelSpec] = {
         family="qwenimage",
         native="omni_accel.models.qwenimage:QWEN_IMAGE",
         # with native=False (the generic tier) the same rule as the native model's
-        cfg_pairing=lambda arguments: _import("omni_accel.models.qwenimage:true_cfg_pairs")(arguments),
+        cfg_pairing=_qwenimage_true_cfg_pairs,
         attention_routes=(("dispatch_attention", f"{_TRANSFORMERS}.transformer_qwenimage"),),
         attention_roles={r".*\.attn": ("qwenimage.joint", "self")},
     ),
