@@ -127,6 +127,31 @@ def test_diffusers_step_caches(kind):
     _same(plain, fast)
 
 
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_fuse_and_unfuse_qkv_projections(family):
+    """Fused, the blocks run Diffusers' forward (its fused weights) and ``describe`` says that is why;
+    unfused, the native math again."""
+    build = {"flux": omni_accel.tiny_flux_pipeline, "wan": omni_accel.tiny_wan_pipeline}[family]
+    call = dict(CALL, num_frames=5) if family == "wan" else CALL
+    plain, fast = build(seed=0), omni_accel.accelerate(build(seed=0))
+
+    def same():
+        expected, got = (p(**call, generator=torch.Generator().manual_seed(0)) for p in (plain, fast))
+        name = "frames" if family == "wan" else "images"
+        assert rel_err(getattr(got, name), getattr(expected, name)) <= 1e-5
+
+    runtime = omni_accel.describe(fast).components[0].runtime
+    for pipe in (plain, fast):
+        pipe.transformer.fuse_qkv_projections()
+    same()
+    assert runtime.fallbacks and all("fuse_qkv_projections() is active" in r for r in runtime.fallbacks)
+    for pipe in (plain, fast):
+        pipe.transformer.unfuse_qkv_projections()
+    before = dict(runtime.fallbacks)
+    same()
+    assert runtime.fallbacks == before
+
+
 def test_state_dict_save_and_load_with_diffusers_names(tmp_path):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 

@@ -365,6 +365,14 @@ class NativeBlock:
         then = self.omni_structure
         if _walk_structure(self, then.skip) == then.fingerprint:
             return None
+        # fuse_qkv_projections() adds the fused linears: say so, rather than name one of them as changed
+        fused = next(
+            (name for name, m in self.named_modules() if getattr(m, "fused_projections", False)), None
+        )
+        if fused is not None:
+            return (
+                f"Diffusers' fuse_qkv_projections() is active on {fused} (its fused weights run in Diffusers)"
+            )
         changed = then.changed_path(self)
         return f"{changed} was replaced or changed since accelerate (the native math computes what it was)"
 
