@@ -254,7 +254,7 @@ def _plan_and_commit(
     for component in components:
         if not component.shared:  # what a pipeline sharing the module (from_pipe) is compared with
             _SET_UP_WITH[component.original] = config
-            component.undo.insert(0, functools.partial(_SET_UP_WITH.pop, component.original, None))
+            component.undo.insert(0, functools.partial(_forget_setup, component.original))
     if distributed:
         undo.insert(0, parallel.close)  # restore runs it last, once the components are undone
     return components, others, undo
@@ -274,6 +274,12 @@ _MODULE_OPTIONS = (
     "cuda_graphs",
     "quantize",
 )
+
+
+def _forget_setup(module: nn.Module) -> None:
+    """Restore's undo of ``_SET_UP_WITH``: a function, so that a pipeline holding it pickles (the weak
+    dictionary does not)."""
+    _SET_UP_WITH.pop(module, None)
 
 
 def _asked(config: AccelConfig, overrides: Mapping[str, Any]) -> frozenset[str]:
