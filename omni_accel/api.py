@@ -60,7 +60,6 @@ from .models.generic import (
     GenericRuntime,
     generic_parallel_plan,
     install_regions,
-    regions_of,
     repeated_blocks,
 )
 from .models.registry import (
@@ -380,7 +379,7 @@ def _denoiser_names(pipe: Pipeline, config: AccelConfig) -> list[str]:
 def _holds_nothing(state: _State) -> bool:
     """Whether an accelerated state holds nothing any more (it found no transformer, or only shared ones
     that their owner has since restored), so that ``accelerate`` may start again."""
-    return not state.undo and all(c.shared and _runtime_of(c.original) is None for c in state.components)
+    return not state.undo and all(c.shared and _setup_of(c.original) is None for c in state.components)
 
 
 def _in_sync(pipe: Pipeline) -> bool:
@@ -449,7 +448,7 @@ def _current_report(
             f"pipe.{component.name} was replaced after accelerate (it held a "
             f"{type(component.original).__name__}); what it holds now "
         )
-        if module is not None and _runtime_of(module) is not None:
+        if module is not None and _setup_of(module) is not None:
             detail += "was accelerated by another pipeline, and runs as that one set it up"
         else:
             detail += "runs as in Diffusers: omni_accel.restore(pipe), then accelerate(pipe), accelerates it"
@@ -461,16 +460,34 @@ def _current_report(
     return report, held
 
 
-def _runtime_of(module: nn.Module) -> NativeRuntime | GenericRuntime | None:
-    """The runtime of the native blocks inside ``module``, or of its compiled blocks (None: neither now)."""
+# The generic tier's setup of a transformer, kept on the module itself (as native blocks keep their runtime).
+_GENERIC_SETUP = "_omni_accel_generic"
+
+
+@dataclass
+class _GenericSetup:
+    """What the generic tier set up on a transformer (routed attention, compiled blocks, step graphs), kept
+    on the module, so that a deep or unpickled copy carries its own: another pipeline holding the module
+    (from_pipe) finds it and shares that setup rather than stacking a second one on it."""
+
+    tier: str  # "generic" or "routed"
+    detail: str
+    selector: AttentionSelector | None
+    cache: ExactProjectionCache | None
+    runtime: GenericRuntime | None  # its compiled blocks or FP8 linears (None: neither)
+
+
+def _setup_of(module: nn.Module) -> NativeRuntime | _GenericSetup | None:
+    """The runtime of the native blocks inside ``module``, or the generic tier's setup of it (None: neither
+    now)."""
     native = next((m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock)), None)
-    return native if native is not None else regions_of(module)
+    return native if native is not None else module.__dict__.get(_GENERIC_SETUP)
 
 
 def _shared_report(name: str, module: nn.Module) -> ComponentReport:
     """A transformer that another pipeline accelerated (``from_pipe`` shares it): its state now."""
-    runtime = _runtime_of(module)
-    if runtime is None:
+    setup = _setup_of(module)
+    if setup is None:
         return ComponentReport(
             name,
             type(module).__name__,
@@ -479,19 +496,32 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
             "exactly as in Diffusers",
         )
     graphs = module.__dict__.get("forward")
+    graphs = graphs if isinstance(graphs, cuda_graphs.StepGraphs) else None
     detail = "already accelerated by another pipeline that shares this module; restore that pipeline to undo"
-    if getattr(runtime, "fp8", None) is not None:  # its options are the other pipeline's, lossy ones too
+    if isinstance(setup, _GenericSetup):  # the other pipeline's detail says its tier, lossy options too
+        detail += f"; as that pipeline set it up ({setup.tier}): {setup.detail}"
+        return ComponentReport(
+            name,
+            type(module).__name__,
+            _SHARED,
+            detail,
+            setup.selector,
+            cache=setup.cache,
+            runtime=setup.runtime,
+            graphs=graphs,
+        )
+    if setup.fp8 is not None:  # its options are the other pipeline's, lossy ones too
         detail += "; LOSSY: quantize='fp8' (asked by that pipeline)"
     return ComponentReport(
         name,
         type(module).__name__,
         _SHARED,
         detail,
-        runtime.selector,
-        cache=runtime.cache,
-        cfg=runtime.layout.cfg if runtime.layout is not None else None,
-        runtime=runtime,
-        graphs=graphs if isinstance(graphs, cuda_graphs.StepGraphs) else None,
+        setup.selector,
+        cache=setup.cache,
+        cfg=setup.layout.cfg if setup.layout is not None else None,
+        runtime=setup,
+        graphs=graphs,
     )
 
 
@@ -512,7 +542,7 @@ def _plan(
             f"(pipe.{name} = pipe.{name}._orig_mod) and pass compile=True to compile the native blocks."
         )
     spec = spec_for(module)
-    if _runtime_of(module) is not None:  # e.g. a sibling made by from_pipe shares an accelerated transformer
+    if _setup_of(module) is not None:  # e.g. a sibling made by from_pipe shares an accelerated transformer
         _check_shared_options(name, module, config, asked)
         return _Component(name, module, spec, _shared_report(name, module), shared=True)
     native_ok = spec is not None and spec.native is not None and config.native
@@ -1056,7 +1086,23 @@ _NATIVE_STEPS = (
     _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
     _Step("block graphs", lambda c: c.graphs is not None and c.parallel is None, _install_block_graphs),
 )
+
+
+def _keep_generic_setup(component: _Component) -> None:
+    """The module keeps what set it up (``_GenericSetup``), read by another pipeline that holds it."""
+    report = component.report
+    setup = _GenericSetup(report.mode, report.detail, report.selector, component.cache, component.generic)
+    object.__setattr__(component.original, _GENERIC_SETUP, setup)
+    component.undo.append(functools.partial(_drop_generic_setup, component.original, setup))
+
+
+def _drop_generic_setup(module: nn.Module, setup: _GenericSetup) -> None:
+    if module.__dict__.get(_GENERIC_SETUP) is setup:
+        object.__delattr__(module, _GENERIC_SETUP)
+
+
 _GENERIC_STEPS = (
+    _Step("setup kept on the module", lambda c: c.report.mode != "untouched", _keep_generic_setup),
     _Step("attention routed", _always, lambda c: _route_attention(c)),
     _Step("forwards marked", _always, _mark_forwards),
     _Step("model adaptation", _always, _adapt_model),

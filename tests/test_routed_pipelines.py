@@ -196,3 +196,56 @@ def test_copies_of_a_routed_pipeline_hold_their_own_routes_and_patches():
         assert torch.equal(_out(_latents(pipe, call)), expected)
     omni_accel.restore(pipe)
     assert patches.applied() == applied_before
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["routed", "step-graphs"])
+def test_a_from_pipe_sibling_shares_a_routed_transformer_set_up_once(graphs):
+    """The sibling set the module up a second time: a second selector scope (the two scopes left in the
+    order they were entered, so the first pipeline's selector stayed active after each call), step graphs
+    over the first ones, options of its own silently overriding the owner's, and a report of routes its
+    owner's restore had removed. It shares the owner's setup now, as a native one does."""
+    from diffusers import StableDiffusion3Img2ImgPipeline
+    from omni_accel.patches import attention_roles
+
+    from omni_accel.attention import routing
+    from omni_accel.cuda_graphs import StepGraphs
+
+    build, call, _ = CASES["sd3"]
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    sibling_call = dict(call, image=image, strength=0.9)
+    plain = build(seed=0)
+    expected = _out(_latents(plain, call))
+    expected_sibling = _out(_latents(StableDiffusion3Img2ImgPipeline.from_pipe(plain), sibling_call))
+    options = {"cuda_graphs": True} if graphs else {}
+    owner = omni_accel.accelerate(build(seed=0), **options)
+    module = owner.transformer
+    hooks = (dict(module._forward_pre_hooks), dict(module._forward_hooks), module.__dict__.get("forward"))
+    sibling = StableDiffusion3Img2ImgPipeline.from_pipe(owner)
+    with pytest.raises(ValueError, match=r"shared with another pipeline \(from_pipe\)"):
+        omni_accel.accelerate(sibling, attention="sdpa_math", **options)
+    omni_accel.accelerate(sibling, **options)
+    assert (
+        dict(module._forward_pre_hooks),
+        dict(module._forward_hooks),
+        module.__dict__.get("forward"),
+    ) == hooks
+    if graphs:
+        assert isinstance(module.forward, StepGraphs) and module.forward.inner is None
+    component = omni_accel.describe(sibling).components[0]
+    tier = "generic" if graphs else "routed"
+    assert component.mode == "native (shared)" and f"as that pipeline set it up ({tier})" in component.detail
+    assert torch.equal(_out(_latents(owner, call)), expected)
+    assert routing._ACTIVE.get() is None  # no selector left active outside the transformer's call
+    assert rel_err(_out(_latents(sibling, sibling_call)), expected_sibling) <= 1e-6
+    assert {role for role, *_ in component.selector.decisions()} == {"sd3.joint"}
+
+    omni_accel.restore(owner)
+    component = omni_accel.describe(sibling).components[0]
+    assert component.mode == "untouched" and "has since restored it" in component.detail
+    omni_accel.accelerate(sibling, **options)  # it holds nothing any more: it sets the module up itself
+    assert omni_accel.describe(sibling).components[0].mode == tier
+    assert rel_err(_out(_latents(sibling, sibling_call)), expected_sibling) <= 1e-6
+    omni_accel.restore(sibling)
+    assert not module._forward_pre_hooks and not module._forward_hooks
+    assert not any(k.startswith("_omni_accel") or k == "forward" for k in vars(module))
+    assert not any(attention_roles.ROUTE in vars(m) for m in module.modules())

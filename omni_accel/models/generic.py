@@ -192,15 +192,6 @@ def install_regions(transformer: nn.Module, runtime: GenericRuntime) -> list[Cal
     return undo
 
 
-def regions_of(transformer: nn.Module) -> GenericRuntime | None:
-    """The runtime of the generic tier installed on ``transformer``'s blocks (None: none is)."""
-    for _, block in repeated_blocks(transformer):
-        region = block.__dict__.get("forward")
-        if isinstance(region, RegionForward) and region.enabled:
-            return region.runtime
-    return None
-
-
 def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: bool) -> ParallelPlan:
     """How ``config``'s layout spreads a transformer without native blocks, by the plans it declares to
     Diffusers (not ones of ours): its sequence split as its ``_cp_plan`` says, attention through our
