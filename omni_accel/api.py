@@ -214,7 +214,7 @@ def accelerate(
             parallel.close()  # a refused layout leaves no process groups behind either
         raise
     if deferred:
-        undo.append(pipeline_calls.on_first_call(pipe, lambda arguments: _apply_auto_layout(pipe, arguments)))
+        undo.append(pipeline_calls.on_first_call(pipe, _apply_auto_layout_at_call))
     setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
     triton_builds.set_up_in_background()  # while the first call encodes its prompt
     _log_summary(pipe, components)
@@ -1210,6 +1210,12 @@ def _parallel_config(
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _apply_auto_layout_at_call(arguments: dict[str, Any]) -> None:
+    """The first-call action: the pipeline called (``self``), not the one ``accelerate`` was given, which a
+    deep copy made before the call is not."""
+    _apply_auto_layout(arguments["self"], arguments)
 
 
 def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ again and says the same) and the pipeline as it was.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +36,10 @@ def on_first_call(pipe: Any, action: Callable[[dict[str, Any]], None]) -> Callab
 
     hooked = type(original.__name__, (original,), {"__call__": __call__, "__module__": original.__module__})
     pipe.__class__ = hooked
+    # A partial, not a closure: the undo a deep copy of the pipeline holds unhooks that copy.
+    return functools.partial(_unhook, pipe, hooked, original)
 
-    def undo() -> None:
-        if type(pipe) is hooked:
-            pipe.__class__ = original
 
-    return undo
+def _unhook(pipe: Any, hooked: type, original: type) -> None:
+    if type(pipe) is hooked:
+        pipe.__class__ = original

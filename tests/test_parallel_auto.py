@@ -107,3 +107,26 @@ def test_first_call_hook_sees_the_arguments_and_retries_after_an_error():
     pipe(**call)
     assert len(seen) == 2 and type(pipe) is type(omni_accel.tiny_flux_pipeline(seed=0))
     undo()  # a no-op once the first call happened
+
+
+def test_a_deep_copy_made_before_the_first_call_lays_out_itself_and_restores_itself(monkeypatch):
+    """Over several ranks ``parallel="auto"`` waits for the first call. A deep copy made before it spread
+    the original at its own first call (the action held the original), and ``restore`` of the copy removed
+    the original's hook (its layout would never be applied). One process stands for a rank: the action is
+    recorded, not run."""
+    import copy
+
+    from omni_accel import api
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel="auto")
+    hooked = type(pipe)
+    seen = []
+    monkeypatch.setattr(api, "_apply_auto_layout", lambda called, arguments: seen.append(called))
+    twin = copy.deepcopy(pipe)
+    twin(prompt="a cat", height=32, width=32, num_inference_steps=1, output_type="latent")
+    assert seen == [twin] and type(pipe) is hooked
+    omni_accel.restore(copy.deepcopy(pipe))
+    assert type(pipe) is hooked
+    omni_accel.restore(pipe)
+    assert type(pipe) is hooked.__mro__[1]
