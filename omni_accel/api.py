@@ -431,8 +431,31 @@ def describe(pipe: Pipeline) -> AccelerationReport:
             report.planned_attention = _resolve_rows(
                 sites, _placement(held.original), report.selector, strict=False
             )
+        compiled = _users_compile(held.original) if isinstance(report.runtime, NativeRuntime) else None
+        if compiled is not None:
+            report = dataclasses.replace(report, not_accelerated=[*report.not_accelerated, compiled])
         reports.append(report)
     return AccelerationReport(type(pipe).__name__, reports + state.others + state.absent)
+
+
+def _users_compile(module: nn.Module) -> str | None:
+    """What a user's own compile (``compile_repeated_blocks()``, ``Module.compile()`` of the transformer or
+    of blocks), made before or after ``accelerate``, does to the native blocks it covers (None: none)."""
+    blocks = [m for m in module.modules() if isinstance(m, NativeBlock)]
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        where = f"{type(module).__name__} itself (Module.compile()) holds its {len(blocks)} native blocks"
+    else:
+        compiled = sum(block.__dict__.get("_compiled_call_impl") is not None for block in blocks)
+        if not compiled:
+            return None
+        where = (
+            f"{compiled} of the {len(blocks)} native blocks (compile_repeated_blocks() or Module.compile())"
+        )
+    return (
+        f"a torch.compile of the user's own: {where}; it traces Diffusers' forward of those blocks, so they "
+        "run neither the native math nor our attention providers nor the projection cache (the lines above "
+        "count native runs only). Drop that compile and pass compile=True to compile the native math instead"
+    )
 
 
 def _current_report(

@@ -142,6 +142,22 @@ def test_diffusers_compile_repeated_blocks_after_accelerate():
     assert not counters["graph_break"]
 
 
+def test_describe_says_blocks_run_under_a_users_own_compile():
+    """A user's compile_repeated_blocks() before accelerate: the blocks ran Diffusers' forward under it, and
+    describe said only "native", attention "planned (no call yet)" and the cache "not consulted yet"."""
+    torch._dynamo.reset()
+    expected = _latents(omni_accel.tiny_flux_pipeline(seed=0))
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    assert "torch.compile" not in str(omni_accel.describe(omni_accel.accelerate(pipe)))
+    omni_accel.restore(pipe)
+    pipe.transformer.compile_repeated_blocks(backend="eager")
+    omni_accel.accelerate(pipe)
+    assert torch.equal(_latents(pipe), expected)
+    report = str(omni_accel.describe(pipe))
+    assert "a torch.compile of the user's own: 4 of the 4 native blocks" in report, report
+    assert "run neither the native math nor our attention providers" in report
+
+
 def _compiler(pipe):
     return omni_accel.describe(pipe).components[0].runtime.compiler
 
