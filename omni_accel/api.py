@@ -85,7 +85,13 @@ from .utils.logging import get_logger
 logger = get_logger(__name__)
 
 _STATE_ATTR = "_omni_accel_state"
-_SHARED = "native (shared)"
+
+
+def _shared(tier: str) -> str:
+    """The mode of a transformer another pipeline (or another name of this one) set up: its tier, shared."""
+    return f"{tier} (shared)"
+
+
 # What accelerate takes: the pipelines of `diffusers.pipelines` and those built from blocks
 # (`diffusers.modular_pipelines`); both hold their denoiser as an attribute (`pipe.transformer`).
 Pipeline = DiffusionPipeline | ModularPipeline
@@ -313,7 +319,7 @@ def _held_twice(name: str, first: _Component) -> _Component:
     accelerated once, as ``first``, which owns it; this name shares it."""
     module = first.original
     detail = f"the module pipe.{first.name} holds too: accelerated once, as pipe.{first.name}"
-    report = ComponentReport(name, type(module).__name__, _SHARED, detail)
+    report = ComponentReport(name, type(module).__name__, _shared(first.report.mode), detail)
     return _Component(name, module, first.spec, report, shared=True)
 
 
@@ -397,7 +403,7 @@ def _log_summary(pipe: Pipeline, components: list[_Component]) -> None:
     logger.info("%s accelerated: %s (omni_accel.describe(pipe) for details)", type(pipe).__name__, summary)
     for component in components:
         report = component.report
-        if report.mode not in ("native", _SHARED):
+        if report.mode not in ("native", _shared("native")):
             logger.warning(
                 "pipe.%s (%s) is %s: %s", report.name, report.diffusers_class, report.mode, report.detail
             )
@@ -526,7 +532,7 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
         return ComponentReport(
             name,
             type(module).__name__,
-            _SHARED,
+            _shared(setup.tier),
             detail,
             setup.selector,
             cache=setup.cache,
@@ -538,7 +544,7 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
     return ComponentReport(
         name,
         type(module).__name__,
-        _SHARED,
+        _shared("native"),
         detail,
         setup.selector,
         cache=setup.cache,

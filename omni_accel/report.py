@@ -24,7 +24,8 @@ class ComponentReport:
 
     name: str
     diffusers_class: str
-    # "native", "native (shared)", "generic", "routed", "untouched", "replaced", "absent" or "patch-parallel"
+    # "native", "generic", "routed" (each "... (shared)" where another pipeline set the module up),
+    # "untouched", "replaced", "absent" or "patch-parallel"
     mode: str
     detail: str
     selector: AttentionSelector | None = None

@@ -233,7 +233,7 @@ def test_a_from_pipe_sibling_shares_a_routed_transformer_set_up_once(graphs):
         assert isinstance(module.forward, StepGraphs) and module.forward.inner is None
     component = omni_accel.describe(sibling).components[0]
     tier = "generic" if graphs else "routed"
-    assert component.mode == "native (shared)" and f"as that pipeline set it up ({tier})" in component.detail
+    assert component.mode == f"{tier} (shared)" and f"as that pipeline set it up ({tier})" in component.detail
     assert torch.equal(_out(_latents(owner, call)), expected)
     assert routing._ACTIVE.get() is None  # no selector left active outside the transformer's call
     assert rel_err(_out(_latents(sibling, sibling_call)), expected_sibling) <= 1e-6
