@@ -122,6 +122,8 @@ class ComponentReport:
                 )
                 for reason, count in sorted(fp8.declined.items()):
                     out.append(f"  fp8: {count} projection calls kept bf16 ({reason})")
+                for reason, count in sorted(fp8.kept.items()):
+                    out.append(f"  fp8: {count} of {fp8.linears} linears compute as Diffusers' do ({reason})")
             for reason, count in sorted(self.runtime.fallbacks.items()):
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")
             if self.runtime.fallbacks and self.falls_back_on:

@@ -401,6 +401,42 @@ def test_generic_tier_fp8_is_diffusers_with_quantized_projections():
     assert all(type(p) is nn.Parameter for p in ours.parameters())
 
 
+def _leaf_offload(model: nn.Module) -> None:
+    model.enable_group_offload(torch.device("cpu"), offload_type="leaf_level")
+
+
+def _layerwise_casting(model: nn.Module) -> None:
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("hook", "hooked"), [(_leaf_offload, 46), (_layerwise_casting, 39)])
+def test_generic_tier_fp8_decides_hooked_linears_alike_before_and_after_accelerate(hook, hooked):
+    """A linear whose forward a hook wraps computes as Diffusers' does under it, whichever came first (one
+    hooked before ``accelerate`` used to be skipped silently, one hooked after got FP8), and ``describe``
+    counts it with its reason; layerwise casting leaves the AdaLN linears (``norm``) alone: those run FP8."""
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    outs, kept = [], []
+    for before in (True, False):
+        fast = copy.deepcopy(model)
+        if before:
+            hook(fast)
+        pipe = omni_accel.accelerate(_Holder(fast), quantize="fp8", native=False)
+        if not before:
+            hook(fast)
+        outs.append(_sample(fast, inputs))
+        store = omni_accel.describe(pipe).components[0].runtime.fp8
+        kept.append(dict(store.kept))
+        assert store.linears == 46 and store.copies == 46 - hooked
+        line = f"fp8: {hooked} of 46 linears compute as Diffusers' do (Diffusers hooks on the linear"
+        assert line in str(omni_accel.describe(pipe))
+    assert torch.equal(outs[0], outs[1]) and kept[0] == kept[1]
+    if hook is _leaf_offload:  # every linear hooked: Diffusers' own result
+        plain = copy.deepcopy(model)
+        hook(plain)
+        assert torch.equal(outs[0], _sample(plain, inputs))
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_generic_tier_fp8_quantizes_the_weights_group_offload_loads(when, tmp_path):
     """Block-level group offload to disk leaves empty tensors in the parameters between calls; the

@@ -172,12 +172,27 @@ class Fp8Weights:
         self._lock = threading.Lock()
         self.quantized = 0  # copies made, in place or new
         self.declined: Counter = Counter()  # projections whose GEMM stays bf16, by reason (calls)
+        # the generic tier's linears (``layers.fp8_linears``): how many, and those that compute as Diffusers'
+        # do, by reason (as each last decided)
+        self.linears = 0
+        self.kept: Counter = Counter()
 
     def __deepcopy__(self, memo: dict) -> Fp8Weights:
-        return Fp8Weights()  # the copies belong to the original's weights
+        return _decided(self.linears, dict(self.kept))  # the copies belong to the original's weights
 
     def __reduce__(self):
-        return Fp8Weights, ()
+        return _decided, (self.linears, dict(self.kept))
+
+    def keep(self, was: str | None, now: str | None) -> None:
+        """A linear that computed as Diffusers' does for the reason ``was`` (None: in FP8) now does for
+        ``now``."""
+        with self._lock:
+            if was is not None:
+                self.kept[was] -= 1
+                if self.kept[was] <= 0:
+                    del self.kept[was]
+            if now is not None:
+                self.kept[now] += 1
 
     @property
     def copies(self) -> int:
@@ -255,6 +270,14 @@ class Fp8Weights:
             return [weight_version(ref()) for ref in refs] == versions
         except AttributeError:  # a parameter is gone: its reference gives None
             return False
+
+
+def _decided(linears: int, kept: dict[str, int]) -> Fp8Weights:
+    """A store without copies (those belong to the original's weights) that knows what its linears decided:
+    the deep or unpickled copy of one."""
+    store = Fp8Weights()
+    store.linears, store.kept = linears, Counter(kept)
+    return store
 
 
 def _plain_quantized(weight: torch.Tensor) -> Fp8Weight:

@@ -13,11 +13,17 @@ A LoRA's own linears (peft's ``lora_A`` / ``lora_B``) stay as they are, loaded b
 after, and with autograd on every linear computes as Diffusers' does. Calls of fewer than ``MIN_FP8_ROWS``
 rows (per-sample conditioning projections, such as the AdaLN modulation) quantize the weight alone
 (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3 GEMM to pay, but the
-weight's read, their whole time, halves. Linears the FP8 GEMM cannot take (``fp8_reason``), quantized or
-offloaded weights stay as they are. A transformer pre-hook brings every copy up to date (in place where the
-weight was written in place) before each forward: before a CUDA graph replay too, and outside any compiled
+weight's read, their whole time, halves. A transformer pre-hook brings every copy up to date (in place where
+the weight was written in place) before each forward: before a CUDA graph replay too, and outside any compiled
 region. An eager call checks again that its weight is the one copied: an offload hook of its block or of the
 transformer loads the weights after that pre-hook.
+
+What a linear can take is decided as it stands, at ``accelerate`` and at each call, never by what was there
+first: one the FP8 GEMM cannot take (``fp8_reason``), with a quantized or offloaded weight, or whose forward a
+hook wraps (layerwise casting, leaf-level group offload, accelerate's offload: the hook casts or loads its
+weight per call, and a copy of that would be made and dropped per call), registered before ``accelerate`` or
+after, computes as Diffusers' does, as a native block with hooked submodules does; ``Fp8Weights.kept`` counts
+those linears by reason for ``describe``.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..forward_hooks import InstanceForward, OurHook
+from ..forward_hooks import InstanceForward, OurHook, _foreign_forward
 from .fp8 import Fp8Weight, Fp8Weights, fp8_linear, fp8_reason, weight_only_linear
-from .projection import _quantized_or_absent
+from .projection import _quantized_or_absent, _tensor_kind
 
 MIN_FP8_ROWS = 16  # fewer rows: an e4m3 GEMM does not pay, the weight-only GEMV does
 
@@ -44,6 +50,9 @@ class Fp8Linear(InstanceForward):
         self.store = store
         self.weight8: Fp8Weight | None = None
         self._made_of: tuple[weakref.ref, int] | None = None  # the weight ``weight8`` was made of, and where
+        self.kept: str | None = (
+            None  # why the linear computes as Diffusers' does, as last decided (None: FP8)
+        )
 
     def __deepcopy__(self, memo: dict) -> Fp8Linear:
         # Registered before the module is copied: the module's copy holds this forward's copy.
@@ -51,22 +60,42 @@ class Fp8Linear(InstanceForward):
         twin.module, twin.store = copy.deepcopy(self.module, memo), copy.deepcopy(self.store, memo)
         twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
         twin.weight8 = twin._made_of = None
+        twin.kept = self.kept  # as the store's copy counts it
         return twin
 
     def refresh(self) -> None:
         """The copy of the linear's weight as it is now (host-side; never inside a compiled region), after
         the store's ``refresh``: a weight still the same tensor at the same address keeps its copy, which
-        that re-made in place if the weight was written."""
+        that re-made in place if the weight was written. None where the linear computes as Diffusers' does
+        (``decide``)."""
         weight = self.module.weight
         if (
-            self._made_of is not None
+            self.kept is None
+            and self._made_of is not None
             and self._made_of[0]() is weight
             and self._made_of[1] == weight.data_ptr()
+            and _wrapping_hooks(self) is None
         ):
             return
-        usable = not _quantized_or_absent(weight) and fp8_reason(weight) is None
-        self.weight8 = self.store.of(weight, [weight]) if usable else None
+        self.weight8 = self.store.of(weight, [weight]) if self.decide() is None else None
         self._made_of = (weakref.ref(weight), weight.data_ptr())
+
+    def decide(self) -> str | None:
+        """Why the linear as it stands computes as Diffusers' does, or None (FP8); counted in the store."""
+        weight, current = self.module.weight, self.module.__dict__.get("forward")
+        if current is not None and current is not self and not _foreign_forward(self.module, current):
+            # the class's forward again: a hook registered before accelerate, removed since, put it back
+            self.inner = None
+            self.install()
+        reason = _wrapping_hooks(self)
+        if reason is None and _quantized_or_absent(weight):
+            reason = f"its weight is {_tensor_kind(weight)}: it computes as the module does"
+        if reason is None:
+            reason = fp8_reason(weight)
+        if reason != self.kept:
+            self.store.keep(self.kept, reason)
+            self.kept = reason
+        return reason
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # with autograd on, the linear as Diffusers computes it: the e4m3 copy has no gradient to give
@@ -103,17 +132,20 @@ class _RefreshCopies(OurHook):
 def install_fp8_linears(
     transformer: nn.Module, blocks: list[tuple[str, nn.Module]], store: Fp8Weights
 ) -> tuple[int, list[Callable[[], None]]]:
-    """Gives every plain linear of ``blocks`` an ``Fp8Linear`` forward; returns how many and the undos."""
+    """Gives every plain linear of ``blocks`` an ``Fp8Linear`` forward (one a hook wraps too: it decides per
+    call, see the module docstring); returns how many and the undos."""
     forwards = []
     for _, block in blocks:
         adapters = _adapter_linears(block)
         for module in block.modules():
-            if type(module) is nn.Linear and "forward" not in module.__dict__ and id(module) not in adapters:
+            if type(module) is nn.Linear and id(module) not in adapters:
                 forward = Fp8Linear(module, store)
                 forward.install()
+                forward.decide()  # counted from the start: describe says what stays out before a call
                 forwards.append(forward)
     if not forwards:
         return 0, []
+    store.linears += len(forwards)
     handle = transformer.register_forward_pre_hook(_RefreshCopies(forwards))
 
     def undo() -> None:
@@ -123,6 +155,25 @@ def install_fp8_linears(
         store.release()
 
     return len(forwards), [undo]
+
+
+def _wrapping_hooks(forward: Fp8Linear) -> str | None:
+    """What wraps the linear's forward, registered before ``forward`` (its ``inner``) or after (it calls
+    ``forward``), or None: a Diffusers hook (layerwise casting, group offload) or another instance forward
+    (accelerate's offload hooks)."""
+    module = forward.module
+    registry = module.__dict__.get("_diffusers_hook")
+    if registry is not None and registry.hooks:
+        return f"Diffusers hooks on the linear ({', '.join(sorted(registry.hooks))}) wrap its forward"
+    current = module.__dict__.get("forward")
+    if current is forward:
+        wrapped = forward.inner is not None and _foreign_forward(module, forward.inner)
+        return (
+            "a forward set on the linear before accelerate (e.g. accelerate's offload hook) wraps it"
+            if wrapped
+            else None
+        )
+    return "a forward set on the linear (e.g. accelerate's offload hook) wraps ours"
 
 
 def _adapter_linears(block: nn.Module) -> set[int]:
