@@ -46,7 +46,7 @@ class ComponentReport:
 
     def lines(self) -> list[str]:
         layout = f"; {self.layout}" if self.layout else ""
-        out = [f"{self.name} ({self.diffusers_class}): {self.mode} - {self.detail}{layout}"]
+        out = [f"{self.name} ({self.diffusers_class}): {self.mode} - {self._detail()}{layout}"]
         if self.selector is not None:
             config = self.selector.config
             out.append(f"  attention config: default={config.default!r}, per_role={dict(config.per_role)}")
@@ -131,6 +131,28 @@ class ComponentReport:
         out.extend(f"  adapted: {item}" for item in self.adapted)
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out
+
+    def _detail(self) -> str:
+        """``detail``, its claim that the projections run in FP8 replaced by what happened where none does."""
+        reasons = _fp8_unused(self.runtime)
+        if not reasons:
+            return self.detail
+        truth = f"quantize='fp8' requested, none quantized: {' / '.join(reasons)}"
+        return "; ".join(truth if p.startswith(_FP8_CLAIM) else p for p in self.detail.split("; "))
+
+
+_FP8_CLAIM = "LOSSY: quantize='fp8'"  # how the planned detail says FP8 was asked
+
+
+def _fp8_unused(runtime: NativeRuntime | GenericRuntime | None) -> list[str]:
+    """Why no projection of ``runtime``'s transformer holds an e4m3 copy, where none does and that is known
+    (the generic tier's linears decide at ``accelerate``; native blocks as they run): the reasons, else []."""
+    fp8 = getattr(runtime, "fp8", None)
+    if fp8 is None or fp8.copies:
+        return []
+    if fp8.linears:
+        return sorted(fp8.kept) if sum(fp8.kept.values()) == fp8.linears else []
+    return sorted({*runtime.fallbacks, *fp8.declined})
 
 
 def _happened(stats: dict[str, Any]) -> bool:

@@ -437,6 +437,23 @@ def test_generic_tier_fp8_decides_hooked_linears_alike_before_and_after_accelera
         assert torch.equal(outs[0], _sample(plain, inputs))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_fp8_on_a_model_quantized_before_says_none_is_quantized(native):
+    """Layerwise casting to float8 before ``accelerate``: no projection can run FP8, and the headline says
+    so with the reasons (it said the projections ran as e4m3 GEMMs); native blocks tell once they ran."""
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    from diffusers.hooks import apply_layerwise_casting
+
+    # every linear cast, the AdaLN ones too (FLUX's own patterns skip "norm")
+    apply_layerwise_casting(model, torch.float8_e4m3fn, torch.float32, skip_modules_pattern=("pos_embed",))
+    pipe = omni_accel.accelerate(_Holder(model), quantize="fp8", native=native)
+    _sample(model, inputs)
+    headline = str(omni_accel.describe(pipe)).splitlines()[1]
+    assert "quantize='fp8' requested, none quantized: " in headline and "LOSSY" not in headline
+    assert ("hooks on" if native else "Diffusers hooks on the linear (layerwise_casting)") in headline
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_generic_tier_fp8_quantizes_the_weights_group_offload_loads(when, tmp_path):
     """Block-level group offload to disk leaves empty tensors in the parameters between calls; the
