@@ -356,7 +356,13 @@ def _tensor_parallel_body(rank: int, world: int) -> None:
     dist.all_gather(gathered, out)
     assert torch.equal(gathered[0], gathered[1])
     assert 0 < rel_err(out, lossless) < 2 * rel_err(one, lossless)
-    assert omni_accel.describe(generic).components[0].runtime.fp8.copies == 46
+    # a row-split linear's partial product is the tp hook's own forward: it computes as Diffusers' does, and
+    # describe says so (it used to count an e4m3 copy of it, never read)
+    store = omni_accel.describe(generic).components[0].runtime.fp8
+    assert store.kept == {
+        "Diffusers hooks on the linear (omni_accel.tp_sum) wrap its forward": 46 - store.copies
+    }
+    assert 0 < store.copies < 46
 
 
 def test_tensor_parallel_shards_quantize_apart():
