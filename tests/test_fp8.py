@@ -460,6 +460,21 @@ def test_fp8_on_a_model_quantized_before_says_none_is_quantized(native):
     assert ("hooks on" if native else "Diffusers hooks on the linear (layerwise_casting)") in headline
 
 
+def test_generic_tier_fp8_pipeline_pickles_after_a_call():
+    """Its linears' forwards held a weak reference to the weight copied, and its undo was a closure."""
+    import pickle
+
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    pipe = omni_accel.accelerate(_Holder(copy.deepcopy(model)), quantize="fp8", native=False)
+    expected = _sample(pipe.transformer, inputs)
+    twin = pickle.loads(pickle.dumps(pipe))
+    assert torch.equal(_sample(twin.transformer, inputs), expected)
+    assert omni_accel.describe(twin).components[0].runtime.fp8.copies == 46
+    omni_accel.restore(twin)
+    assert torch.equal(_sample(twin.transformer, inputs), _sample(model, inputs))
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_generic_tier_fp8_quantizes_the_weights_group_offload_loads(when, tmp_path):
     """Block-level group offload to disk leaves empty tensors in the parameters between calls; the

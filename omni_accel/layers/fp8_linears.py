@@ -29,11 +29,13 @@ those linears by reason for ``describe``.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..forward_hooks import InstanceForward, OurHook, _foreign_forward
 from .fp8 import Fp8Weight, Fp8Weights, fp8_linear, fp8_reason, weight_only_linear
@@ -62,6 +64,10 @@ class Fp8Linear(InstanceForward):
         twin.weight8 = twin._made_of = None
         twin.kept = self.kept  # as the store's copy counts it
         return twin
+
+    def __getstate__(self) -> dict:
+        # the copy and the weak reference to the weight it was made of: made again after unpickling
+        return {**self.__dict__, "weight8": None, "_made_of": None}
 
     def refresh(self) -> None:
         """The copy of the linear's weight as it is now (host-side; never inside a compiled region), after
@@ -148,13 +154,15 @@ def install_fp8_linears(
     store.linears += len(forwards)
     handle = transformer.register_forward_pre_hook(_RefreshCopies(forwards))
 
-    def undo() -> None:
-        handle.remove()
-        for forward in forwards:
-            forward.uninstall()
-        store.release()
+    # a partial of a module-level function, not a closure: the pipeline pickles with its undo
+    return len(forwards), [functools.partial(_uninstall, handle, forwards, store)]
 
-    return len(forwards), [undo]
+
+def _uninstall(handle: RemovableHandle, forwards: list[Fp8Linear], store: Fp8Weights) -> None:
+    handle.remove()
+    for forward in forwards:
+        forward.uninstall()
+    store.release()
 
 
 def _wrapping_hooks(forward: Fp8Linear) -> str | None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..attention.selection import AttentionSelector
 from ..forward_hooks import InstanceForward
+from ..layers.fp8 import Fp8Weights
 from ..parallel import ParallelPlan
 from ..parallel.config import ParallelConfig
 from ..parallel.diffusers_plan import sequence_plan, tensor_plan
@@ -75,7 +76,7 @@ class GenericRuntime(CompiledSteps):
 
     cache = None
     layout = None
-    fp8 = None  # the e4m3 weight copies under quantize="fp8" (``layers.fp8_linears``)
+    fp8: Fp8Weights | None = None  # the e4m3 weight copies under quantize="fp8" (``layers.fp8_linears``)
 
     def __init__(
         self,
@@ -115,7 +116,7 @@ class GenericRuntime(CompiledSteps):
         return twin
 
     def __reduce__(self):
-        return GenericRuntime, self._arguments()
+        return _unpickled_runtime, (self._arguments(), self.fp8)
 
     def eager_reason(self, block: nn.Module, args: tuple, kwargs: dict) -> str | None:
         """Why this call of ``block`` runs its own forward rather than the compiled code, or None."""
@@ -259,3 +260,10 @@ class LearnedOutputs:
         if len(self._shapes) >= 64:
             self._shapes.clear()
         self._shapes[signature(arguments)] = (output.shape, output.dtype, output.device)
+
+
+def _unpickled_runtime(arguments: tuple, fp8: Fp8Weights | None) -> GenericRuntime:
+    """A pickled ``GenericRuntime``: its options, and the store its linears' FP8 forwards share."""
+    runtime = GenericRuntime(*arguments)
+    runtime.fp8 = fp8
+    return runtime
