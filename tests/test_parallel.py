@@ -215,6 +215,64 @@ def _vae_checks() -> None:
     assert calls == 3 and ((got - want).abs().max() / want.abs().max()).item() <= 1.5e-6
 
 
+def _vae_hooks_under_the_split() -> None:
+    """Hooks on the VAE, set before or after accelerate, work as in plain Diffusers under a layout: a hook on a
+    layer (layerwise casting, a user's ModelHook or torch hook) would be skipped by the band-aware layers or
+    see a band, and one on the decoder from before accelerate was replaced, so those calls run whole; every
+    hook stays in place after the call and after restore. Tiling and slicing still split."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Double(ModelHook):
+        def post_forward(self, module, output):
+            return output * 2
+
+    def cast(p):
+        p.vae.enable_layerwise_casting(storage_dtype=torch.bfloat16, compute_dtype=torch.float32)
+
+    def user_hooks(p):
+        HookRegistry.check_if_exists_or_initialize(p.vae.decoder).register_hook(Double(), "double")
+        HookRegistry.check_if_exists_or_initialize(p.vae.decoder.conv_in).register_hook(Double(), "double")
+        p.vae.decoder.mid_block.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+
+    def hooks(vae):
+        return {
+            name: (m.__dict__.get("forward"), dict(getattr(m, "_diffusers_hook", None).hooks))
+            for name, m in vae.named_modules()
+            if hasattr(m, "_diffusers_hook")
+        }
+
+    z = torch.randn(2, 16, 8, 10, generator=torch.Generator().manual_seed(1))
+    layout = ParallelConfig(ulysses=dist.get_world_size())
+    seen = []
+    for setup, split in ((cast, False), (user_hooks, False), (lambda p: p.vae.enable_slicing(), True)):
+        plain = omni_accel.tiny_flux_pipeline(seed=0)
+        setup(plain)
+        with torch.no_grad():
+            want = plain.vae.decode(z).sample
+        plain_seen, seen[:] = list(seen), []
+        for after in (False, True):
+            pipe = omni_accel.tiny_flux_pipeline(seed=0)
+            if not after:
+                setup(pipe)
+                before = hooks(pipe.vae)
+            omni_accel.accelerate(pipe, parallel=layout)
+            row_split = pipe.vae.decoder.forward
+            if after:
+                setup(pipe)
+                before = hooks(pipe.vae)
+            ready = hooks(pipe.vae)
+            with torch.no_grad():
+                got = pipe.vae.decode(z).sample
+            assert seen == plain_seen and hooks(pipe.vae) == ready, (setup, after)
+            assert row_split.calls == (2 if split else 0), (setup, after)  # slicing: one call per sample
+            assert (got - want).abs().max() <= (1e-5 if split else 0), (setup, after)
+            omni_accel.restore(pipe)
+            with torch.no_grad():
+                assert torch.equal(pipe.vae.decode(z).sample, want), (setup, after)
+            assert hooks(pipe.vae) == before, (setup, after)
+            seen[:] = []
+
+
 def _graph_keys_under_a_layout() -> None:
     """Our layout hooks let a step be keyed for a CUDA graph (a user's hook still does not), and the key
     holds every rank's slice: 13 and 12 text tokens give rank 1 the same local shape (6 tokens), so a key
@@ -753,6 +811,7 @@ def _two_ranks(rank: int, world: int) -> None:
     )
     _bf16_as_accurate_as_one_rank(_wan_guided_latents, ParallelConfig(ulysses=2), ParallelConfig(tp=2))
     _vae_checks()
+    _vae_hooks_under_the_split()
     _a_failed_spread_is_undone()
     _a_failed_auto_spread_is_undone_and_retried()
     _graph_keys_under_a_layout()

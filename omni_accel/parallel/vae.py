@@ -20,7 +20,9 @@ models/wan.py).
 The bands are gathered at the end of each call. With GroupNorms only the order of their float32 sums
 differs from one rank (< 1.5e-6 relative in fp32, and no farther from a float64 run than one rank is).
 Installed as the coder's instance ``forward`` for the duration of the accelerated pipeline;
-``enable_tiling()`` keeps working (each tile is split the same way).
+``enable_tiling()`` and ``enable_slicing()`` keep working (each tile or sample is split the same way). A
+hook on one of the coder's layers (layerwise casting, group offload, a user's) would be skipped by the
+band-aware layers or see a band: such calls run whole (``RowSplit``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +41,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..forward_hooks import InstanceForward, hooked_submodule
+from ..utils.logging import get_logger
 from .comm import all_gather_sizes
+
+logger = get_logger(__name__)
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -113,41 +120,40 @@ def _layer_reason(module: nn.Module, downsampling: set[int]) -> str | None:
     return None
 
 
-class RowSplit:
+class RowSplit(InstanceForward):
     """The encoder's or decoder's ``forward`` while installed: splits the rows over ``group``'s ranks, in
     bands of ``unit`` rows (the encoder's whole downsampling factor, so every level halves evenly). A hook
-    registered on the coder after ``install`` wraps it; ``uninstall`` then steps aside (``enabled``)."""
+    registered on the coder after ``install`` wraps it; ``uninstall`` then steps aside (``enabled``).
+
+    A call runs whole where a split would change what a hook sees or does: a hook on the coder installed
+    before us (``inner``), or any hook on its layers (Diffusers' layerwise casting and group offload, a
+    user's ``ModelHook`` or torch hook), which the band-aware layers would skip or see a band of. ``whole``
+    counts those calls by reason."""
 
     def __init__(self, coder: nn.Module, group: dist.ProcessGroup) -> None:
-        self.coder = coder
+        super().__init__(coder)
         self.group = group
         self.unit = math.prod(_row_factor(m) for m in coder.modules())
         self.calls = 0
-        self.enabled = True
-
-    def install(self) -> None:
-        self.coder.forward = self
-
-    def uninstall(self) -> None:
-        if self.coder.__dict__.get("forward") is self:
-            del self.coder.forward
-        else:
-            self.enabled = False
+        self.whole: Counter[str] = Counter()
 
     def __deepcopy__(self, memo: dict) -> RowSplit:
-        twin = RowSplit(copy.deepcopy(self.coder, memo), self.group)
-        twin.enabled = self.enabled
+        twin = RowSplit(copy.deepcopy(self.module, memo), self.group)
+        twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
         return twin
 
     def __reduce__(self):
-        return _plain_forward, (self.coder,)  # a pickled VAE runs on one process
+        return _plain_forward, (self.module, self.inner)  # a pickled VAE runs on one process
 
-    @property
-    def __wrapped__(self) -> Any:
-        return type(self.coder).forward.__get__(self.coder)
+    def _hooked(self) -> str | None:
+        """Why a hook rules the split out, or None."""
+        if self.inner is not None:
+            return "a hook wrapped its forward before accelerate"
+        hooked = hooked_submodule(self.module)
+        return None if hooked is None else f"{hooked} has a forward hook"
 
     def __call__(self, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        forward = self.__wrapped__
+        forward = self._forward()
         if not self.enabled:
             return forward(sample, *args, **kwargs)
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -155,17 +161,23 @@ class RowSplit:
         units, partial = divmod(sample.shape[rows], self.unit)
         if sample.ndim not in (4, 5) or partial or units < world or torch.is_grad_enabled():
             return forward(sample, *args, **kwargs)
+        hooked = self._hooked()
+        if hooked is not None:
+            if not self.whole[hooked]:
+                logger.info("VAE %s runs whole on every rank: %s", type(self.module).__name__, hooked)
+            self.whole[hooked] += 1
+            return forward(sample, *args, **kwargs)
         sizes = [(units // world + (r < units % world)) * self.unit for r in range(world)]
         band = sample.narrow(rows, sum(sizes[:rank]), sizes[rank])
-        with _split_layers(self.coder, Bands(self.group, rank, world)):
+        with _split_layers(self.module, Bands(self.group, rank, world)):
             out = forward(band.contiguous(), *args, **kwargs)
         self.calls += 1
         out_sizes = [size * out.shape[rows] // sizes[rank] for size in sizes]  # up- or downsampled alike
         return all_gather_sizes(out, rows, out_sizes, self.group)
 
 
-def _plain_forward(coder: nn.Module) -> Any:
-    return functools.partial(type(coder).forward, coder)
+def _plain_forward(coder: nn.Module, inner: Callable | None = None) -> Any:
+    return inner if inner is not None else functools.partial(type(coder).forward, coder)
 
 
 class Bands:
