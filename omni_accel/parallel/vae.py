@@ -130,20 +130,25 @@ class RowSplit(InstanceForward):
     user's ``ModelHook`` or torch hook), which the band-aware layers would skip or see a band of. ``whole``
     counts those calls by reason."""
 
-    def __init__(self, coder: nn.Module, group: dist.ProcessGroup) -> None:
+    def __init__(self, coder: nn.Module, group: dist.ProcessGroup, unit: int | None = None) -> None:
         super().__init__(coder)
-        self.group = group
-        self.unit = math.prod(_row_factor(m) for m in coder.modules())
+        self._group = _Shared(group)
+        self.unit = math.prod(_row_factor(m) for m in coder.modules()) if unit is None else unit
         self.calls = 0
         self.whole: Counter[str] = Counter()
 
     def __deepcopy__(self, memo: dict) -> RowSplit:
-        twin = RowSplit(copy.deepcopy(self.module, memo), self.group)
+        # The coder's copy is still empty here (its copy is what holds ours): its unit is ours.
+        twin = RowSplit(copy.deepcopy(self.module, memo), self.group, self.unit)
         twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
         return twin
 
     def __reduce__(self):
         return _plain_forward, (self.module, self.inner)  # a pickled VAE runs on one process
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._group.value
 
     def _hooked(self) -> str | None:
         """Why a hook rules the split out, or None."""
@@ -174,6 +179,17 @@ class RowSplit(InstanceForward):
         self.calls += 1
         out_sizes = [size * out.shape[rows] // sizes[rank] for size in sizes]  # up- or downsampled alike
         return all_gather_sizes(out, rows, out_sizes, self.group)
+
+
+class _Shared:
+    """A value that copies share: a process group cannot be copied, and a Diffusers hook registered over
+    us copies our attributes into its wrapper (``functools.update_wrapper``), which a deep copy copies."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: dict) -> _Shared:
+        return self
 
 
 def _plain_forward(coder: nn.Module, inner: Callable | None = None) -> Any:
