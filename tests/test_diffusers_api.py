@@ -170,6 +170,20 @@ def test_state_dict_save_and_load_with_diffusers_names(tmp_path):
     assert rel_err(_latents(reloaded), _latents(plain)) <= 1e-6
 
 
+def test_savers_of_packed_weights(tmp_path):
+    """docs/troubleshooting.md ("Saving the weights with other libraries' savers"): the workaround keeps every
+    tensor; savers that take a shared storage for tied weights refuse the packed views."""
+    from safetensors.torch import load_file, save_file, save_model
+
+    plain, fast = _pair()
+    expected = plain.transformer.state_dict()
+    save_file(fast.transformer.state_dict(), tmp_path / "t.safetensors")
+    saved = load_file(tmp_path / "t.safetensors")
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
+    with pytest.raises(RuntimeError, match="None is covering the entire storage"):
+        save_model(fast.transformer, tmp_path / "m.safetensors")
+
+
 def test_from_pipe_both_ways():
     from diffusers import FluxImg2ImgPipeline
 
