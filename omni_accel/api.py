@@ -78,7 +78,7 @@ from .parallel.mesh import ParallelState, init_parallel
 from .parallel.peer_memory import ranks_write_each_other
 from .parallel.routed_attention import count_split
 from .parallel.tensor import sum_row_splits
-from .report import AccelerationReport, ComponentReport
+from .report import FP8_CLAIM, AccelerationReport, ComponentReport
 from .utils import triton_builds, versions
 from .utils.logging import get_logger
 
@@ -540,7 +540,7 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
             graphs=graphs,
         )
     if setup.fp8 is not None:  # its options are the other pipeline's, lossy ones too
-        detail += "; LOSSY: quantize='fp8' (asked by that pipeline)"
+        detail += f"; {FP8_CLAIM} (asked by that pipeline)"
     return ComponentReport(
         name,
         type(module).__name__,
@@ -611,7 +611,7 @@ def _plan_swap(
     runtime = NativeRuntime(selector, options, cache, config.compile_in_background, fp8=fp8)
     detail = f"repeated blocks made native ({', '.join(model.blocks)}); the Diffusers module is kept"
     if fp8 is not None:
-        detail += "; LOSSY: quantize='fp8', the blocks' projections run as float8 e4m3 GEMMs"
+        detail += f"; {FP8_CLAIM}, the blocks' projections run as float8 e4m3 GEMMs"
     if options is not None:
         detail += "; repeated blocks compiled"
         if config.compile_in_background:
@@ -766,7 +766,7 @@ def _plan_generic(
     runtime.fp8 = fp8
     if fp8 is not None:
         parts.append(
-            "LOSSY: quantize='fp8', the repeated blocks' linears run as float8 e4m3 GEMMs (calls of fewer than "
+            f"{FP8_CLAIM}, the repeated blocks' linears run as float8 e4m3 GEMMs (calls of fewer than "
             f"{MIN_FP8_ROWS} rows, such as per-sample modulation, with the weight alone in e4m3)"
         )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None

@@ -138,10 +138,10 @@ class ComponentReport:
         if not reasons:
             return self.detail
         truth = f"quantize='fp8' requested, none quantized: {' / '.join(reasons)}"
-        return "; ".join(truth if p.startswith(_FP8_CLAIM) else p for p in self.detail.split("; "))
+        return "; ".join(truth if p.startswith(FP8_CLAIM) else p for p in self.detail.split("; "))
 
 
-_FP8_CLAIM = "LOSSY: quantize='fp8'"  # how the planned detail says FP8 was asked
+FP8_CLAIM = "LOSSY: quantize='fp8'"  # how a planned detail says FP8 was asked (api.py writes it)
 
 
 def _fp8_unused(runtime: NativeRuntime | GenericRuntime | None) -> list[str]:
