@@ -65,6 +65,17 @@ def _native_runtime(module: nn.Module):
     return next(m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock))
 
 
+def _storage_layout(module: nn.Module) -> list[tuple[str, bool, int]]:
+    """Per parameter: whether it covers its whole storage, and the first parameter sharing that storage."""
+    first: dict[int, int] = {}
+    layout = []
+    for index, (name, param) in enumerate(module.named_parameters()):
+        storage = param.untyped_storage()
+        whole = storage.nbytes() == param.numel() * param.element_size()
+        layout.append((name, whole, first.setdefault(storage.data_ptr(), index)))
+    return layout
+
+
 def _run(module: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     """The output sample (one per sample stacked, for a model that returns a list of them: Z-Image's)."""
     with torch.no_grad():
@@ -309,6 +320,8 @@ class NativeContract:
                 state = fast.state_dict()
             assert list(state) == list(expected)
             assert all(torch.equal(state[k], expected[k]) for k in expected)
+        # restore gives each parameter its own storage back, as Diffusers made them (savers refuse views)
+        assert _storage_layout(fast) == _storage_layout(self.make_module(0, **overrides))
         fast = self.accelerated(1, overrides)
         fast.load_state_dict(expected, strict=True)
         inputs = self.make_inputs(fast, **shapes)

@@ -281,6 +281,21 @@ def prepack(modules: Sequence[nn.Module], paths: Sequence[str]) -> None:
         read_packed(modules, paths)
 
 
+def unpack(modules: Sequence[nn.Module], paths: Sequence[str]) -> None:
+    """Undoes ``pack`` of these linears: each weight and bias gets a storage of its own again, as Diffusers
+    made them. ``restore`` calls it, so that a restored module is laid out as before ``accelerate`` (savers
+    such as safetensors' ``save_model`` refuse or drop parameters that are views of one storage)."""
+    with contextlib.suppress(Unsupported):
+        bases = [_resolve(m, path)[0] for m, path in zip(modules, paths, strict=True)]
+        if len(bases) == 1 or _packed_view(bases) is None:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for base in bases:
+                for param in (base.weight, base.bias):
+                    if param is not None:
+                        param.data = param.data.clone()
+
+
 def _packed_view(bases: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     if len(bases) == 1:
         return bases[0].weight, bases[0].bias

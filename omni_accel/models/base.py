@@ -51,6 +51,7 @@ from ..layers.projection import (
     prepack,
     read_linear,
     read_packed,
+    unpack,
     with_fp8,
 )
 from ..layers.split_modulation import ModulationSite, SplitModulation
@@ -383,6 +384,11 @@ class NativeBlock:
         for paths in self.packed_projections().values():
             prepack(self._modules_at(paths), paths)
 
+    def unpack(self) -> None:
+        """Gives the packed projections' parameters their own storages back (``restore``)."""
+        for paths in self.packed_projections().values():
+            unpack(self._modules_at(paths), paths)
+
     def run_as_diffusers(self) -> bool:
         """True while ``torch.compile`` traces this block (a user's ``compile_repeated_blocks()`` or
         ``torch.compile`` of the transformer): the host-side work of the native path cannot be traced, so the
@@ -563,6 +569,7 @@ class SwappedBlocks:
 
     def undo(self) -> None:
         for block, diffusers_cls, native_cls in self.blocks:
+            block.unpack()  # block by block: each packed storage may be freed before the next copies are made
             hook_chains.revert(block, diffusers_cls, native_cls)
             block.__class__ = diffusers_cls
             for name in ("omni_runtime", "omni_name", "omni_structure"):  # a swap stopped halfway set fewer
