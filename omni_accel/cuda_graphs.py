@@ -4,10 +4,11 @@ one launch per kernel, eager or compiled.
 A graph replays the kernels it recorded, with the pointers and host-side values of that moment. So a graph
 is keyed by everything the host decides a step with: the arguments' structure, shapes, dtypes and
 non-tensor values; each parameter's storage (a reloaded or re-packed weight is a new graph; an in-place
-edit is seen by the graph, as it is by eager code); the value of every other attribute of every module
-(adapter state, an IP-adapter processor's scale, training flags, a processor's backend...); and the global
-switches that pick kernels (autocast, reduced-precision matmuls, SDPA kernels, an ``attention_scope``,
-Diffusers' attention backend). The key fails closed: an argument or attribute whose value it cannot name
+edit is seen by the graph, as it is by eager code); the step state its owner gives (``StepHooks``: the
+generations of compiled code and of FP8 weight copies, whose addresses the parameters' do not name); the
+value of every other attribute of every module (adapter state, an IP-adapter processor's scale, training
+flags, a processor's backend...); and the global switches that pick kernels (autocast, reduced-precision
+matmuls, SDPA kernels, an ``attention_scope``, Diffusers' attention backend). The key fails closed: an argument or attribute whose value it cannot name
 makes the call run eagerly. Kernels built in the background since a capture (``kernel_builds``) are not
 in the key: that graph computes the same function with what served while they were built, so it serves
 on while no capture may run (a compile beside it) and is captured anew at the first call where one may.
@@ -93,7 +94,8 @@ class StepHooks(Protocol):
     """What the module's owner tells the graphs at each step (a native transformer's runtime)."""
 
     def begin_step(self) -> Hashable:
-        """Called as each step starts; part of the step's key (the generation of compiled code)."""
+        """Called as each step starts; part of the step's key (the generation of compiled code and of FP8
+        weight copies)."""
 
     def step_eager_reason(self) -> str | None:
         """Why this step must run eagerly (patched code whose Python a replay would skip), or None."""

@@ -372,6 +372,33 @@ def test_block_graphs_read_the_block_befores_output_where_it_lies(monkeypatch, c
     assert hooked_stats["inputs_in_place"] < stats["inputs_in_place"], (hooked_stats, stats)
 
 
+@torch.no_grad()
+def test_a_graph_never_reads_fp8_copies_dropped_since(monkeypatch):
+    """Under ``quantize="fp8"`` a native block that runs Diffusers' forward (a hook on one of its linears)
+    drops its e4m3 copies, and makes them again, elsewhere, once it runs natively again. The graph captured
+    before reads the old copies' memory (freed): though the weights and the module's state are as when it
+    was captured, it serves no later call (the copies' generation is in the step's key); a new one is
+    captured. Graphs played on the CPU (``_ReplayedOnTheCpu``, which runs the Python again): the replays
+    are counted."""
+    _graphs_played_on_the_cpu(monkeypatch)
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    component = omni_accel.describe(omni_accel.accelerate(_bare(model), quantize="fp8", cuda_graphs=True))
+    store, graphs = component.components[0].runtime.fp8, component.components[0].graphs
+    expected = [model(**inputs).sample for _ in range(3)][-1]  # eager, captured, replayed
+    assert graphs.stats()["captures"] == 1 and store.copies == 29
+    handle = model.transformer_blocks[0].attn.to_q.register_forward_pre_hook(lambda module, args: None)
+    model(**inputs)
+    assert store.copies == 19  # the block's 10 dropped
+    handle.remove()
+    replays = graphs.stats()["replays"]
+    assert torch.equal(model(**inputs).sample, expected)
+    assert store.copies == 29 and graphs.stats()["replays"] == replays, graphs.stats()
+    for _ in range(2):
+        assert torch.equal(model(**inputs).sample, expected)
+    assert graphs.stats()["captures"] == 2 and graphs.stats()["replays"] == replays + 2, graphs.stats()
+
+
 def test_block_graphs_under_inference_mode(monkeypatch):
     """A pipeline called under ``torch.inference_mode()``: the replays' copies have no version counter, so
     no block reads the one before's output in place (a write to it could not be seen); bitwise plain's."""

@@ -545,6 +545,32 @@ def test_generic_tier_fp8_lora_loaded_before_accelerate_runs_as_one_loaded_after
 
 
 @pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("hook", [_leaf_offload, _layerwise_casting])
+def test_fp8_copies_nothing_reads_are_dropped_not_remade(native, hook):
+    """Hooks added after a first call send native blocks (and the generic tier's hooked linears) to
+    Diffusers' forward: their copies are dropped (layerwise casting left the AdaLN ones alive: 3.2 GB on
+    FLUX.1-dev) and not re-made at each forward (each of leaf offload's loads re-made every copy in place),
+    each one dropped advancing the generation CUDA graphs key on."""
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    fast = copy.deepcopy(model)
+    pipe = omni_accel.accelerate(_Holder(fast), quantize="fp8", cuda_graphs=False, native=native)
+    store = omni_accel.describe(pipe).components[0].runtime.fp8
+    _sample(fast, inputs)
+    copies, generation = store.copies, store.generation
+    for m in (model, fast):
+        hook(m)
+    outs = [_sample(fast, inputs) for _ in range(3)]
+    made = store.quantized
+    outs.append(_sample(fast, inputs))
+    assert store.quantized == made  # nothing re-made for no reader
+    kept = 0 if native or hook is _leaf_offload else 7  # the generic tier's AdaLN linears: unhooked, FP8
+    assert store.copies == kept and store.generation == generation + copies - kept
+    if native:  # every block runs Diffusers' forward
+        assert all(torch.equal(out, _sample(model, inputs)) for out in outs)
+
+
+@pytest.mark.parametrize("native", [True, False])
 def test_fp8_with_autograd_on_computes_and_differentiates_as_diffusers(native):
     model = random_flux_transformer()
     inputs = flux_inputs(model, text_tokens=8)

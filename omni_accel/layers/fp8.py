@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -162,7 +162,11 @@ class Fp8Weights:
     (``sources``) with their version counters; those parameters are watched (``utils.watched``) so that a
     write through ``.data`` counts. ``refresh``, as each forward begins, re-makes stale copies in place (a
     CUDA graph replays them) and forgets those of weights that moved (offload, ``load_state_dict(assign=
-    True)``), whose new memory gets copies of its own."""
+    True)``), whose new memory gets copies of its own; ``drop`` forgets those nothing reads any more.
+
+    CUDA graphs are keyed on the weights' addresses, not the copies': a copy forgotten and made again
+    elsewhere would leave a graph reading the old one's freed memory. So ``generation`` advances at every
+    copy forgotten, and graphs key their steps on it (``CompiledSteps.begin_step``)."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, _Entry] = {}
@@ -171,6 +175,7 @@ class Fp8Weights:
         self._watcher = Watcher()
         self._lock = threading.Lock()
         self.quantized = 0  # copies made, in place or new
+        self.generation = 0  # advances whenever a copy is forgotten (its memory freed)
         self.declined: Counter = Counter()  # projections whose GEMM stays bf16, by reason (calls)
         # the generic tier's linears (``layers.fp8_linears``): how many, and those that compute as Diffusers'
         # do, by reason (as each last decided)
@@ -208,6 +213,8 @@ class Fp8Weights:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not _same_sources(entry, sources):
+                if entry is not None:
+                    self._forget(key)
                 for source in sources:
                     self._watcher.watch(source)
                 entry = self._entries[key] = _Entry(
@@ -231,23 +238,42 @@ class Fp8Weights:
             for key, entry in list(self._entries.items()):
                 sources = [ref() for ref in entry.sources]
                 if any(s is None for s in sources):
-                    del self._entries[key]
+                    self._forget(key)
                     continue
                 versions = tuple(weight_version(s) for s in sources)
                 if versions == entry.versions:
                     continue
                 weight = contiguous_run(sources)
                 if weight is None or _key(weight) != key:
-                    del self._entries[key]
+                    self._forget(key)
                     continue
                 self._requantize(entry, weight)
+
+    def drop(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Forgets the copies made of any of ``parameters``: their block or linear computes as Diffusers'
+        does now (hooks on it such as layerwise casting or offload, a custom processor, autograd...), so
+        nothing reads them, and ``refresh`` would re-make them for nothing at each write. A call that runs
+        in FP8 again makes them again."""
+        with self._lock:
+            if not self._entries:
+                return
+            ids = {id(parameter) for parameter in parameters}
+            for key, entry in list(self._entries.items()):
+                if any(id(ref()) in ids for ref in entry.sources):
+                    self._forget(key)
 
     def release(self) -> None:
         """Drops every copy and stops watching the parameters (``restore``)."""
         with self._lock:
+            self.generation += bool(self._entries)
             self._entries.clear()
             self._snapshot = None
             self._watcher.release()
+
+    def _forget(self, key: tuple) -> None:
+        del self._entries[key]
+        self.generation += 1
+        self._snapshot = None
 
     def _requantize(self, entry: _Entry, weight: torch.Tensor) -> None:
         fresh = _plain_quantized(weight)

@@ -15,8 +15,9 @@ rows (per-sample conditioning projections, such as the AdaLN modulation) quantiz
 (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3 GEMM to pay, but the
 weight's read, their whole time, halves. A transformer pre-hook brings every copy up to date (in place where
 the weight was written in place) before each forward: before a CUDA graph replay too, and outside any compiled
-region. An eager call checks again that its weight is the one copied: an offload hook of its block or of the
-transformer loads the weights after that pre-hook.
+region; it drops the copies of the linears that compute as Diffusers' do (below), which nothing reads. An eager
+call checks again that its weight is the one copied: an offload hook of its block or of the transformer loads
+the weights after that pre-hook.
 
 What a linear can take is decided as it stands, at ``accelerate`` and at each call, never by what was there
 first: one the FP8 GEMM cannot take (``fp8_reason``), with a quantized or offloaded weight, or whose forward a
@@ -119,7 +120,8 @@ class Fp8Linear(InstanceForward):
 
 
 class _RefreshCopies(OurHook):
-    """The transformer's forward pre-hook: every ``Fp8Linear``'s copy brought up to date."""
+    """The transformer's forward pre-hook: every ``Fp8Linear``'s copy brought up to date, and those of the
+    linears that compute as Diffusers' do dropped (nothing reads them)."""
 
     def __init__(self, forwards: list[Fp8Linear]) -> None:
         self.forwards = forwards
@@ -130,9 +132,15 @@ class _RefreshCopies(OurHook):
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_dynamo_compiling():
             return
-        self.forwards[0].store.refresh()
+        store = self.forwards[0].store
         for forward in self.forwards:
             forward.refresh()
+        # the copies of linears that compute as Diffusers' do (hooked...): dropped, not re-made at each write
+        read = {id(forward.module.weight) for forward in self.forwards if forward.weight8 is not None}
+        store.drop(
+            forward.module.weight for forward in self.forwards if id(forward.module.weight) not in read
+        )
+        store.refresh()
 
 
 def install_fp8_linears(

@@ -279,6 +279,8 @@ class NativeBlock:
             )
         if self._decided_ahead():  # its hooks decided for the native math; Diffusers' forward calls them
             raise NotDecidedAhead  # itself: the call is made again undecided (and counted then)
+        if self.omni_runtime.fp8 is not None:  # nothing reads its copies now; a native call makes them again
+            self.omni_runtime.fp8.drop(self.parameters())
         fallbacks = self.omni_runtime.fallbacks
         fallbacks[reason] += 1
         if fallbacks[reason] == 1:

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from ..capture_constants import outside_capture_constants
 from ..utils.logging import get_logger
 from ..utils.values import PLAIN_VALUES
 from .complex_products import RealComplexProducts
+
+if TYPE_CHECKING:
+    from ..layers.fp8 import Fp8Weights
 
 logger = get_logger(__name__)
 
@@ -282,9 +285,13 @@ class CompiledSteps:
     capture runs beside a compile, and replays start the queued compiles."""
 
     compiler: BlockCompiler | None
+    fp8: Fp8Weights | None  # the e4m3 weight copies under quantize="fp8"
 
-    def begin_step(self) -> int:
-        return 0 if self.compiler is None else self.compiler.begin_step()
+    def begin_step(self) -> tuple[int, int]:
+        """The generations of the compiled code and of the e4m3 copies (a graph reads a copy where it was
+        when captured: one forgotten since may be made again elsewhere)."""
+        compiled = 0 if self.compiler is None else self.compiler.begin_step()
+        return compiled, 0 if self.fp8 is None else self.fp8.generation
 
     def step_eager_reason(self) -> str | None:
         """Why this step must run eagerly (not from a graph), or None."""
