@@ -14,10 +14,10 @@ after, and with autograd on every linear computes as Diffusers' does. Calls of f
 rows (per-sample conditioning projections, such as the AdaLN modulation) quantize the weight alone
 (``weight_only_linear``, as native blocks' modulations): too few rows for an e4m3 GEMM to pay, but the
 weight's read, their whole time, halves. A transformer pre-hook brings every copy up to date (in place where
-the weight was written in place) before each forward: before a CUDA graph replay too, and outside any compiled
-region; it drops the copies of the linears that compute as Diffusers' do (below), which nothing reads. An eager
-call checks again that its weight is the one copied: an offload hook of its block or of the transformer loads
-the weights after that pre-hook.
+the weight was written in place) before each forward without autograd: before a CUDA graph replay too, and
+outside any compiled region; it drops the copies of the linears that compute as Diffusers' do (below), which
+nothing reads. An eager call checks again that its weight is the one copied: an offload hook of its block or
+of the transformer loads the weights after that pre-hook.
 
 What a linear can take is decided as it stands, at ``accelerate`` and at each call, never by what was there
 first: one the FP8 GEMM cannot take (``fp8_reason``), with a quantized or offloaded weight, or whose forward a
@@ -130,7 +130,9 @@ class _RefreshCopies(OurHook):
         return _RefreshCopies([copy.deepcopy(f, memo) for f in self.forwards])
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_dynamo_compiling():
+        # with autograd on every linear computes as Diffusers' does: a copy re-made now (after each
+        # optimizer step) would not be read; the next call without it brings them up to date
+        if torch.compiler.is_dynamo_compiling() or torch.is_grad_enabled():
             return
         store = self.forwards[0].store
         for forward in self.forwards:
