@@ -102,7 +102,12 @@ class _Scope:
     """A pre-hook that enters a context and a hook that always leaves it (``enter()`` returns the token
     ``leave`` takes), per thread; nothing while Dynamo traces (a context variable cannot be entered there;
     see ``patches/attention_roles.py`` for what a trace is told). Picklable where ``enter`` and ``leave``
-    are, so that a pickled model keeps its scope."""
+    are, so that a pickled model keeps its scope.
+
+    ``scoped_hooks`` puts the pre-hook before the module's others and the hook after those registered
+    before it, so that scopes on one module nest (the one entered last leaves first: a context variable's
+    tokens reset in that order only) and a pre-hook that raises finds us entered; where a global pre-hook
+    raised before ours ran, ``post`` (``always_call``) has nothing to leave."""
 
     def __init__(self, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:
         self.enter, self.leave = enter, leave
@@ -119,8 +124,8 @@ class _Scope:
         self.local.tokens.append(self.enter())
 
     def post(self, _module, _args, _output) -> None:
-        if torch.compiler.is_dynamo_compiling():
-            return
+        if torch.compiler.is_dynamo_compiling() or not getattr(self.local, "tokens", None):
+            return  # tracing, or a global pre-hook failed before ours entered
         self.leave(self.local.tokens.pop())
 
     setattr(pre, _OURS, True)
@@ -133,7 +138,7 @@ def scoped_hooks(
     """Registers ``_Scope(enter, leave)``'s hooks on ``module``; returns their removers."""
     scope = _Scope(enter, leave)
     handles = [
-        module.register_forward_pre_hook(scope.pre),
+        module.register_forward_pre_hook(scope.pre, prepend=True),
         module.register_forward_hook(scope.post, always_call=True),
     ]
     return [handle.remove for handle in handles]

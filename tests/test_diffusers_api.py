@@ -469,3 +469,40 @@ def test_lora_on_the_gpu_is_as_accurate_as_peft():
         for p in pipes
     ]
     assert rel_err(outputs[2], outputs[0]) <= 1.5 * rel_err(outputs[1], outputs[0]) + 1e-3
+
+
+def test_scopes_nest_and_a_raising_pre_hook_gives_its_error_alone():
+    """Two scopes on one context variable (two pipelines routing one module) leave it as they found it: a
+    token resets only in the reverse order of entering. A user's pre-hook, registered before accelerate,
+    that refuses a call raises its error alone, as in Diffusers (our scope's hook, always called, warned)."""
+    import contextvars
+    import functools
+    import warnings
+
+    from omni_accel.forward_hooks import scoped_hooks
+
+    var = contextvars.ContextVar("omni_accel_test_scope", default="outside")
+    module = torch.nn.Linear(2, 2)
+    for value in ("first", "second"):
+        scoped_hooks(module, functools.partial(var.set, value), var.reset)
+    module(torch.zeros(1, 2))
+    assert var.get() == "outside"
+
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    refuse = [True]
+
+    def check(module, args, kwargs):
+        if refuse[0]:
+            raise ValueError("refused by the user's hook")
+
+    pipe.transformer.register_forward_pre_hook(check, with_kwargs=True)
+    omni_accel.accelerate(pipe)
+    inputs = flux_inputs(pipe.transformer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="refused by the user's hook"):
+            pipe.transformer(**inputs)
+    assert not [str(w.message) for w in caught]
+    refuse[0] = False
+    expected = omni_accel.tiny_flux_pipeline(seed=0).transformer(**inputs).sample
+    assert rel_err(pipe.transformer(**inputs).sample, expected) <= 1e-5
