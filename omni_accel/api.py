@@ -1503,6 +1503,6 @@ def _plan_vae(pipe: DiffusionPipeline, config: AccelConfig) -> tuple[list[nn.Mod
         f"{' and '.join(split)} split over {dist.get_world_size()} ranks by rows (halo rows exchanged, GroupNorm "
         "statistics reduced, the attention gathered); equal to one rank's up to float32 summation order"
     )
-    return [coders[name] for name in split], [
-        ComponentReport("vae", type(vae).__name__, "patch-parallel", detail)
-    ]
+    report = ComponentReport("vae", type(vae).__name__, "patch-parallel", detail)
+    report.row_split = {name: coders[name] for name in split}  # describe reads their splits' counts
+    return list(report.row_split.values()), [report]

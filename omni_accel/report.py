@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+
 from . import kernel_builds
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
@@ -16,6 +18,7 @@ from .parallel.cfg import GuidanceBranches
 from .parallel.config import LayoutTuning
 from .parallel.sequence import describe_ring, describe_ulysses
 from .parallel.token_rows import describe_rows
+from .parallel.vae import row_split_of
 
 
 @dataclass
@@ -43,6 +46,7 @@ class ComponentReport:
     not_accelerated: list[str] = field(default_factory=list)
     falls_back_on: str = ""  # what makes a native block run Diffusers' forward (shown once one did)
     adapted: list[str] = field(default_factory=list)  # where the model's own code was replaced, and how
+    row_split: dict[str, nn.Module] = field(default_factory=dict)  # the VAE's coders split by rows, by name
 
     def lines(self) -> list[str]:
         layout = f"; {self.layout}" if self.layout else ""
@@ -128,6 +132,10 @@ class ComponentReport:
                 out.append(f"  block calls run by Diffusers' forward: {count} ({reason})")
             if self.runtime.fallbacks and self.falls_back_on:
                 out.append(f"  what runs Diffusers' forward of a block: {self.falls_back_on}")
+        for name, coder in self.row_split.items():  # read now: a hook added since runs a call whole
+            split = row_split_of(coder)
+            if split is not None:
+                out.extend(f"  {line}" for line in split.describe(name))
         out.extend(f"  adapted: {item}" for item in self.adapted)
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out

@@ -266,6 +266,9 @@ def _vae_hooks_under_the_split() -> None:
             assert seen == plain_seen and hooks(pipe.vae) == ready, (setup, after)
             assert row_split.calls == (2 if split else 0), (setup, after)  # slicing: one call per sample
             assert (got - want).abs().max() <= (1e-5 if split else 0), (setup, after)
+            report = str(omni_accel.describe(pipe))  # what ran, read at describe time
+            runs = "2 calls split over the ranks by rows" if split else "1 calls ran whole on every rank ("
+            assert f"vae decoder: {runs}" in report, (setup, after, report)
             if setup is not cast:  # (a layerwise-cast VAE's copy fails in plain Diffusers too)
                 twin = copy.deepcopy(pipe.vae)  # the copy splits its own decoder, and keeps its hooks
                 with torch.no_grad():

@@ -127,8 +127,9 @@ class RowSplit(InstanceForward):
 
     A call runs whole where a split would change what a hook sees or does: a hook on the coder installed
     before us (``inner``), or any hook on its layers (Diffusers' layerwise casting and group offload, a
-    user's ``ModelHook`` or torch hook), which the band-aware layers would skip or see a band of. ``whole``
-    counts those calls by reason."""
+    user's ``ModelHook`` or torch hook), which the band-aware layers would skip or see a band of; and where
+    it cannot split (too few rows, gradients on). ``whole`` counts those calls by reason, ``calls`` the
+    split ones (``describe`` says both)."""
 
     def __init__(self, coder: nn.Module, group: dist.ProcessGroup, unit: int | None = None) -> None:
         super().__init__(coder)
@@ -157,21 +158,41 @@ class RowSplit(InstanceForward):
         hooked = hooked_submodule(self.module)
         return None if hooked is None else f"{hooked} has a forward hook"
 
+    def _runs_whole(self, sample: torch.Tensor, world: int) -> str | None:
+        """Why this call cannot split over ``world`` ranks, or None."""
+        if sample.ndim not in (4, 5):
+            return f"a {sample.ndim}-D input: the split takes images and videos"
+        height = sample.shape[_rows(sample)]
+        if height % self.unit or height < world * self.unit:
+            return (
+                f"{height} rows: the split takes a multiple of {self.unit} rows, {self.unit} or more per rank"
+            )
+        if torch.is_grad_enabled():
+            return "gradients on: the split runs under no_grad or inference_mode only"
+        return self._hooked()
+
+    def describe(self, name: str) -> list[str]:
+        """What the split did so far (``name``: the VAE's attribute holding the coder)."""
+        lines = [f"vae {name}: {self.calls} calls split over the ranks by rows"]
+        lines += [
+            f"vae {name}: {count} calls ran whole on every rank ({why})"
+            for why, count in sorted(self.whole.items())
+        ]
+        return lines
+
     def __call__(self, sample: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         forward = self._forward()
         if not self.enabled:
             return forward(sample, *args, **kwargs)
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        reason = self._runs_whole(sample, world)
+        if reason is not None:
+            if not self.whole[reason]:
+                logger.info("VAE %s runs whole on every rank: %s", type(self.module).__name__, reason)
+            self.whole[reason] += 1
+            return forward(sample, *args, **kwargs)
         rows = _rows(sample)
-        units, partial = divmod(sample.shape[rows], self.unit)
-        if sample.ndim not in (4, 5) or partial or units < world or torch.is_grad_enabled():
-            return forward(sample, *args, **kwargs)
-        hooked = self._hooked()
-        if hooked is not None:
-            if not self.whole[hooked]:
-                logger.info("VAE %s runs whole on every rank: %s", type(self.module).__name__, hooked)
-            self.whole[hooked] += 1
-            return forward(sample, *args, **kwargs)
+        units = sample.shape[rows] // self.unit
         sizes = [(units // world + (r < units % world)) * self.unit for r in range(world)]
         band = sample.narrow(rows, sum(sizes[:rank]), sizes[rank])
         with _split_layers(self.module, Bands(self.group, rank, world)):
@@ -179,6 +200,14 @@ class RowSplit(InstanceForward):
         self.calls += 1
         out_sizes = [size * out.shape[rows] // sizes[rank] for size in sizes]  # up- or downsampled alike
         return all_gather_sizes(out, rows, out_sizes, self.group)
+
+
+def row_split_of(coder: nn.Module) -> RowSplit | None:
+    """The split installed on ``coder`` (under the hooks registered on it since, which wrap it), or None."""
+    forward = coder.__dict__.get("forward")
+    while forward is not None and not isinstance(forward, RowSplit):
+        forward = forward.__dict__.get("__wrapped__") if hasattr(forward, "__dict__") else None
+    return forward if forward is not None and forward.enabled else None
 
 
 class _Shared:
