@@ -259,7 +259,7 @@ def _plan_and_commit(
     for component in components:
         if not component.shared:  # what a pipeline sharing the module (from_pipe) is compared with
             _SET_UP_WITH[component.original] = config
-            component.undo.insert(0, functools.partial(_forget_setup, component.original))
+            component.undo.insert(0, functools.partial(_forget_setup, component.original, config))
     if distributed:
         undo.insert(0, parallel.close)  # restore runs it last, once the components are undone
     return components, others, undo
@@ -281,10 +281,12 @@ _MODULE_OPTIONS = (
 )
 
 
-def _forget_setup(module: nn.Module) -> None:
+def _forget_setup(module: nn.Module, config: AccelConfig) -> None:
     """Restore's undo of ``_SET_UP_WITH``: a function, so that a pipeline holding it pickles (the weak
-    dictionary does not)."""
-    _SET_UP_WITH.pop(module, None)
+    dictionary does not). Only ``config``: a pipeline that left the module untouched forgets not the setup
+    another one (from_pipe) made on it since."""
+    if _SET_UP_WITH.get(module) is config:
+        del _SET_UP_WITH[module]
 
 
 def _asked(config: AccelConfig, overrides: Mapping[str, Any]) -> frozenset[str]:
@@ -482,7 +484,9 @@ def _current_report(
         else:
             detail += "runs as in Diffusers: omni_accel.restore(pipe), then accelerate(pipe), accelerates it"
         return ComponentReport(component.name, cls_name, "replaced", detail), None
-    report = _shared_report(component.name, module) if held.shared else held.report
+    # A module this pipeline left untouched may hold another pipeline's setup since (from_pipe).
+    untouched_then_set_up = held.report.mode == "untouched" and _setup_of(module) is not None
+    report = _shared_report(component.name, module) if held.shared or untouched_then_set_up else held.report
     if held is not component:  # accelerated components swapped between slots (Wan 2.2's two experts)
         detail = f"{report.detail} (set up as pipe.{held.name}, which pipe.{component.name} holds now)"
         report = dataclasses.replace(report, name=component.name, detail=detail)

@@ -75,6 +75,36 @@ def test_options_a_from_pipe_sibling_asks_that_its_shared_module_does_not_run_ar
     assert omni_accel.describe(sibling).components[0].mode == "native"
 
 
+def test_a_module_its_owner_left_untouched_and_a_sibling_set_up_is_described_by_both():
+    """A transformer the first pipeline left untouched (nothing to do on this machine), which a sibling
+    holding it accelerates with options: both describe the sibling's setup, the owner's restore keeps the
+    sibling's options, so a third pipeline asking others is refused as with any shared module."""
+    from diffusers import ConfigMixin, ModelMixin
+    from tiny_transformers import Holder
+
+    class Plain(ModelMixin, ConfigMixin):  # nothing registered, routed or compiled: untouched on CPU
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden_states):
+            return self.proj(hidden_states)
+
+    module = Plain()
+    owner = omni_accel.accelerate(Holder(module), cuda_graphs=False)
+    assert omni_accel.describe(owner).components[0].mode == "untouched"
+    sibling = omni_accel.accelerate(Holder(module), cuda_graphs=True)
+    assert omni_accel.describe(sibling).components[0].mode == "generic"
+    component = omni_accel.describe(owner).components[0]
+    assert component.mode == "generic (shared)" and "cuda_graphs=True" in component.detail
+    assert component.graphs is not None
+    omni_accel.restore(owner)
+    with pytest.raises(ValueError, match="accelerated it with cuda_graphs=True"):
+        omni_accel.accelerate(Holder(module), cuda_graphs=False)
+    omni_accel.restore(sibling)
+    assert "forward" not in module.__dict__
+
+
 def test_a_replaced_transformer_is_described_as_plain():
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
     pipe.transformer = omni_accel.tiny_flux_pipeline(seed=1).transformer
