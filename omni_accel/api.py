@@ -78,7 +78,7 @@ from .parallel.mesh import ParallelState, init_parallel
 from .parallel.peer_memory import ranks_write_each_other
 from .parallel.routed_attention import count_split
 from .parallel.tensor import sum_row_splits
-from .report import FP8_CLAIM, AccelerationReport, ComponentReport
+from .report import FP8_CLAIM, AccelerationReport, ComponentReport, step_cache_note
 from .utils import triton_builds, versions
 from .utils.logging import get_logger
 
@@ -442,6 +442,8 @@ def describe(pipe: Pipeline) -> AccelerationReport:
         compiled = _users_compile(held.original) if isinstance(report.runtime, NativeRuntime) else None
         if compiled is not None:
             report = dataclasses.replace(report, not_accelerated=[*report.not_accelerated, compiled])
+        if held is not None:  # read now: enable_cache() and disable_cache() come before or after accelerate
+            report = dataclasses.replace(report, step_cache=step_cache_note(held.original))
         reports.append(report)
     return AccelerationReport(type(pipe).__name__, reports + state.others + state.absent)
 

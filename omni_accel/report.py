@@ -47,6 +47,7 @@ class ComponentReport:
     falls_back_on: str = ""  # what makes a native block run Diffusers' forward (shown once one did)
     adapted: list[str] = field(default_factory=list)  # where the model's own code was replaced, and how
     row_split: dict[str, nn.Module] = field(default_factory=dict)  # the VAE's coders split by rows, by name
+    step_cache: str = ""  # the Diffusers step cache on the module when described (``step_cache_note``)
 
     def lines(self) -> list[str]:
         layout = f"; {self.layout}" if self.layout else ""
@@ -136,6 +137,8 @@ class ComponentReport:
             split = row_split_of(coder)
             if split is not None:
                 out.extend(f"  {line}" for line in split.describe(name))
+        if self.step_cache:
+            out.append(f"  {self.step_cache}")
         out.extend(f"  adapted: {item}" for item in self.adapted)
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out
@@ -161,6 +164,22 @@ def _fp8_unused(runtime: NativeRuntime | GenericRuntime | None) -> list[str]:
     if fp8.linears:
         return sorted(fp8.kept) if sum(fp8.kept.values()) == fp8.linears else []
     return sorted({*runtime.fallbacks, *fp8.declined})
+
+
+# Diffusers' step caches that reuse only what a step would compute alike (its docstring: "exact (lossless)").
+_EXACT_STEP_CACHES = ("TextKVCacheConfig",)
+
+
+def step_cache_note(module: nn.Module) -> str:
+    """The step cache enabled on ``module`` by Diffusers' ``enable_cache`` (before or after accelerate), and
+    whether it is lossy (steps reuse outputs of earlier ones); "" where none is."""
+    config = getattr(module, "_cache_config", None)
+    if config is None:
+        return ""
+    kind = type(config).__name__
+    if kind in _EXACT_STEP_CACHES:
+        return f"Diffusers step cache: {kind} (exact: reuses projections every step computes alike)"
+    return f"Diffusers step cache (lossy): {kind}, steps reuse what earlier steps computed"
 
 
 def _happened(stats: dict[str, Any]) -> bool:

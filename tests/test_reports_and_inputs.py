@@ -105,6 +105,23 @@ def test_a_module_its_owner_left_untouched_and_a_sibling_set_up_is_described_by_
     assert "forward" not in module.__dict__
 
 
+def test_a_diffusers_step_cache_is_reported_lossy_as_it_is_when_described():
+    """The design's lossy options are marked in the report: a step cache the user enabled with Diffusers'
+    ``enable_cache`` (before or after accelerate, on either tier) said nothing at all."""
+    from diffusers import FirstBlockCacheConfig
+
+    lossy = "Diffusers step cache (lossy): FirstBlockCacheConfig"
+    for native in (True, False):
+        pipe = omni_accel.tiny_flux_pipeline(seed=0)
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+        omni_accel.accelerate(pipe, native=native)
+        assert lossy in str(omni_accel.describe(pipe)), native
+        pipe.transformer.disable_cache()
+        assert "step cache" not in str(omni_accel.describe(pipe)), native
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+        assert lossy in str(omni_accel.describe(pipe)), native
+
+
 def test_a_replaced_transformer_is_described_as_plain():
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
     pipe.transformer = omni_accel.tiny_flux_pipeline(seed=1).transformer
