@@ -43,7 +43,7 @@ from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionConfig, AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
 from .config import DEFAULT_COMPONENTS, AccelConfig
-from .forward_hooks import scoped_hooks
+from .forward_hooks import installed, scoped_hooks
 from .layers.attention import enter_forward, leave_forward
 from .layers.fp8 import Fp8Weights
 from .layers.fp8_linears import MIN_FP8_ROWS, install_fp8_linears
@@ -530,8 +530,7 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
             "shared with another pipeline (from_pipe) that accelerated it and has since restored it: it runs "
             "exactly as in Diffusers",
         )
-    graphs = module.__dict__.get("forward")
-    graphs = graphs if isinstance(graphs, cuda_graphs.StepGraphs) else None
+    graphs = installed(module, cuda_graphs.StepGraphs)  # under the hooks registered on the module since
     detail = "already accelerated by another pipeline that shares this module; restore that pipeline to undo"
     if isinstance(setup, _GenericSetup):  # the other pipeline's detail says its tier, lossy options too
         detail += f"; as that pipeline set it up ({setup.tier}): {setup.detail}"

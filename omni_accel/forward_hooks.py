@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -68,6 +68,9 @@ class OurHook:
 setattr(OurHook, _OURS, True)
 
 
+_Forward = TypeVar("_Forward", bound="InstanceForward")
+
+
 class InstanceForward:
     """A callable installed as one module's instance ``forward``: it travels with the module through
     ``deepcopy`` and pickling, and a Diffusers hook registered later wraps it like any forward. ``inner``
@@ -96,6 +99,19 @@ class InstanceForward:
     @property
     def __wrapped__(self) -> Callable:  # inspect.signature(module.forward) finds the real signature
         return self._forward()
+
+
+def installed(module: nn.Module, kind: type[_Forward]) -> _Forward | None:
+    """The ``kind`` of ours installed as ``module``'s forward and not uninstalled, found under the wrappers of
+    hooks registered since (Diffusers' and accelerate's keep what they wrap as ``__wrapped__``) and under
+    others of ours; None where there is none."""
+    forward = module.__dict__.get("forward")
+    while forward is not None and not (isinstance(forward, kind) and forward.enabled):
+        if isinstance(forward, InstanceForward):
+            forward = forward.inner
+        else:
+            forward = getattr(forward, "__dict__", {}).get("__wrapped__")
+    return forward
 
 
 class _Scope:

@@ -11,6 +11,7 @@ from . import kernel_builds
 from .attention.selection import AttentionSelector
 from .cache.projection import ExactProjectionCache
 from .cuda_graphs import BlockGraphs, StepGraphs, block_graph_stats
+from .forward_hooks import installed
 from .layers.fp8_linears import MIN_FP8_ROWS
 from .models.base import NativeRuntime
 from .models.generic import GenericRuntime
@@ -18,7 +19,7 @@ from .parallel.cfg import GuidanceBranches
 from .parallel.config import LayoutTuning
 from .parallel.sequence import describe_ring, describe_ulysses
 from .parallel.token_rows import describe_rows
-from .parallel.vae import row_split_of
+from .parallel.vae import RowSplit
 
 
 @dataclass
@@ -134,7 +135,7 @@ class ComponentReport:
             if self.runtime.fallbacks and self.falls_back_on:
                 out.append(f"  what runs Diffusers' forward of a block: {self.falls_back_on}")
         for name, coder in self.row_split.items():  # read now: a hook added since runs a call whole
-            split = row_split_of(coder)
+            split = installed(coder, RowSplit)
             if split is not None:
                 out.extend(f"  {line}" for line in split.describe(name))
         if self.step_cache:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import flux_inputs, rel_err
 from diffusers import FluxAutoBlocks, FluxImg2ImgPipeline
 
 import omni_accel
@@ -103,6 +103,20 @@ def test_a_module_its_owner_left_untouched_and_a_sibling_set_up_is_described_by_
         omni_accel.accelerate(Holder(module), cuda_graphs=False)
     omni_accel.restore(sibling)
     assert "forward" not in module.__dict__
+
+
+def test_a_from_pipe_sibling_reports_the_step_graphs_under_a_hook_registered_since():
+    """The sibling's report of a shared module lost its CUDA graph lines once a Diffusers hook registered
+    after accelerate wrapped the module's step graphs; both pipelines report them."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    owner = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), cuda_graphs=True)
+    sibling = omni_accel.accelerate(FluxImg2ImgPipeline.from_pipe(owner))
+    HookRegistry.check_if_exists_or_initialize(owner.transformer).register_hook(ModelHook(), "noop")
+    with torch.no_grad():
+        owner.transformer(**flux_inputs(owner.transformer))
+    for pipe in (owner, sibling):
+        assert "cuda graphs: 1 calls ran eagerly" in str(omni_accel.describe(pipe))
 
 
 def test_a_diffusers_step_cache_is_reported_lossy_as_it_is_when_described():

@@ -202,14 +202,6 @@ class RowSplit(InstanceForward):
         return all_gather_sizes(out, rows, out_sizes, self.group)
 
 
-def row_split_of(coder: nn.Module) -> RowSplit | None:
-    """The split installed on ``coder`` (under the hooks registered on it since, which wrap it), or None."""
-    forward = coder.__dict__.get("forward")
-    while forward is not None and not isinstance(forward, RowSplit):
-        forward = forward.__dict__.get("__wrapped__") if hasattr(forward, "__dict__") else None
-    return forward if forward is not None and forward.enabled else None
-
-
 class _Shared:
     """A value that copies share: a process group cannot be copied, and a Diffusers hook registered over
     us copies our attributes into its wrapper (``functools.update_wrapper``), which a deep copy copies."""
