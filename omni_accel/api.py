@@ -16,6 +16,7 @@ in reverse order.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -26,7 +27,7 @@ import re
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -74,9 +75,10 @@ from .parallel import Parallelized, check_parallel, parallelize
 from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
 from .parallel.config import LayoutTuning, ParallelConfig
+from .parallel.held_groups import refuse_pickle, share_groups
 from .parallel.mesh import ParallelState, init_parallel
 from .parallel.peer_memory import ranks_write_each_other
-from .parallel.routed_attention import count_split
+from .parallel.routed_attention import LiveSplit
 from .parallel.tensor import sum_row_splits
 from .report import FP8_CLAIM, AccelerationReport, ComponentReport, step_cache_note
 from .utils import triton_builds, versions
@@ -119,6 +121,21 @@ class _State:
     undo: list[Callable[[], None]]
     absent: list[ComponentReport] = field(default_factory=list)
     others: list[ComponentReport] = field(default_factory=list)  # components other than denoisers (the VAE)
+
+    def __deepcopy__(self, memo: dict) -> _State:
+        # The reports name the layout's process groups (``describe`` reads them): a copy shares them.
+        for component in self.components:
+            share_groups(vars(component.report).values(), memo)
+        twin = object.__new__(_State)
+        memo[id(self)] = twin
+        vars(twin).update(copy.deepcopy(vars(self), memo))
+        return twin
+
+    def __getstate__(self) -> dict[str, Any]:
+        for component in self.components:  # before the reports, which hold the groups too
+            if component.parallel is not None and component.parallel.mesh is not None:
+                refuse_pickle(f"This pipeline, accelerated with {component.parallel.config},")
+        return vars(self)
 
 
 class _Unset(enum.Enum):
@@ -1347,8 +1364,7 @@ def _parallelize_generic(component: _Component) -> None:
     component.undo.append(layout.revert)
     _agree_on_cache_hits(component)
     if layout.sequence is not None:  # read by traces of calls our providers cannot split
-        count_split(+1)
-        component.undo.append(lambda: count_split(-1))
+        component.undo.append(LiveSplit())
     if parallel.config.tp > 1:  # Diffusers' forward of a row-split linear: its partial sums reduced
         component.undo.append(sum_row_splits(module))
     _apply_layout_patches(component, layout)
@@ -1374,7 +1390,7 @@ def _parallelize(component: _Component) -> None:
     sites = modulation_sites(component.original)
     if group is not None and sites:
         component.runtime.modulation = SplitModulation(sites, group, component.runtime.fp8)
-        component.undo.append(lambda: setattr(component.runtime, "modulation", None))
+        component.undo.append(functools.partial(setattr, component.runtime, "modulation", None))
     _apply_layout_patches(component, layout)
 
 
@@ -1385,15 +1401,8 @@ def _agree_on_cache_hits(component: _Component) -> None:
     cache = component.cache
     if cache is None:
         return
-    group = component.parallel.host_group()
-    cache.agree_over(group)
-
-    def undo() -> None:
-        cache.agree_over(None)
-        if group is not None:  # made for this cache alone (its sockets and threads would outlive restore)
-            dist.destroy_process_group(group)
-
-    component.undo.append(undo)
+    cache.agree_over(component.parallel.host_group())  # the layout's closing destroys the group
+    component.undo.append(functools.partial(cache.agree_over, None))
 
 
 def _modulation_group(parallel: ParallelState) -> dist.ProcessGroup | None:
@@ -1441,8 +1450,32 @@ def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> li
             paired.append((rule, component.report.cfg))
     if not paired:
         return []
-    pair_cfg_calls.apply(pipe, paired[0][0], [cfg for _, cfg in paired])
-    return [lambda: pair_cfg_calls.revert(pipe)]
+    return [_PairedCalls(pipe, paired[0][0], [cfg for _, cfg in paired])]
+
+
+def _refuse_pickle_under_layout(pipe: DiffusionPipeline, protocol: Any) -> NoReturn:
+    refuse_pickle(f"This pipeline, accelerated with {_state(pipe).components[0].parallel.config},")
+
+
+class _PairedCalls:
+    """``pair_cfg_calls`` applied to a pipeline; calling it reverts. The patch's class holds the
+    GuidanceBranches it switches: a deep copy of the pipeline gets the patch applied again, over its own."""
+
+    def __init__(self, pipe: DiffusionPipeline, rule: Callable, cfgs: list) -> None:
+        pair_cfg_calls.apply(pipe, rule, cfgs)
+        # The patch's class (this pipeline's own) is found by a name that is its base's: pickle would refuse
+        # it as "not the same object" before reaching the layout's reason.
+        type(pipe).__reduce_ex__ = _refuse_pickle_under_layout
+        type(pipe).__deepcopy__ = pipeline_calls.deepcopy_instance
+        self.pipe, self.rule, self.cfgs = pipe, rule, cfgs
+
+    def __call__(self) -> None:
+        pair_cfg_calls.revert(self.pipe)
+
+    def __deepcopy__(self, memo: dict) -> _PairedCalls:
+        twin_pipe = copy.deepcopy(self.pipe, memo)  # the pipeline's copy, under way: its class is ours
+        twin_pipe.__class__ = type(self.pipe).__mro__[1]
+        return _PairedCalls(twin_pipe, self.rule, copy.deepcopy(self.cfgs, memo))
 
 
 def _split_vae(pipe: DiffusionPipeline, vae_coders: list[nn.Module]) -> list[Callable[[], None]]:

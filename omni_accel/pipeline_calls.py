@@ -9,10 +9,11 @@ again and says the same) and the pipeline as it was.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 
 def on_first_call(pipe: Any, action: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
@@ -34,10 +35,38 @@ def on_first_call(pipe: Any, action: Callable[[dict[str, Any]], None]) -> Callab
             raise
         return self(*args, **kwargs)
 
-    hooked = type(original.__name__, (original,), {"__call__": __call__, "__module__": original.__module__})
+    hooked = type(
+        original.__name__,
+        (original,),
+        {
+            "__call__": __call__,
+            "__module__": original.__module__,
+            "__deepcopy__": deepcopy_instance,
+            "__reduce_ex__": _refuse_pickle,
+        },
+    )
     pipe.__class__ = hooked
     # A partial, not a closure: the undo a deep copy of the pipeline holds unhooks that copy.
     return functools.partial(_unhook, pipe, hooked, original)
+
+
+def deepcopy_instance(pipe: Any, memo: dict) -> Any:
+    """A deep copy of a pipeline of its own class, as ``copy.deepcopy`` makes one: for such a class, whose
+    ``__reduce_ex__`` refuses pickling (pickle finds the class by its base's name, and refuses it as "not the
+    same object" before anything could say why)."""
+    cls = type(pipe)
+    twin = cls.__new__(cls)
+    memo[id(pipe)] = twin
+    vars(twin).update(copy.deepcopy(vars(pipe), memo))
+    return twin
+
+
+def _refuse_pickle(pipe: Any, protocol: Any) -> NoReturn:
+    raise TypeError(
+        f"This {type(pipe).__name__} waits for its first call to finish what accelerate deferred (parallel='auto' "
+        "chooses its layout from that call's arguments), and cannot be pickled: call omni_accel.restore(pipe) "
+        "first, or pickle it before accelerate; within this process copy.deepcopy(pipe) copies it."
+    )
 
 
 def _unhook(pipe: Any, hooked: type, original: type) -> None:

@@ -1,12 +1,15 @@
 """Under parallel layouts the accelerated pipeline is still a Diffusers pipeline: LoRA (loaded before or
 after accelerate, scaled, disabled, unloaded), state_dict/load_state_dict with Diffusers names and full
-shapes, save_pretrained, compile, against plain Diffusers doing the same steps in the same process."""
+shapes, save_pretrained, compile, deepcopy, against plain Diffusers doing the same steps in the same process."""
+
+import copy
+import pickle
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import random_lora, rel_err
-from diffusers import FluxTransformer2DModel
+from diffusers import FluxPipeline, FluxTransformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from multirank import run_multirank
 
@@ -147,8 +150,51 @@ def _wan_cfg_pairs_both_experts() -> None:
         assert "vae (AutoencoderKLWan): patch-parallel" in str(report)  # its decode was split, too
 
 
+def _live(group: dist.ProcessGroup | None) -> bool:
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def _deepcopy_and_pickle() -> None:
+    """A deep copy shares the layout's process groups and computes what plain Diffusers does (its CFG calls
+    paired over its own branches); restoring it leaves the original accelerated, whose restore then destroys
+    the groups. Pickling (maybe for another process) refuses, saying what to do."""
+    true_cfg = dict(true_cfg_scale=2.0, negative_prompt=["a bird", "a fish"])
+    for layout, kwargs in (
+        (ParallelConfig(cfg=2), true_cfg),
+        (ParallelConfig(ulysses=2), {}),
+        (ParallelConfig(tp=2), {}),
+    ):
+        expected = _latents(omni_accel.tiny_flux_pipeline(seed=0), **kwargs)
+        pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=layout)
+        twin = copy.deepcopy(pipe)
+        got = _latents(twin, **kwargs)  # the copy first: nothing of the original's calls set it up
+        assert rel_err(got, expected) <= 1e-5, f"{layout}: the copy, {rel_err(got, expected):.2e}"
+        assert rel_err(_latents(pipe, **kwargs), expected) <= 1e-5, f"{layout}: the original"
+        with torch.no_grad():  # the copy runs its own modules (not the original's, through its hooks)
+            for param in twin.transformer.parameters():
+                param.mul_(0.5)
+        assert not torch.equal(_latents(twin, **kwargs), got), f"{layout}: the copy ran the original"
+        paired = omni_accel.describe(twin).components[0].cfg.paired_calls
+        assert paired == (4 if layout.cfg == 2 else 0), f"{layout}: the copy paired {paired} calls"
+        for what in (pipe, pipe.transformer):
+            with pytest.raises(TypeError, match=r"cannot be pickled.*omni_accel\.restore\(pipe\) first"):
+                pickle.dumps(what)
+        state = pipe._omni_accel_state.components[0].parallel
+        groups = [
+            g for g in [*state.mesh.get_all_groups(), state.users.host] if g not in (None, dist.group.WORLD)
+        ]
+        assert all(_live(g) for g in groups)
+        omni_accel.restore(twin)
+        assert type(twin) is FluxPipeline and all(_live(g) for g in groups), f"{layout}: restore of the copy"
+        assert rel_err(_latents(pipe, **kwargs), expected) <= 1e-5, f"{layout}: after restoring the copy"
+        assert omni_accel.describe(pipe).components[0].mode == "native"
+        omni_accel.restore(pipe)
+        assert type(pipe) is FluxPipeline and not any(_live(g) for g in groups), f"{layout}: groups left"
+
+
 def _body(rank: int, world: int, tmp_path: str) -> None:
     torch.set_num_threads(1)
+    _deepcopy_and_pickle()
     _lora_under_tp(tmp_path)
     _compiled_layouts()
     _wan_cfg_pairs_both_experts()

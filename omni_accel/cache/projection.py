@@ -149,8 +149,11 @@ class ExactProjectionCache:
         self._group: dist.ProcessGroup | None = None
 
     def __deepcopy__(self, memo: dict) -> ExactProjectionCache:
-        # Stored outputs belong to the original model's weights: a copy starts empty.
-        return ExactProjectionCache(self.max_bytes)
+        # Stored outputs belong to the original model's weights: a copy starts empty. Under a layout it
+        # decides with the same ranks, over the same group (a deep copy shares the process groups).
+        twin = ExactProjectionCache(self.max_bytes)
+        twin.agree_over(self._group)
+        return twin
 
     def __reduce__(self):
         return ExactProjectionCache, (self.max_bytes,)

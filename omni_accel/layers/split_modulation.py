@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.comm import all_gather_dim
+from ..parallel.held_groups import HoldsGroups
 from ..parallel.sequence import split_sizes
 from ..parallel.tensor import shard_of
 from ..utils.versions import version_of
@@ -36,7 +37,7 @@ class ModulationSite:
     input: Callable[[torch.Tensor], torch.Tensor]
 
 
-class SplitModulation:
+class SplitModulation(HoldsGroups):
     """Every site's projection of one conditioning tensor, computed once per forward over ``group``'s ranks
     (the ranks that hold the same batch: a tensor-parallel group or a sequence one)."""
 

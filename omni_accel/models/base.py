@@ -142,7 +142,8 @@ class NativeRuntime(CompiledSteps):
 
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
         # A copy keeps the provider choice and gets its own (empty) caches; compiled code is not copied.
-        return NativeRuntime(
+        # Under a layout it runs the copy's (sharing the process groups).
+        twin = NativeRuntime(
             self.selector,
             self.compile_options,
             copy.deepcopy(self.cache, memo),
@@ -150,6 +151,9 @@ class NativeRuntime(CompiledSteps):
             fp8=copy.deepcopy(self.fp8, memo),
             code=copy.deepcopy(self.code, memo),
         )
+        memo[id(self)] = twin
+        twin.layout, twin.modulation = copy.deepcopy((self.layout, self.modulation), memo)
+        return twin
 
     def __reduce__(self):
         args = (self.selector, self.compile_options, self.cache, self.compile_in_background)

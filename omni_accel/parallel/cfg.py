@@ -37,13 +37,14 @@ from diffusers.hooks.hooks import StateManager
 from torch import nn
 
 from .comm import all_gather_dim
+from .held_groups import HoldsGroups
 from .hooks import LayoutHook, bound_arguments
 from .sequence_hooks import foreign_block_hooks
 
 _BRANCHES = ("cond", "uncond")
 
 
-class GuidanceBranches:
+class GuidanceBranches(HoldsGroups):
     """How a layout runs a CFG step's two branches: over the two ranks of ``group`` (CFG parallelism), or,
     with ``group`` None, stacked in one call. ``batched_inputs``: the forward arguments with a batch
     dimension, or a function that names them from a call's arguments (None: it cannot tell)."""

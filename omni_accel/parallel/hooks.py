@@ -33,13 +33,38 @@ def _keep_outermost(registry: HookRegistry, name: str) -> None:
         registry.remove_hook(key, recurse=False)
     for key in [*stack[1:], name]:
         registry.register_hook(hooks[key], key)
+    _forward_that_copies(registry._module_ref, hooks[name])
 
 
 def register(module: nn.Module, hook: ModelHook, name: str) -> Callable[[], None]:
     """Registers ``hook`` on ``module`` as ``name``; returns the undo."""
     registry = HookRegistry.check_if_exists_or_initialize(module)
     registry.register_hook(hook, name)
-    return lambda: registry.remove_hook(name, recurse=False)
+    _forward_that_copies(module, hook)
+    # A partial, not a closure: the undo a deep copy of the model holds removes the copy's hook.
+    return functools.partial(registry.remove_hook, name, recurse=False)
+
+
+def _forward_that_copies(module: nn.Module, hook: ModelHook) -> None:
+    """Replaces the forward Diffusers just wrapped around ``hook`` (the outermost) with the same wrapper
+    made of a module-level function: Diffusers' is a closure over the hook's function reference, so a deep
+    copy of the model would run the original's hooks, and through them the original model."""
+    module.forward = functools.update_wrapper(
+        functools.partial(_hooked_forward, hook.fn_ref, module), module.forward.__wrapped__
+    )
+
+
+def _hooked_forward(fn_ref: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Diffusers' hooked forward (``HookRegistry.register_hook``): the hook's pre-forward, the forward it
+    wraps (or its own ``new_forward``), its post-forward."""
+    args, kwargs = fn_ref.pre_forward(module, *args, **kwargs)
+    return fn_ref.post_forward(module, fn_ref.forward(*args, **kwargs))
+
+
+def run_all(steps: list[Callable[[], None]]) -> None:
+    """Runs ``steps`` in order: an undo made of several, as a partial (a deep copy runs its own)."""
+    for step in steps:
+        step()
 
 
 class SubmoduleHooks:

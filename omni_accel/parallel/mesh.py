@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,16 +22,49 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ..cuda_graphs import release_all
 from .config import ParallelConfig
+from .held_groups import refuse_pickle
 from .peer_memory import forget_groups
 
 _DIMS = ("cfg", "ring", "ulysses", "tp")
 
 
-@dataclass
+class _Users:
+    """What a layout's states share with their deep copies: the states still using the groups, and the
+    gloo group of the ranks holding one batch (made at the first ``host_group`` call)."""
+
+    def __init__(self) -> None:
+        self.states: list[weakref.ref[ParallelState]] = []
+        self.host: dist.ProcessGroup | None = None
+        self.host_made = False
+
+    def others(self, state: ParallelState) -> bool:
+        """Whether a state other than ``state`` still uses the groups."""
+        return any((s := ref()) is not None and s is not state and s.mesh is not None for ref in self.states)
+
+
+@dataclass(eq=False)
 class ParallelState:
+    """A layout's mesh of process groups. A deep copy (of a pipeline: the state is not reachable from its
+    transformer) shares the groups; the last one closed destroys them. Pickling refuses (see
+    ``held_groups``)."""
+
     config: ParallelConfig
     mesh: DeviceMesh | None
     device: torch.device
+    users: _Users = field(default_factory=_Users, repr=False)
+
+    def __post_init__(self) -> None:
+        self.users.states.append(weakref.ref(self))
+
+    def __deepcopy__(self, memo: dict) -> ParallelState:
+        twin = ParallelState(self.config, self.mesh, self.device, self.users)
+        memo[id(self)] = twin
+        return twin
+
+    def __reduce__(self):
+        if self.mesh is None:
+            return ParallelState, (self.config, None, self.device)
+        refuse_pickle(f"The {self.config} layout of an accelerated pipeline")
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
         """The group of ``dim``, or None when its degree is 1 (layers then skip communication)."""
@@ -43,22 +78,31 @@ class ParallelState:
         Every rank must call it (each group is made by all). It waits ``timeout_s``, as the layout's groups do."""
         if self.mesh is None or self.config.world_size == self.config.cfg:
             return None
-        timeout = datetime.timedelta(seconds=self.config.timeout_s)
-        mine = None
-        for ranks in self.mesh.mesh.flatten(1).tolist():  # one row per cfg branch
-            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            if dist.get_rank() in ranks:
-                mine = group
-        return mine
+        if not self.users.host_made:  # one per layout, shared by its components and copies
+            timeout = datetime.timedelta(seconds=self.config.timeout_s)
+            for ranks in self.mesh.mesh.flatten(1).tolist():  # one row per cfg branch
+                group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                if dist.get_rank() in ranks:
+                    self.users.host = group
+            self.users.host_made = True
+        return self.users.host
 
     def close(self) -> None:
         """Destroys the groups this layout's mesh made (``restore`` does, on every rank): each holds
         communicators (NCCL's hold GPU memory) that would otherwise outlive the pipeline, a new set for every
-        ``accelerate``. The default group stays."""
+        ``accelerate``. The default group stays. While a deep copy of the pipeline still uses them (not
+        restored, not collected), they stay for it."""
         if self.mesh is None:
             return
         made = {id(g): g for g in self.mesh.get_all_groups() if g is not dist.group.WORLD}
         self.mesh = None
+        if self.users.others(self):
+            gc.collect()  # a copy dropped in a reference cycle is not using them
+            if self.users.others(self):
+                return
+        host, self.users.host = self.users.host, None
+        if host is not None:
+            dist.destroy_process_group(host)
         if not made:
             return
         release_all()  # graphs may hold NCCL operations of their communicators

@@ -33,10 +33,23 @@ RoutedAttend = Callable[
 LIVE_SPLITS = 0
 
 
-def count_split(delta: int) -> None:
-    """A split layout was installed (+1) or reverted (-1)."""
-    global LIVE_SPLITS
-    LIVE_SPLITS += delta
+class LiveSplit:
+    """One model spread by its token split, counted in ``LIVE_SPLITS`` from its making; calling it (the
+    layout's undo) uncounts it once. A deep copy of the model is one more."""
+
+    def __init__(self) -> None:
+        global LIVE_SPLITS
+        LIVE_SPLITS += 1
+        self.live = True
+
+    def __call__(self) -> None:
+        global LIVE_SPLITS
+        if self.live:
+            LIVE_SPLITS -= 1
+            self.live = False
+
+    def __deepcopy__(self, memo: dict) -> LiveSplit:
+        return LiveSplit() if self.live else self
 
 
 def split_forward() -> SequenceState | None:

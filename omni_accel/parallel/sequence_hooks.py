@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import LayoutTuning
+from .held_groups import HoldsGroups
 from .hooks import LayoutHook, SubmoduleHooks, bound_arguments
 from .sequence import SequenceParallel, gather, shard, split_sizes
 from .shares import SequenceShares, signature
@@ -130,7 +131,7 @@ class SequencePlan:
     ring_first: bool = False
 
 
-class SequenceState:
+class SequenceState(HoldsGroups):
     """The sequence layout of the forward in flight: one plan per stream, and ``joint``, every stream
     joined as attention joins them (read by the blocks' attention); with a TP group, each stream's split of
     this rank's tokens over it (``tokens``). ``tuning``: how the exchanges run."""

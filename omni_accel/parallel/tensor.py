@@ -13,6 +13,7 @@ shapes hold under TP; ``undo`` gathers the full weights back.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,8 @@ from torch import nn
 
 from ..forward_hooks import TRACED
 from .comm import all_gather_dim
-from .hooks import LayoutHook, register
+from .held_groups import HoldsGroups
+from .hooks import LayoutHook, register, run_all
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ TensorPlan = Mapping[str, Colwise | Rowwise]
 
 
 @dataclass(frozen=True, eq=False)
-class LinearShard:
+class LinearShard(HoldsGroups):
     """How one linear is split: along weight dim ``dim`` (0: outputs, 1: inputs), each of ``parts`` (full
     sizes of the blocks along that dim) split evenly over the ``size`` ranks of ``group``."""
 
@@ -170,8 +172,7 @@ def apply_tensor_parallel(
 ) -> Callable[[], None]:
     """Shards every planned linear of ``blocks`` in place; returns the undo (a collective)."""
     shards = [entry for block, plan in blocks for entry in plan_shards(block, plan, group)]
-    undos = [shard_linear(linear, shard) for _, linear, shard in shards]
-    return lambda: [undo() for undo in undos]
+    return functools.partial(run_all, [shard_linear(linear, shard) for _, linear, shard in shards])
 
 
 def shard_linear(linear: nn.Linear, shard: LinearShard) -> Callable[[], None]:
@@ -185,16 +186,17 @@ def shard_linear(linear: nn.Linear, shard: LinearShard) -> Callable[[], None]:
         linear.register_state_dict_post_hook(_full_state),
         linear.register_load_state_dict_pre_hook(_local_state),
     ]
+    # A partial, not a closure: the undo a deep copy of the model holds gathers that copy's linear.
+    return functools.partial(_unshard, linear, shard, handles)
 
-    def undo() -> None:
-        for handle in handles:
-            handle.remove()
-        for name, dim in _sharded_params(linear, shard).items():
-            param = getattr(linear, name)
-            param.data = shard.gather(param.data, dim)
-        del linear.omni_tp
 
-    return undo
+def _unshard(linear: nn.Linear, shard: LinearShard, handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    for name, dim in _sharded_params(linear, shard).items():
+        param = getattr(linear, name)
+        param.data = shard.gather(param.data, dim)
+    del linear.omni_tp
 
 
 class SumRowSplit(LayoutHook):
@@ -287,7 +289,7 @@ def _still_holds(parent: nn.Module, name: str, adapter: str, linear: nn.Linear) 
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
-    return lambda: (first(), second())
+    return functools.partial(run_all, [first, second])
 
 
 def sum_row_splits(module: nn.Module) -> Callable[[], None]:
@@ -301,7 +303,7 @@ def sum_row_splits(module: nn.Module) -> Callable[[], None]:
     adapters = AdaptersSplit(module)
     undo.append(register(module, adapters, "omni_accel.tp_adapters"))
     undo.append(adapters.undo)
-    return lambda: [step() for step in reversed(undo)]
+    return functools.partial(run_all, undo[::-1])
 
 
 def shard_of(module: nn.Module) -> LinearShard | None:
