@@ -48,7 +48,10 @@ def register(module: nn.Module, hook: ModelHook, name: str) -> Callable[[], None
 def _forward_that_copies(module: nn.Module, hook: ModelHook) -> None:
     """Replaces the forward Diffusers just wrapped around ``hook`` (the outermost) with the same wrapper
     made of a module-level function: Diffusers' is a closure over the hook's function reference, so a deep
-    copy of the model would run the original's hooks, and through them the original model."""
+    copy of the model would run the original's hooks, and through them the original model. Where Diffusers'
+    wrapper is not as 0.42 makes it (``fn_ref``, ``__wrapped__``), it is left as it is."""
+    if not hasattr(hook, "fn_ref") or not hasattr(module.forward, "__wrapped__"):
+        return
     module.forward = functools.update_wrapper(
         functools.partial(_hooked_forward, hook.fn_ref, module), module.forward.__wrapped__
     )
