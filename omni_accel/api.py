@@ -121,6 +121,7 @@ class _State:
     undo: list[Callable[[], None]]
     absent: list[ComponentReport] = field(default_factory=list)
     others: list[ComponentReport] = field(default_factory=list)  # components other than denoisers (the VAE)
+    vae: nn.Module | None = None  # the VAE ``others`` describes (pipe.vae may be replaced since)
 
     def __deepcopy__(self, memo: dict) -> _State:
         # The reports name the layout's process groups (``describe`` reads them): a copy shares them.
@@ -238,7 +239,9 @@ def accelerate(
         raise
     if deferred:
         undo.append(pipeline_calls.on_first_call(pipe, _apply_auto_layout_at_call))
-    setattr(pipe, _STATE_ATTR, _State(config, components, undo, others=others))
+    setattr(
+        pipe, _STATE_ATTR, _State(config, components, undo, others=others, vae=getattr(pipe, "vae", None))
+    )
     triton_builds.set_up_in_background()  # while the first call encodes its prompt
     _log_summary(pipe, components)
     return pipe
@@ -462,7 +465,11 @@ def describe(pipe: Pipeline) -> AccelerationReport:
         if held is not None:  # read now: enable_cache() and disable_cache() come before or after accelerate
             report = dataclasses.replace(report, step_cache=step_cache_note(held.original))
         reports.append(report)
-    return AccelerationReport(type(pipe).__name__, reports + state.others + state.absent)
+    others = [
+        _current_vae_report(pipe, other, state.vae) if other.name == "vae" else other
+        for other in state.others
+    ]
+    return AccelerationReport(type(pipe).__name__, reports + others + state.absent)
 
 
 def _users_compile(module: nn.Module) -> str | None:
@@ -510,6 +517,24 @@ def _current_report(
         detail = f"{report.detail} (set up as pipe.{held.name}, which pipe.{component.name} holds now)"
         report = dataclasses.replace(report, name=component.name, detail=detail)
     return report, held
+
+
+def _current_vae_report(pipe: Pipeline, report: ComponentReport, vae: nn.Module | None) -> ComponentReport:
+    """The VAE's ``report`` as things are now: a VAE put in ``pipe.vae`` after ``accelerate`` is not the
+    one ``vae`` it split (or left whole), so its line says so rather than the old VAE's split and counts."""
+    module = getattr(pipe, "vae", None)
+    if module is vae:
+        return report
+    coders = [getattr(module, name, None) for name in ("decoder", "encoder")]
+    detail = f"pipe.vae was replaced after accelerate (it held a {type(vae).__name__}); what it holds now "
+    if any(
+        isinstance(coder, nn.Module) and installed(coder, vae_split.RowSplit) is not None for coder in coders
+    ):
+        detail += "was split by another pipeline's layout, and runs as that one set it up"
+    else:
+        detail += "runs as in Diffusers: omni_accel.restore(pipe), then accelerate(pipe), sets it up"
+    cls_name = type(module).__name__ if module is not None else "-"
+    return ComponentReport("vae", cls_name, "replaced", detail)
 
 
 # The generic tier's setup of a transformer, kept on the module itself (as native blocks keep their runtime).
@@ -1305,7 +1330,7 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
             component.parallel = None
         parallel.close()
         raise
-    state.others = others
+    state.others, state.vae = others, getattr(pipe, "vae", None)
     where = f"{chosen.config} on {dist.get_world_size()} ranks"
     for component in natives:
         component.report.layout = f"parallel='auto': {where}, chosen at the first call: {chosen.reason}"

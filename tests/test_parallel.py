@@ -161,11 +161,20 @@ def _vae_checks() -> None:
     assert "vae (AutoencoderKL): patch-parallel - decoder and encoder split" in str(omni_accel.describe(pipe))
     got = pipe(**call, generator=torch.Generator().manual_seed(0)).images
     assert abs(got - want).max() <= 1e-5
-    omni_accel.restore(pipe)
-    assert "forward" not in pipe.vae.decoder.__dict__
     layout = ParallelConfig(ulysses=dist.get_world_size())
     off = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=layout, vae_parallel=False)
     assert "forward" not in off.vae.decoder.__dict__ and "patch-parallel" not in str(omni_accel.describe(off))
+    # A VAE put in after accelerate is described as it runs now, not as the split one it replaced.
+    twin, split = copy.deepcopy(pipe), pipe.vae  # the copy's VAE is split as pipe's
+    assert "vae (AutoencoderKL): patch-parallel" in str(omni_accel.describe(twin))
+    for other, runs in ((off, "runs as in Diffusers"), (twin, "split by another pipeline")):
+        pipe.vae = other.vae
+        vae = next(c for c in omni_accel.describe(pipe).components if c.name == "vae")
+        assert vae.mode == "replaced" and runs in vae.detail and "calls split" not in "\n".join(vae.lines())
+    pipe.vae = split
+    omni_accel.restore(twin)
+    omni_accel.restore(pipe)
+    assert "forward" not in pipe.vae.decoder.__dict__
     odd = omni_accel.tiny_flux_pipeline(seed=0)
     odd.vae.decoder.conv_in = torch.nn.Conv2d(odd.vae.config.latent_channels, 32, 5, padding=2)
     with pytest.raises(ValueError, match="vae_parallel=True cannot split pipe.vae .AutoencoderKL.'s decoder"):

@@ -3,6 +3,7 @@ given and the expected form: CUDA graphs on a machine without CUDA, a ``from_pip
 restore, malformed attention options, components that are not denoisers, modular pipelines (accelerated,
 described, restored, and under zero-code), and zero-code never failing a pipeline plain Diffusers builds."""
 
+import copy
 import logging
 
 import pytest
@@ -147,6 +148,11 @@ def test_vae_parallel_without_a_layout_is_said_not_ignored():
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), vae_parallel=True)
     vae = next(c for c in omni_accel.describe(pipe).components if c.name == "vae")
     assert vae.mode == "untouched" and "none runs here" in vae.detail
+    twin = copy.deepcopy(pipe)  # holds its own copy of the VAE its report describes
+    assert next(c for c in omni_accel.describe(twin).components if c.name == "vae").mode == "untouched"
+    pipe.vae = omni_accel.tiny_flux_pipeline(seed=1).vae  # the line is about the VAE held now
+    vae = next(c for c in omni_accel.describe(pipe).components if c.name == "vae")
+    assert vae.mode == "replaced" and "runs as in Diffusers" in vae.detail
 
 
 def test_swapped_accelerated_transformers_are_described_where_they_are_now():
