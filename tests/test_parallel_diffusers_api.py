@@ -169,7 +169,9 @@ def _deepcopy_and_pickle() -> None:
         twin = copy.deepcopy(pipe)
         got = _latents(twin, **kwargs)  # the copy first: nothing of the original's calls set it up
         assert rel_err(got, expected) <= 1e-5, f"{layout}: the copy, {rel_err(got, expected):.2e}"
-        assert rel_err(_latents(pipe, **kwargs), expected) <= 1e-5, f"{layout}: the original"
+        assert torch.equal(_latents(pipe, **kwargs), got), f"{layout}: the copy computes unlike the original"
+        if layout.cfg == 2:  # each rank runs one of Diffusers' two calls whole
+            assert torch.equal(got, expected), f"{layout}: the copy, {rel_err(got, expected):.2e}"
         with torch.no_grad():  # the copy runs its own modules (not the original's, through its hooks)
             for param in twin.transformer.parameters():
                 param.mul_(0.5)
