@@ -27,7 +27,7 @@ import re
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -1475,32 +1475,8 @@ def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> li
             paired.append((rule, component.report.cfg))
     if not paired:
         return []
-    return [_PairedCalls(pipe, paired[0][0], [cfg for _, cfg in paired])]
-
-
-def _refuse_pickle_under_layout(pipe: DiffusionPipeline, protocol: Any) -> NoReturn:
-    refuse_pickle(f"This pipeline, accelerated with {_state(pipe).components[0].parallel.config},")
-
-
-class _PairedCalls:
-    """``pair_cfg_calls`` applied to a pipeline; calling it reverts. The patch's class holds the
-    GuidanceBranches it switches: a deep copy of the pipeline gets the patch applied again, over its own."""
-
-    def __init__(self, pipe: DiffusionPipeline, rule: Callable, cfgs: list) -> None:
-        pair_cfg_calls.apply(pipe, rule, cfgs)
-        # The patch's class (this pipeline's own) is found by a name that is its base's: pickle would refuse
-        # it as "not the same object" before reaching the layout's reason.
-        type(pipe).__reduce_ex__ = _refuse_pickle_under_layout
-        type(pipe).__deepcopy__ = pipeline_calls.deepcopy_instance
-        self.pipe, self.rule, self.cfgs = pipe, rule, cfgs
-
-    def __call__(self) -> None:
-        pair_cfg_calls.revert(self.pipe)
-
-    def __deepcopy__(self, memo: dict) -> _PairedCalls:
-        twin_pipe = copy.deepcopy(self.pipe, memo)  # the pipeline's copy, under way: its class is ours
-        twin_pipe.__class__ = type(self.pipe).__mro__[1]
-        return _PairedCalls(twin_pipe, self.rule, copy.deepcopy(self.cfgs, memo))
+    pair_cfg_calls.apply(pipe, paired[0][0], [cfg for _, cfg in paired])
+    return [functools.partial(pair_cfg_calls.revert, pipe)]  # a deep copy's undo reverts the copy
 
 
 def _split_vae(pipe: DiffusionPipeline, vae_coders: list[nn.Module]) -> list[Callable[[], None]]:
