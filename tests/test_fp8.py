@@ -544,6 +544,17 @@ def test_generic_tier_fp8_lora_loaded_before_accelerate_runs_as_one_loaded_after
     assert fp8_store.copies == omni_accel.describe(after).components[0].runtime.fp8.copies == 46
 
 
+def _after_a_call(native: bool) -> tuple[nn.Module, dict, nn.Module, fp8.Fp8Weights]:
+    """A FLUX transformer, its inputs, its FP8 copy accelerated (eagerly) after one call, and the copy store."""
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    fast = copy.deepcopy(model)
+    pipe = omni_accel.accelerate(_Holder(fast), quantize="fp8", cuda_graphs=False, native=native)
+    store = omni_accel.describe(pipe).components[0].runtime.fp8
+    _sample(fast, inputs)
+    return model, inputs, fast, store
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("hook", [_leaf_offload, _layerwise_casting])
 def test_fp8_copies_nothing_reads_are_dropped_not_remade(native, hook):
@@ -551,12 +562,7 @@ def test_fp8_copies_nothing_reads_are_dropped_not_remade(native, hook):
     Diffusers' forward: their copies are dropped (layerwise casting left the AdaLN ones alive: 3.2 GB on
     FLUX.1-dev) and not re-made at each forward (each of leaf offload's loads re-made every copy in place),
     each one dropped advancing the generation CUDA graphs key on."""
-    model = random_flux_transformer()
-    inputs = flux_inputs(model, text_tokens=8)
-    fast = copy.deepcopy(model)
-    pipe = omni_accel.accelerate(_Holder(fast), quantize="fp8", cuda_graphs=False, native=native)
-    store = omni_accel.describe(pipe).components[0].runtime.fp8
-    _sample(fast, inputs)
+    model, inputs, fast, store = _after_a_call(native)
     copies, generation = store.copies, store.generation
     for m in (model, fast):
         hook(m)
@@ -575,12 +581,7 @@ def test_fp8_copies_are_not_remade_while_training(native):
     """With autograd on every projection computes as Diffusers' does: an optimizer's steps re-quantize no
     copy (the generic tier re-made every one at each forward); the next call without autograd quantizes
     the trained weights."""
-    model = random_flux_transformer()
-    inputs = flux_inputs(model, text_tokens=8)
-    fast = copy.deepcopy(model)
-    pipe = omni_accel.accelerate(_Holder(fast), quantize="fp8", cuda_graphs=False, native=native)
-    store = omni_accel.describe(pipe).components[0].runtime.fp8
-    _sample(fast, inputs)
+    model, inputs, fast, store = _after_a_call(native)
     made = store.quantized
     optimizer = torch.optim.SGD(fast.parameters(), lr=0.5)
     for _ in range(3):
