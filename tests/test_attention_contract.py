@@ -197,11 +197,14 @@ def test_precedence_scope_then_pipeline_choice_then_diffusers_then_auto():
 
 
 def test_a_mapped_backend_that_cannot_serve_the_call_is_refused_with_the_fix():
+    masked = AttentionRequest(
+        torch.float32, "cpu", 16, has_mask=True
+    )  # Diffusers' _native_flash refuses it too
     with pytest.raises(AttentionProviderError) as error:
-        resolve(AttentionConfig(), "flux.joint", "self", CPU_FP32, "_native_flash")
+        resolve(AttentionConfig(), "flux.joint", "self", masked, "_native_flash")
     message = str(error.value)
     assert "Diffusers attention backend '_native_flash' (process-wide) runs provider 'sdpa_flash'" in message
-    assert "runs on ['cuda'], not cpu" in message and "set_attention_backend('native')" in message
+    assert "cannot apply an attention mask" in message and "set_attention_backend('native')" in message
     assert "AttentionConfig or attention_scope" in message
 
 
@@ -235,6 +238,21 @@ def _qwen_inputs(masked=True, seed=1):
 def _accelerated(model, **config):
     holder = omni_accel.accelerate(_Holder(model), **config)
     return holder, omni_accel.describe(holder).components[0]
+
+
+def test_native_flash_set_process_wide_on_the_cpu_runs_as_in_diffusers():
+    """Diffusers' ``_native_flash`` runs PyTorch's CPU flash kernel on a CPU: an accelerated model serves it
+    with the same kernel (it was refused as a CUDA-only provider, where plain Diffusers ran)."""
+    plain = random_flux_transformer(seed=0)
+    inputs = flux_inputs(plain)
+    model = copy.deepcopy(plain)
+    holder, component = _accelerated(model)
+    with dispatch.attention_backend("_native_flash"), torch.no_grad():
+        expected = plain(**copy.copy(inputs))[0]
+        got = model(**copy.copy(inputs))[0]
+    omni_accel.restore(holder)
+    assert torch.equal(got, expected)
+    assert {provider for _, _, provider, _ in component.selector.decisions()} == {"sdpa_flash"}
 
 
 @pytest.mark.parametrize("family", ["qwenimage", "flux-native"])

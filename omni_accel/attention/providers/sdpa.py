@@ -23,7 +23,7 @@ import torch.backends.cuda as cuda_backends
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..base import AttentionProvider, Capabilities, KernelRefusal
+from ..base import AttentionProvider, AttentionRequest, Capabilities, KernelRefusal
 
 _FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 _HALF = frozenset({torch.float16, torch.bfloat16})
@@ -174,11 +174,16 @@ class SdpaMathProvider(SdpaProvider):
         return out.transpose(1, 2), lse
 
 
+# PyTorch's flash kernel for the CPU: what Diffusers' ``_native_flash`` backend runs on a CPU (its dtype check
+# is off unless DIFFUSERS_ATTN_CHECKS is set), so a process-wide choice of it is served there too.
+_CPU_FLASH = Capabilities(dtypes=_FLOATS, devices=frozenset({"cpu"}), max_head_dim=1024, returns_lse=True)
+
+
 class SdpaFlashProvider(SdpaProvider):
     name = "sdpa_flash"
     capabilities = Capabilities(
         dtypes=_HALF,
-        devices=frozenset({"cuda"}),
+        devices=frozenset({"cuda", "cpu"}),
         max_head_dim=256,
         head_dim_multiple=8,
         returns_lse=True,
@@ -186,11 +191,22 @@ class SdpaFlashProvider(SdpaProvider):
     )
     backends = [SDPBackend.FLASH_ATTENTION]
 
+    def reasons_against(self, request: AttentionRequest) -> list[str]:
+        if request.device_type == "cpu":
+            return _CPU_FLASH.reasons_against(request)
+        return super().reasons_against(request)
+
     @staticmethod
     def kernel(q, k, v, attn_mask, scale):
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[0]
 
     def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
+        if query.device.type == "cpu":  # the kernel raises for what it cannot take, as it does in Diffusers
+            q, k, v = _to_bhsd(query, key, value)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, scale=scale
+            )
+            return (out.transpose(1, 2), lse) if return_lse else out.transpose(1, 2)
         if not return_lse:
             return super().forward(query, key, value, attn_mask=attn_mask, scale=scale)
         q, k, v = self._checked_bhsd(query, key, value, attn_mask)
