@@ -16,6 +16,7 @@ warning says why and the pipeline stays plain Diffusers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -210,9 +211,36 @@ def _follow_components(pipe: ModularPipeline, options: dict[str, Any]) -> None:
         _accelerate_or_warn(pipe, config)
 
 
+def _sharing(pipe: Any, config: AccelConfig) -> AccelConfig:
+    """``config`` for a pipeline holding a transformer another pipeline accelerated with other options (a
+    ``from_pipe`` sibling of one accelerated by hand): one module runs one setup, so the pipeline shares that
+    one, as ``accelerate(sibling)`` without options does, and a warning names the options that do not apply.
+    Zero-code asked them of every pipeline, not of this module."""
+    for name in config.components:
+        module = getattr(pipe, name, None)
+        owner = api._SET_UP_WITH.get(module) if isinstance(module, nn.Module) else None
+        differ = [
+            o for o in api._MODULE_OPTIONS if owner is not None and getattr(config, o) != getattr(owner, o)
+        ]
+        if differ:
+            logger.warning(
+                "zero-code: %s.%s is shared with another pipeline (from_pipe) accelerated with %s; %s shares "
+                "that setup, and the zero-code options %s do not apply to it (omni_accel.restore() that "
+                "pipeline, then accelerate this one with them)",
+                type(pipe).__name__,
+                name,
+                ", ".join(f"{o}={getattr(owner, o)!r}" for o in differ),
+                type(pipe).__name__,
+                ", ".join(f"{o}={getattr(config, o)!r}" for o in differ),
+            )
+            return dataclasses.replace(config, **{o: getattr(owner, o) for o in differ})
+    return config
+
+
 def _accelerate_or_warn(pipe: Any, config: AccelConfig) -> None:
     """``accelerate`` and one NOTICE line saying so (the user's script does not name it), or (where it
     refuses) a warning, with the pipeline left plain Diffusers."""
+    config = _sharing(pipe, config)
     try:
         api.accelerate(pipe, config)
     except Exception as exc:

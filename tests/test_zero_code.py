@@ -1,6 +1,7 @@
 """Zero-code acceleration: an unmodified script run through ``omni_accel.run``, and ``enable()`` for
 pipelines however they are built."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err
-from diffusers import AutoPipelineForText2Image, DiffusionPipeline, FluxImg2ImgPipeline
+from diffusers import AutoPipelineForText2Image, DiffusionPipeline, FluxImg2ImgPipeline, FluxPipeline
 
 import omni_accel
 from omni_accel.auto import options_from_env, parse_parallel
@@ -68,6 +69,39 @@ def test_enable_accelerates_pipelines_however_they_are_built(saved_pipeline):
     expected = after(**kwargs, generator=torch.Generator().manual_seed(0)).images
     got = loaded(**kwargs, generator=torch.Generator().manual_seed(0)).images
     assert rel_err(got, expected) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("by_hand", "zero_code", "mode"),
+    [
+        ({}, {"cuda_graphs": False}, "native"),
+        ({"native": False}, {"native": False, "attention": "sdpa_math"}, "routed"),
+    ],
+)
+def test_a_sibling_of_a_pipeline_accelerated_by_hand_with_other_options_shares_its_setup(
+    by_hand, zero_code, mode, caplog
+):
+    """The sibling was refused (its transformer asked other options) and warned 'left as plain Diffusers',
+    though its transformer ran the owner's setup and ``describe``/``restore`` refused it as not accelerated."""
+    kwargs = dict(prompt="a cat", height=32, width=32, num_inference_steps=2, output_type="latent")
+    plain = FluxPipeline.from_pipe(omni_accel.tiny_flux_pipeline(seed=0))
+    expected = plain(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    owner = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), **by_hand)
+    omni_accel.enable(**zero_code)
+    try:
+        with caplog.at_level(logging.WARNING, logger="omni_accel"):
+            sibling = FluxPipeline.from_pipe(owner)
+    finally:
+        omni_accel.disable()
+    warning = " ".join(record.getMessage() for record in caplog.records)
+    assert "left FluxPipeline as plain Diffusers" not in warning
+    option = next(iter(set(zero_code) - set(by_hand)))
+    assert f"the zero-code options {option}=" in warning and repr(zero_code[option]) in warning
+    assert _mode(sibling) == f"{mode} (shared)"
+    got = sibling(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    assert rel_err(got, expected) <= 1e-5
+    omni_accel.restore(sibling)
+    assert _mode(owner) == mode  # the sibling's restore leaves its owner's setup alone
 
 
 def test_enable_checks_options_at_once():
