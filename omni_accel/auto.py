@@ -225,8 +225,8 @@ def _sharing(pipe: Any, config: AccelConfig) -> AccelConfig:
         if differ:
             logger.warning(
                 "zero-code: %s.%s is shared with another pipeline (from_pipe) accelerated with %s; %s shares "
-                "that setup, and the zero-code options %s do not apply to it (omni_accel.restore() that "
-                "pipeline, then accelerate this one with them)",
+                "that setup, and the options %s it was to be accelerated with do not apply to it "
+                "(omni_accel.restore() that pipeline, then accelerate this one with them)",
                 type(pipe).__name__,
                 name,
                 ", ".join(f"{o}={getattr(owner, o)!r}" for o in differ),

@@ -96,7 +96,7 @@ def test_a_sibling_of_a_pipeline_accelerated_by_hand_with_other_options_shares_i
     warning = " ".join(record.getMessage() for record in caplog.records)
     assert "left FluxPipeline as plain Diffusers" not in warning
     option = next(iter(set(zero_code) - set(by_hand)))
-    assert f"the zero-code options {option}=" in warning and repr(zero_code[option]) in warning
+    assert f"the options {option}=" in warning and repr(zero_code[option]) in warning
     assert _mode(sibling) == f"{mode} (shared)"
     got = sibling(**kwargs, generator=torch.Generator().manual_seed(0)).images
     assert rel_err(got, expected) <= 1e-5
