@@ -130,7 +130,14 @@ class _State:
         twin = object.__new__(_State)
         memo[id(self)] = twin
         vars(twin).update(copy.deepcopy(vars(self), memo))
+        twin.__setstate__(vars(twin))
         return twin
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        for component in self.components:  # a copy owns its copied modules: its siblings share its options
+            if not component.shared:
+                _SET_UP_WITH[component.original] = self.config
 
     def __getstate__(self) -> dict[str, Any]:
         for component in self.components:  # before the reports, which hold the groups too

@@ -5,6 +5,7 @@ described, restored, and under zero-code), and zero-code never failing a pipelin
 
 import copy
 import logging
+import pickle
 
 import pytest
 import torch
@@ -104,6 +105,20 @@ def test_a_module_its_owner_left_untouched_and_a_sibling_set_up_is_described_by_
         omni_accel.accelerate(Holder(module), cuda_graphs=False)
     omni_accel.restore(sibling)
     assert "forward" not in module.__dict__
+
+
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, lambda pipe: pickle.loads(pickle.dumps(pipe))])
+def test_options_a_sibling_of_a_copied_pipeline_asks_that_its_module_does_not_run_are_refused(duplicate):
+    """A copy's modules are copies, which the options record did not know: a sibling of the copy asking
+    other options was accepted and described as sharing, its options silently ignored."""
+    copied = duplicate(omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), native=False))
+    sibling = FluxImg2ImgPipeline.from_pipe(copied)
+    with pytest.raises(ValueError, match=r"shared with another pipeline \(from_pipe\) that accelerated it"):
+        omni_accel.accelerate(sibling, attention="sdpa_math")
+    omni_accel.restore(copied)  # forgets the copy's options: the sibling sets the module up itself
+    assert omni_accel.describe(omni_accel.accelerate(sibling, attention="sdpa_math")).components[0].mode == (
+        "native"
+    )
 
 
 def test_a_from_pipe_sibling_reports_the_step_graphs_under_a_hook_registered_since():
