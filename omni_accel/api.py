@@ -325,14 +325,21 @@ def _asked(config: AccelConfig, overrides: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(overrides) | differ
 
 
+def differing_options(module: nn.Module, config: AccelConfig) -> tuple[AccelConfig | None, list[str]]:
+    """The options another pipeline holding ``module`` (from_pipe) accelerated it with (None: none did), and
+    the module options ``config`` sets otherwise (zero-code reads them too)."""
+    owner = _SET_UP_WITH.get(module)
+    if owner is None:
+        return None, []
+    return owner, [o for o in _MODULE_OPTIONS if getattr(config, o) != getattr(owner, o)]
+
+
 def _check_shared_options(name: str, module: nn.Module, config: AccelConfig, asked: frozenset[str]) -> None:
     """Raises where this call asks options for ``module`` other than those another pipeline that holds it
     (from_pipe) accelerated it with: one module runs one setup, and the asked ones would be ignored."""
-    owner = _SET_UP_WITH.get(module)
-    if owner is None:
-        return
-    differ = [o for o in _MODULE_OPTIONS if o in asked and getattr(config, o) != getattr(owner, o)]
-    if differ:
+    owner, differ = differing_options(module, config)
+    differ = [o for o in differ if o in asked]
+    if owner is not None and differ:
         theirs = ", ".join(f"{o}={getattr(owner, o)!r}" for o in differ)
         ours = ", ".join(f"{o}={getattr(config, o)!r}" for o in differ)
         raise ValueError(

@@ -218,11 +218,8 @@ def _sharing(pipe: Any, config: AccelConfig) -> AccelConfig:
     Zero-code asked them of every pipeline, not of this module."""
     for name in config.components:
         module = getattr(pipe, name, None)
-        owner = api._SET_UP_WITH.get(module) if isinstance(module, nn.Module) else None
-        differ = [
-            o for o in api._MODULE_OPTIONS if owner is not None and getattr(config, o) != getattr(owner, o)
-        ]
-        if differ:
+        owner, differ = api.differing_options(module, config) if isinstance(module, nn.Module) else (None, [])
+        if owner is not None and differ:
             logger.warning(
                 "zero-code: %s.%s is shared with another pipeline (from_pipe) accelerated with %s; %s shares "
                 "that setup, and the options %s it was to be accelerated with do not apply to it "
