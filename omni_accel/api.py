@@ -16,7 +16,6 @@ in reverse order.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import enum
 import functools
@@ -82,6 +81,7 @@ from .parallel.routed_attention import LiveSplit
 from .parallel.tensor import sum_row_splits
 from .report import FP8_CLAIM, AccelerationReport, ComponentReport, step_cache_note
 from .utils import triton_builds, versions
+from .utils.copies import deepcopy_instance
 from .utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -127,9 +127,7 @@ class _State:
         # The reports name the layout's process groups (``describe`` reads them): a copy shares them.
         for component in self.components:
             share_groups(vars(component.report).values(), memo)
-        twin = object.__new__(_State)
-        memo[id(self)] = twin
-        vars(twin).update(copy.deepcopy(vars(self), memo))
+        twin = deepcopy_instance(self, memo)
         twin.__setstate__(vars(twin))
         return twin
 

@@ -9,11 +9,12 @@ again and says the same) and the pipeline as it was.
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+from .utils.copies import deepcopy_instance
 
 
 def on_first_call(pipe: Any, action: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
@@ -48,17 +49,6 @@ def on_first_call(pipe: Any, action: Callable[[dict[str, Any]], None]) -> Callab
     pipe.__class__ = hooked
     # A partial, not a closure: the undo a deep copy of the pipeline holds unhooks that copy.
     return functools.partial(_unhook, pipe, hooked, original)
-
-
-def deepcopy_instance(pipe: Any, memo: dict) -> Any:
-    """A deep copy of a pipeline of its own class, as ``copy.deepcopy`` makes one: for such a class, whose
-    ``__reduce_ex__`` refuses pickling (pickle finds the class by its base's name, and refuses it as "not the
-    same object" before anything could say why)."""
-    cls = type(pipe)
-    twin = cls.__new__(cls)
-    memo[id(pipe)] = twin
-    vars(twin).update(copy.deepcopy(vars(pipe), memo))
-    return twin
 
 
 def _refuse_pickle(pipe: Any, protocol: Any) -> NoReturn:

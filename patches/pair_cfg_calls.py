@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ..pipeline_calls import deepcopy_instance
+from ..utils.copies import deepcopy_instance
 
 PACKAGE = "diffusers"
 CHECKED_VERSIONS = ("0.42.0", "0.43.0")

@@ -8,11 +8,12 @@ reach: it is refused, with what to do instead.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import torch.distributed as dist
+
+from ..utils.copies import deepcopy_instance
 
 
 def groups_among(values: Iterable[Any]) -> list[dist.ProcessGroup]:
@@ -49,10 +50,7 @@ class HoldsGroups:
 
     def __deepcopy__(self, memo: dict) -> Any:
         share_groups(vars(self).values(), memo)
-        twin = object.__new__(type(self))
-        memo[id(self)] = twin
-        vars(twin).update(copy.deepcopy(vars(self), memo))
-        return twin
+        return deepcopy_instance(self, memo)
 
     def __copy__(self) -> Any:  # not by __reduce_ex__, which refuses
         twin = object.__new__(type(self))
