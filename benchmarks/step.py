@@ -14,7 +14,9 @@ process and timed in interleaved rounds (``harness.timing.interleaved``), CUDA e
 ``--extra`` adds variants: ``fp8`` (ours with ``quantize="fp8"``), ``torchao`` ((c): Diffusers' FP8
 recipe, torchao's float8 on (b)), ``no_graphs`` (ours with ``cuda_graphs=False``), ``fused_qkv`` (ours
 after the model's own ``fuse_qkv_projections()``), ``projection_cache`` (ours with the exact projection
-cache on, every call a repeated request), ``first_block_cache`` / ``mag_cache`` / ``taylorseer_cache``
+cache on, every call a repeated request), ``max_autotune`` (ours with
+``compile={"options": {"max_autotune_gemm": True}}``: inductor times Triton GEMM templates with their
+elementwise epilogues fused against cuBLAS and keeps the faster), ``first_block_cache`` / ``mag_cache`` / ``taylorseer_cache``
 (Diffusers' step cache set never to skip, on (a) and on ours, against the same models without it: what a
 cache costs on the steps it computes) and ``provider=NAME`` (ours, and ours FP8 with ``fp8``, under
 ``attention_scope(per_role={"self": NAME})``: the self-attentions, where the FLOPs are; a cross-attention
@@ -53,7 +55,7 @@ from omni_accel.config import DEFAULT_PROJECTION_CACHE_BYTES
 from omni_accel.models.registry import spec_for
 
 STEP_CACHES = ("first_block_cache", "mag_cache", "taylorseer_cache")
-EXTRAS = ("fp8", "torchao", "no_graphs", "fused_qkv", "projection_cache", *STEP_CACHES)
+EXTRAS = ("fp8", "torchao", "no_graphs", "fused_qkv", "projection_cache", "max_autotune", *STEP_CACHES)
 
 
 def _extra(value: str) -> str:
@@ -178,8 +180,10 @@ def measure(name: str, args: argparse.Namespace, device: str, dtype: torch.dtype
         ours["omni_no_graphs"] = dict(cuda_graphs=False)
     if "projection_cache" in extras:
         ours["omni_projection_cache"] = dict(projection_cache_bytes=DEFAULT_PROJECTION_CACHE_BYTES)
+    if "max_autotune" in extras:
+        ours["omni_max_autotune"] = dict(compile={"options": {"max_autotune_gemm": True}})
     for variant, chosen in ours.items():
-        models[variant] = omni_accel.accelerate(Holder(copy()), **options, **chosen)
+        models[variant] = omni_accel.accelerate(Holder(copy()), **{**options, **chosen})
     if "fused_qkv" in extras and hasattr(models["diffusers"], "fuse_qkv_projections"):
         fused = copy()
         fused.fuse_qkv_projections()
