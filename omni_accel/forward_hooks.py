@@ -36,17 +36,17 @@ def is_hooked(module: nn.Module) -> bool:
     return (
         has_foreign_torch_hooks(module)
         or bool(registry is not None and registry.hooks)
-        or ("forward" in state and _foreign_forward(module, state["forward"]))
+        or ("forward" in state and foreign_forward(module, state["forward"]))
     )
 
 
-def _foreign_forward(module: nn.Module, forward: Callable | None) -> bool:
+def foreign_forward(module: nn.Module, forward: Callable | None) -> bool:
     """``forward``, set on ``module``'s instance, is not its class's: an attention-map recorder's
     ``attn.forward = types.MethodType(record, attn)``, a closure. Not foreign: ours (``InstanceForward``)
     over nothing foreign, and the class's own forward bound to the module, which Diffusers' hooks and
     accelerate's leave behind when they are removed."""
     if isinstance(forward, InstanceForward):
-        return forward.inner is not None and _foreign_forward(module, forward.inner)
+        return forward.inner is not None and foreign_forward(module, forward.inner)
     bound_to = getattr(forward, "__self__", None)
     return not (bound_to is module and getattr(forward, "__func__", None) is type(module).forward)
 

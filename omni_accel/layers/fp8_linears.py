@@ -38,9 +38,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..forward_hooks import InstanceForward, OurHook, _foreign_forward
+from ..forward_hooks import InstanceForward, OurHook, foreign_forward
 from .fp8 import Fp8Weight, Fp8Weights, fp8_linear, fp8_reason, weight_only_linear
-from .projection import _quantized_or_absent, _tensor_kind
+from .projection import quantized_or_absent, tensor_kind
 
 MIN_FP8_ROWS = 16  # fewer rows: an e4m3 GEMM does not pay, the weight-only GEMV does
 
@@ -90,13 +90,13 @@ class Fp8Linear(InstanceForward):
     def decide(self) -> str | None:
         """Why the linear as it stands computes as Diffusers' does, or None (FP8); counted in the store."""
         weight, current = self.module.weight, self.module.__dict__.get("forward")
-        if current is not None and current is not self and not _foreign_forward(self.module, current):
+        if current is not None and current is not self and not foreign_forward(self.module, current):
             # the class's forward again: a hook registered before accelerate, removed since, put it back
             self.inner = None
             self.install()
         reason = _wrapping_hooks(self)
-        if reason is None and _quantized_or_absent(weight):
-            reason = f"its weight is {_tensor_kind(weight)}: it computes as the module does"
+        if reason is None and quantized_or_absent(weight):
+            reason = f"its weight is {tensor_kind(weight)}: it computes as the module does"
         if reason is None:
             reason = fp8_reason(weight)
         if reason != self.kept:
@@ -185,7 +185,7 @@ def _wrapping_hooks(forward: Fp8Linear) -> str | None:
         return f"Diffusers hooks on the linear ({', '.join(sorted(registry.hooks))}) wrap its forward"
     current = module.__dict__.get("forward")
     if current is forward:
-        wrapped = forward.inner is not None and _foreign_forward(module, forward.inner)
+        wrapped = forward.inner is not None and foreign_forward(module, forward.inner)
         return (
             "a forward set on the linear before accelerate (e.g. accelerate's offload hook) wraps it"
             if wrapped

@@ -88,14 +88,14 @@ def _plain_linear(module: nn.Module, where: str) -> nn.Linear:
         raise Unsupported(f"{where} is a {type(module).__name__}, not a plain nn.Linear")
     for name in ("weight", "bias"):
         tensor = module._parameters[name]
-        if tensor is not None and _quantized_or_absent(tensor):
+        if tensor is not None and quantized_or_absent(tensor):
             raise Unsupported(
-                f"{where}.{name} is {_tensor_kind(tensor)}: the block runs as the Diffusers module computes"
+                f"{where}.{name} is {tensor_kind(tensor)}: the block runs as the Diffusers module computes"
             )
     return module
 
 
-def _quantized_or_absent(tensor: torch.Tensor) -> bool:
+def quantized_or_absent(tensor: torch.Tensor) -> bool:
     """A weight our GEMMs cannot read as it is: a tensor subclass that computes its own way (torchao, GGUF:
     their own matmul), storage in a dtype that is not a compute dtype (float8, int8: layerwise casting or
     raw quantized data), or one with no data (meta: offloaded)."""
@@ -118,7 +118,7 @@ def _plain_class(cls: type) -> bool:
     ) is _unbound(torch.Tensor.__torch_dispatch__)
 
 
-def _tensor_kind(tensor: torch.Tensor) -> str:
+def tensor_kind(tensor: torch.Tensor) -> str:
     if not _plain_class(type(tensor)):
         return f"a {type(tensor).__name__} (a quantized or wrapped tensor)"
     if tensor.is_meta:
