@@ -183,3 +183,29 @@ def test_the_generic_tier_tells_batched_arguments_or_says_it_cannot():
     assert batch_dim_arguments(call) is None
     pairs = GuidanceBranches(None, batch_dim_arguments)
     assert pairs._stack(call, dict(call)) is None  # such a pair runs one call after the other
+
+
+def test_guidance_turned_off_midway_by_a_callback_stops_the_pairing():
+    """Diffusers' dynamic-CFG callback sets ``pipe._guidance_scale`` so that the steps after it make the
+    conditional call only: Wan's and FLUX.2 Klein's loops ask ``do_classifier_free_guidance`` at every
+    step, and so does their pairing rule, at each call (no result waits for a pair that never comes)."""
+    from types import SimpleNamespace
+
+    from omni_accel.models.flux2 import cfg_pairs as klein_pairs
+    from omni_accel.models.wan import cfg_pairs as wan_pairs
+
+    for rule, config in ((wan_pairs, None), (klein_pairs, SimpleNamespace(is_distilled=False))):
+        pipe = SimpleNamespace(config=config, do_classifier_free_guidance=True)
+        pairs, model = GuidanceBranches(None, BATCHED), _Model()
+        like = lambda call: torch.empty_like(call["hidden_states"])  # noqa: E731
+        pairs.pairing = rule({"self": pipe, "guidance_scale": 4.0})
+        cond, uncond = _call(0), _call(1)
+        got = _step(pairs, model, cond, uncond)
+        assert all(torch.equal(g, w) for g, w in zip(got, _expected(cond, uncond), strict=True))
+        pipe.do_classifier_free_guidance = False  # what the callback did, read through the property
+        for step in range(2):
+            pairs.branch = "cond"
+            alone = _call(2 + step)
+            assert torch.equal(pairs.run(model, alone, like), _Model()(**alone)), rule
+        pairs.finish_call(completed=True)
+        assert model.batches == [2, 1, 1]

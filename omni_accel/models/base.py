@@ -55,6 +55,7 @@ from ..layers.projection import (
     with_fp8,
 )
 from ..layers.split_modulation import ModulationSite, SplitModulation
+from ..parallel.cfg import Pairing
 from ..parallel.parallelize import Parallelized, ParallelPlan
 from ..parallel.sequence_hooks import Split
 from ..parallel.tensor import TensorPlan
@@ -74,7 +75,8 @@ class NativeModel:
     ``blocks``: attribute of each repeated-block list -> its native block class. ``parallel``: what
     ``parallel.parallelize`` needs (sequence plan, batched inputs, head count...; the TP plans are the
     block classes' ``tp_plan``). ``cfg_pairing``: tells from a pipeline call's arguments whether the
-    transformer is called twice per step (cond, then uncond). ``falls_back_on``: what makes a block call
+    transformer is called twice per step (cond, then uncond), or gives a function that tells at each call
+    (``parallel.cfg.guided_per_step``, for pipelines that decide per step). ``falls_back_on``: what makes a block call
     run Diffusers' forward instead (the report lists it once such a call happened). ``limitations``: what
     else the native blocks leave to Diffusers, for the report. ``projection_cache``: whether the blocks consult the exact
     projection cache (``NativeBlock.project_conditioning``); without sites none is made.
@@ -89,7 +91,7 @@ class NativeModel:
 
     blocks: Mapping[str, type[NativeBlock]]
     parallel: ParallelPlan
-    cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
+    cfg_pairing: Callable[[dict[str, Any]], Pairing] | None = None
     falls_back_on: str = ""
     limitations: tuple[str, ...] = ()
     projection_cache: bool = True

@@ -31,6 +31,7 @@ from ..layers.double_stream import BlockConstants, Rope, double_block
 from ..layers.fused import clip_fp16, concat_swiglu, swiglu
 from ..layers.projection import LinearWeights, apply_linear, apply_one, takes_fp8_rows
 from ..parallel import ParallelPlan, SequencePlan, Split
+from ..parallel.cfg import Pairing, guided_per_step
 from ..parallel.diffusers_plan import tensor_plan
 from .base import NativeBlock, NativeModel, image_output_like, processor_kwargs_reason, processor_reason
 
@@ -215,13 +216,14 @@ class NativeFlux2SingleTransformerBlock(_Flux2Native, Flux2SingleTransformerBloc
         )
 
 
-def cfg_pairs(arguments: dict[str, Any]) -> bool:
+def cfg_pairs(arguments: dict[str, Any]) -> Pairing:
     """Flux2KleinPipeline (and its inpaint sibling) call the transformer twice per step (cond, then uncond)
-    when guidance is on and the checkpoint is not step-distilled; Flux2Pipeline (dev) is guidance-distilled:
-    one call per step, the scale an input."""
+    while guidance is on, which they ask at every step (a callback may turn it off midway), and the
+    checkpoint is not step-distilled; Flux2Pipeline (dev) is guidance-distilled: one call per step, the
+    scale an input."""
     pipe = arguments.get("self")
     distilled = getattr(getattr(pipe, "config", None), "is_distilled", None)
-    return distilled is False and arguments.get("guidance_scale", 4.0) > 1.0
+    return distilled is False and arguments.get("guidance_scale", 4.0) > 1.0 and guided_per_step(pipe)
 
 
 FLUX2 = NativeModel(

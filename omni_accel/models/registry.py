@@ -11,12 +11,15 @@ import importlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diffusers.models._modeling_parallel import ContextParallelInput
 from torch import nn
 
 from omni_accel.patches import functional_sdpa
+
+if TYPE_CHECKING:
+    from ..parallel.cfg import Pairing
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class ModelSpec:
     native: str | None = None
     # without native blocks: tells from a pipeline call's arguments whether it calls the transformer twice
     # per step (cond, then uncond), as a native model's ``cfg_pairing`` does
-    cfg_pairing: Callable[[dict[str, Any]], bool] | None = None
+    cfg_pairing: Callable[[dict[str, Any]], Pairing] | None = None
     output_class: str = "diffusers.models.modeling_outputs:Transformer2DModelOutput"
     attention_routes: tuple[tuple[str, str], ...] = ()
     attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)

@@ -31,6 +31,7 @@ from ..layers.fp8 import Fp8Rows
 from ..layers.norms import rms_norm_across_heads
 from ..layers.projection import LinearWeights, apply_linear, apply_one, takes_fp8_rows
 from ..parallel import Colwise, ParallelPlan, Rowwise, SequencePlan, Split
+from ..parallel.cfg import Pairing, guided_per_step
 from ..parallel.tensor import shard_of
 from ..parallel.token_rows import Rows
 from ..parallel.vae import SAME_SIZE_CONVS, Bands, SplitLayer, register_row_split, whole_attention
@@ -331,9 +332,10 @@ def _output_like(transformer: Any, arguments: dict[str, Any]) -> torch.Tensor:
     return hidden.new_empty(hidden.shape[0], channels, *hidden.shape[2:])
 
 
-def cfg_pairs(arguments: dict[str, Any]) -> bool:
-    """WanPipeline calls the transformer twice per step (cond, then uncond) when guidance is on."""
-    return arguments.get("guidance_scale", 5.0) > 1.0
+def cfg_pairs(arguments: dict[str, Any]) -> Pairing:
+    """The Wan pipelines call the transformer twice per step (cond, then uncond) while guidance is on, which
+    they ask at every step (a callback may turn it off midway)."""
+    return arguments.get("guidance_scale", 5.0) > 1.0 and guided_per_step(arguments["self"])
 
 
 _BATCHED = ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")

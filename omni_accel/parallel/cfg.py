@@ -27,6 +27,7 @@ waiting result is NaN until then, so a pipeline that read it early would show it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,22 @@ from .hooks import LayoutHook, bound_arguments
 from .sequence_hooks import foreign_block_hooks
 
 _BRANCHES = ("cond", "uncond")
+
+# What a model's pairing rule tells from a pipeline call's arguments: whether its transformer calls pair
+# (cond, then uncond, every step), or a function that tells at each transformer call (``guided_per_step``).
+Pairing = bool | Callable[[], bool]
+
+
+def guided_per_step(pipe: Any) -> Callable[[], bool]:
+    """A pairing verdict for pipelines whose loop asks ``pipe.do_classifier_free_guidance`` at every step
+    before the unconditional call (Wan's, FLUX.2 Klein's): a step-end callback may turn guidance off midway
+    (Diffusers' dynamic-CFG example sets ``pipe._guidance_scale``), and the steps after it make one call, which
+    must not wait for a pair that never comes. Read at each call, as the pipeline reads it."""
+    return functools.partial(_guides, pipe)
+
+
+def _guides(pipe: Any) -> bool:
+    return bool(pipe.do_classifier_free_guidance)
 
 
 class GuidanceBranches(HoldsGroups):
@@ -69,6 +86,17 @@ class GuidanceBranches(HoldsGroups):
         self.split_calls = self.paired_calls = self.replicated_calls = 0
         self.stacked_calls = self.unstacked_calls = self.hooked_calls = 0
         self.ordered_calls = 0  # paired calls made outside any cache_context: paired by their order
+
+    @property
+    def pairing(self) -> bool:
+        """Whether the call in flight pairs: the pairing rule's verdict for the pipeline call, or, where the
+        rule gave a function (``guided_per_step``), that function's verdict now."""
+        pairing = self._pairing
+        return bool(pairing()) if callable(pairing) else pairing
+
+    @pairing.setter
+    def pairing(self, value: Pairing) -> None:
+        self._pairing = value
 
     def run(
         self,
