@@ -35,7 +35,7 @@ from diffusers.models.modeling_utils import get_parameter_dtype
 from torch import nn
 
 import omni_accel.patches as patches
-from omni_accel.patches import attention_roles, pair_cfg_calls
+from omni_accel.patches import attention_roles, pair_cfg_calls, scoped_calls
 
 from . import cuda_graphs, pipeline_calls
 from .attention import routing
@@ -43,7 +43,7 @@ from .attention.base import AttentionProviderError, AttentionRequest
 from .attention.selection import AttentionConfig, AttentionSelector, resolve
 from .cache import ExactProjectionCache, wrap_sites
 from .config import DEFAULT_COMPONENTS, AccelConfig
-from .forward_hooks import installed, scoped_hooks
+from .forward_hooks import add_scope, installed
 from .layers.attention import enter_forward, leave_forward
 from .layers.fp8 import Fp8Weights
 from .layers.fp8_linears import MIN_FP8_ROWS, install_fp8_linears
@@ -1097,10 +1097,19 @@ def _swap_native_blocks(component: _Component) -> None:
     component.undo.append(swap_blocks(component.original, model, component.runtime).undo)
 
 
+def _add_scope(component: _Component, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:
+    """Runs the module's calls in a scope (``forward_hooks.add_scope``), the class patch that enters it held
+    once per component."""
+    module = component.original
+    if scoped_calls.SCOPES not in vars(module):
+        component.undo.append(_HeldPatch("scoped_calls", type(module)))
+    component.undo.append(add_scope(module, enter, leave))
+
+
 def _bind_forward_runtime(component: _Component) -> None:
     """The blocks' attention reads its selector and layout from the forward in flight."""
     enter = functools.partial(enter_forward, component.runtime)
-    component.undo += scoped_hooks(component.original, enter, leave_forward)
+    _add_scope(component, enter, leave_forward)
 
 
 def _mark_forwards(component: _Component) -> None:
@@ -1112,7 +1121,7 @@ def _mark_forwards(component: _Component) -> None:
     runtime = component.runtime
     fp8 = runtime.fp8 if isinstance(runtime, NativeRuntime) else None
     begin = functools.partial(_forward_begins, component.cache, fp8)
-    component.undo += scoped_hooks(component.original, begin, _nothing_to_leave)
+    _add_scope(component, begin, _nothing_to_leave)
 
 
 def _forward_begins(cache: ExactProjectionCache | None, fp8: Fp8Weights | None) -> None:
@@ -1219,9 +1228,7 @@ def _route_attention(component: _Component) -> None:
         return
     selector = component.report.selector
     module = component.original
-    component.undo += scoped_hooks(
-        module, functools.partial(routing.enter_selector, selector), routing.leave_selector
-    )
+    _add_scope(component, functools.partial(routing.enter_selector, selector), routing.leave_selector)
     route_classes = set()
     for name, child in module.named_modules():
         if hasattr(child, "processor"):
@@ -1247,7 +1254,7 @@ class _HeldPatch:
     copy or an unpickled copy of the pipeline holding it makes a reference of its own, applied again (in a
     new process too), so that restoring one copy leaves the patch in place for the other."""
 
-    def __init__(self, name: str, target: str) -> None:
+    def __init__(self, name: str, target: str | type) -> None:
         patches.apply(name, target)
         self.name, self.target = name, target
 

@@ -1,20 +1,21 @@
 """Whether anything wraps a module's forward: torch hooks, accelerate's ``_hf_hook``, Diffusers' HookRegistry.
 
 Native blocks, CUDA graphs, the generic tier's compiled blocks and the projection cache all skip work a hook
-may observe or change, so they ask here. Our own scope hooks (``scoped_hooks``: they only say which
-pipeline and attention role a call belongs to) observe and change nothing, and do not count; nor do hooks
-of ours that rewrite an argument into another form of the same thing (``OurHook``).
+may observe or change, so they ask here. Hooks of ours that rewrite an argument into another form of the
+same thing (``OurHook``) do not count. Our scopes (``add_scope``: which pipeline and attention role a call
+belongs to) are not hooks: ``patches/scoped_calls.py`` enters them around the module's call.
 """
 
 from __future__ import annotations
 
-import threading
+import functools
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
+
+from omni_accel.patches import scoped_calls
 
 _OURS = "_omni_accel_scope"
 
@@ -114,50 +115,36 @@ def installed(module: nn.Module, kind: type[_Forward]) -> _Forward | None:
     return forward
 
 
-class _Scope:
-    """A pre-hook that enters a context and a hook that always leaves it (``enter()`` returns the token
-    ``leave`` takes), per thread; nothing while Dynamo traces (a context variable cannot be entered there;
-    see ``patches/attention_roles.py`` for what a trace is told). Picklable where ``enter`` and ``leave``
-    are, so that a pickled model keeps its scope.
-
-    ``scoped_hooks`` puts the pre-hook before the module's others and the hook after those registered
-    before it, so that scopes on one module nest (the one entered last leaves first: a context variable's
-    tokens reset in that order only) and a pre-hook that raises finds us entered; where a global pre-hook
-    raised before ours ran, ``post`` (``always_call``) has nothing to leave."""
+class Scope:
+    """A context a module's call runs in: ``enter()`` returns the token ``leave`` takes. Entered and left
+    around the module's whole call by ``patches/scoped_calls.py``, in the calling thread, however the call
+    ends; picklable where ``enter`` and ``leave`` are, so that a pickled model keeps its scope."""
 
     def __init__(self, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:
         self.enter, self.leave = enter, leave
-        self.local = threading.local()  # each thread enters and leaves its own contexts
-
-    def __reduce__(self):
-        return _Scope, (self.enter, self.leave)
-
-    def pre(self, _module, _args) -> None:
-        if torch.compiler.is_dynamo_compiling():
-            return
-        if not hasattr(self.local, "tokens"):
-            self.local.tokens = []
-        self.local.tokens.append(self.enter())
-
-    def post(self, _module, _args, _output) -> None:
-        if torch.compiler.is_dynamo_compiling() or not getattr(self.local, "tokens", None):
-            return  # tracing, or a global pre-hook failed before ours entered
-        self.leave(self.local.tokens.pop())
-
-    setattr(pre, _OURS, True)
-    setattr(post, _OURS, True)
 
 
-def scoped_hooks(
+def add_scope(
     module: nn.Module, enter: Callable[[], Any], leave: Callable[[Any], None]
-) -> list[Callable[[], None]]:
-    """Registers ``_Scope(enter, leave)``'s hooks on ``module``; returns their removers."""
-    scope = _Scope(enter, leave)
-    handles = [
-        module.register_forward_pre_hook(scope.pre, prepend=True),
-        module.register_forward_hook(scope.post, always_call=True),
-    ]
-    return [handle.remove for handle in handles]
+) -> Callable[[], None]:
+    """Runs ``module``'s calls in ``Scope(enter, leave)`` (scopes on one module nest: the one added first is
+    entered first and left last); returns the undo. The caller holds ``patches.scoped_calls`` on the
+    module's class."""
+    scope = Scope(enter, leave)
+    scopes = module.__dict__.get(scoped_calls.SCOPES)
+    if scopes is None:
+        scopes = []
+        object.__setattr__(module, scoped_calls.SCOPES, scopes)
+    scopes.append(scope)
+    # A partial, not a closure: the undo a deep copy of the model holds removes the copy's scope.
+    return functools.partial(_remove_scope, module, scope)
+
+
+def _remove_scope(module: nn.Module, scope: Scope) -> None:
+    scopes = module.__dict__.get(scoped_calls.SCOPES, [])
+    scopes[:] = [s for s in scopes if s is not scope]
+    if not scopes and scoped_calls.SCOPES in module.__dict__:
+        object.__delattr__(module, scoped_calls.SCOPES)
 
 
 # Set on a Diffusers hook (a class attribute) whose forward belongs to the computation of the block above its

@@ -2,7 +2,7 @@
 
 Each patch is one module naming its target, the versions it was checked against (``PACKAGE``,
 ``CHECKED_VERSIONS``) and why it exists, with ``apply`` / ``revert``. Patches of a module or a class
-(``apply(target)``, ``"package.module"`` or ``"package.module:Class"``)
+(``apply(target)``, ``"package.module"``, ``"package.module:Class"`` or the class itself)
 go through ``apply``/``revert`` here, reference-counted per target, so two accelerated pipelines share a
 patch and the last ``restore`` removes it; a patch of one pipeline instance (``pair_cfg_calls``) is applied
 and reverted by ``accelerate``/``restore`` directly, after ``check_applicable``.
@@ -18,7 +18,7 @@ from typing import Any
 
 from packaging.version import Version
 
-_APPLIED: Counter[tuple[str, str]] = Counter()
+_APPLIED: Counter[tuple[str, str | type]] = Counter()
 _OURS = "_omni_accel_patch"
 
 
@@ -73,14 +73,17 @@ def applicable(name: str) -> bool:
     return True
 
 
-def _target(target: str):
-    """A module (``"package.module"``) or an attribute of one (``"package.module:Class"``)."""
+def _target(target: str | type):
+    """A module (``"package.module"``), an attribute of one (``"package.module:Class"``) or a class itself
+    (one that its module's namespace may not hold: a class made in a function)."""
+    if isinstance(target, type):
+        return target
     module_name, _, attribute = target.partition(":")
     module = importlib.import_module(module_name)
     return getattr(module, attribute) if attribute else module
 
 
-def apply(name: str, target: str) -> None:
+def apply(name: str, target: str | type) -> None:
     patch = _patch_module(name)
     if _APPLIED[(name, target)] == 0:
         check_version(patch.PACKAGE, patch)
@@ -88,7 +91,7 @@ def apply(name: str, target: str) -> None:
     _APPLIED[(name, target)] += 1
 
 
-def revert(name: str, target: str) -> None:
+def revert(name: str, target: str | type) -> None:
     if _APPLIED[(name, target)] == 0:
         raise RuntimeError(f"Patch {name} on {target} is not applied.")
     _APPLIED[(name, target)] -= 1
@@ -97,5 +100,5 @@ def revert(name: str, target: str) -> None:
         _patch_module(name).revert(_target(target))
 
 
-def applied() -> dict[tuple[str, str], int]:
+def applied() -> dict[tuple[str, str | type], int]:
     return dict(_APPLIED)

@@ -471,6 +471,29 @@ def test_lora_on_the_gpu_is_as_accurate_as_peft():
     assert rel_err(outputs[2], outputs[0]) <= 1.5 * rel_err(outputs[1], outputs[0]) + 1e-3
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_an_interrupt_mid_forward_leaves_no_scope_entered(native):
+    """A KeyboardInterrupt (a notebook's interrupt) raised inside the accelerated transformer's call: torch's
+    always-called hooks do not run for it, yet the forward's runtime and the routing selector are left, so
+    a plain pipeline run next in the same thread computes as plain Diffusers, untouched by our providers."""
+    from omni_accel.attention import routing
+    from omni_accel.layers.attention import forward_in_flight
+
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), native=native, compile=False)
+    inputs = flux_inputs(pipe.transformer)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    handle = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.transformer(**inputs)
+    handle.remove()
+    assert routing._ACTIVE.get() is None and forward_in_flight() is None
+    expected = omni_accel.tiny_flux_pipeline(seed=0).transformer(**inputs).sample
+    assert rel_err(pipe.transformer(**inputs).sample, expected) <= 1e-5
+
+
 def test_scopes_nest_and_a_raising_pre_hook_gives_its_error_alone():
     """Two scopes on one context variable (two pipelines routing one module) leave it as they found it: a
     token resets only in the reverse order of entering. A user's pre-hook, registered before accelerate,
@@ -479,14 +502,29 @@ def test_scopes_nest_and_a_raising_pre_hook_gives_its_error_alone():
     import functools
     import warnings
 
-    from omni_accel.forward_hooks import scoped_hooks
+    from omni_accel.patches import scoped_calls
+
+    from omni_accel.forward_hooks import add_scope
+
+    class Scoped(torch.nn.Linear):
+        pass
 
     var = contextvars.ContextVar("omni_accel_test_scope", default="outside")
-    module = torch.nn.Linear(2, 2)
-    for value in ("first", "second"):
-        scoped_hooks(module, functools.partial(var.set, value), var.reset)
-    module(torch.zeros(1, 2))
-    assert var.get() == "outside"
+    module, seen = Scoped(2, 2), []
+    module.register_forward_hook(lambda *_: seen.append(var.get()))
+    scoped_calls.apply(Scoped)
+    try:
+        undo = [
+            add_scope(module, functools.partial(var.set, value), var.reset) for value in ("first", "second")
+        ]
+        module(torch.zeros(1, 2))
+        assert seen == ["second"] and var.get() == "outside"
+        for step in undo:
+            step()
+        assert scoped_calls.SCOPES not in vars(module)
+    finally:
+        scoped_calls.revert(Scoped)
+    assert "__call__" not in vars(Scoped)
 
     pipe = omni_accel.tiny_flux_pipeline(seed=0)
     refuse = [True]

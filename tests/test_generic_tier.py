@@ -288,16 +288,18 @@ def test_from_pipe_shares_the_compiled_transformer_and_pickles():
     assert all("forward" not in vars(b) for b in pipe.transformer.transformer_blocks)
 
 
-def test_our_scope_hook_is_not_a_hook_to_the_graphs_and_a_users_is():
+def test_our_scope_is_not_a_hook_to_the_graphs_and_a_users_is():
     """CUDA graphs and the compiled blocks skip modules whose hooks may decide per call; the selector
     scope accelerate puts on the transformer decides nothing, so it must not count (the key is read on CPU
     too: the rule is the same)."""
+    from omni_accel.patches import scoped_calls
+
     from omni_accel.cuda_graphs import _module_state
     from omni_accel.forward_hooks import is_hooked
 
     pipe = _generic(omni_accel.tiny_qwenimage_pipeline(seed=0))
     transformer = pipe.transformer
-    assert transformer._forward_pre_hooks and not is_hooked(transformer)
+    assert vars(transformer)[scoped_calls.SCOPES] and not is_hooked(transformer)
     assert _module_state(transformer) is not None
     handle = transformer.register_forward_pre_hook(lambda module, args: None)
     assert is_hooked(transformer) and _module_state(transformer) is None
