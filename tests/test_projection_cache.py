@@ -125,6 +125,22 @@ def test_weight_changes_invalidate(edit):
     assert cache.hits == 0
 
 
+@pytest.mark.parametrize(
+    "move",
+    [
+        lambda lin: lin.to("cpu"),  # model offload's hook, once the model is on its execution device
+        lambda lin: lin.to(torch.float32),
+        lambda lin: setattr(lin.weight, "data", lin.weight),
+    ],
+)
+def test_a_move_to_where_the_weights_are_keeps_the_entries(move):
+    """``module.to`` a device and dtype it has sets each parameter's ``.data`` to itself: no write."""
+    cache, lin = ExactProjectionCache(), _linear()
+    expected = _project(cache, lin, _cond())
+    move(lin)
+    assert torch.equal(_project(cache, lin, _cond()), expected) and cache.hits == 1
+
+
 def _fused_step(module: torch.nn.Module) -> None:
     for param in module.parameters():
         param.grad = torch.ones_like(param)

@@ -78,6 +78,32 @@ def test_wan_cache_on_equals_off_bitwise_with_cfg():
     assert (cache.misses, cache.hits) == (16, 26 + 42)
 
 
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_model_offload_hooks_keep_the_entries_of_a_resident_model(family):
+    """Model CPU offload's hook (accelerate's ``cpu_offload_with_hook``, as ``enable_model_cpu_offload``
+    installs it) moves the transformer to where it is and offloads it after the call, here both on the
+    CPU: the weights stay the same tensors, and the second request reuses every projection, bitwise as
+    plain Diffusers with the same hooks computes (the no-op moves wrote every weight before)."""
+    from accelerate import cpu_offload_with_hook
+
+    build, run, options = {
+        "flux": (omni_accel.tiny_flux_pipeline, _flux, {}),
+        "wan": (omni_accel.tiny_wan_pipeline, _wan, {"native": False}),
+    }[family]
+    plain, fast = build(seed=0), build(seed=0)
+    hooks = [cpu_offload_with_hook(pipe.transformer, torch.device("cpu"))[1] for pipe in (plain, fast)]
+    omni_accel.accelerate(fast, **options)
+    expected = run(plain)
+    assert torch.equal(run(fast), expected)
+    cache = _cache(fast)
+    misses = cache.misses
+    for hook in hooks:
+        hook.offload()  # maybe_free_model_hooks' offload after a pipeline call
+    fast.to("cpu")
+    assert torch.equal(run(fast), expected) and torch.equal(run(plain), expected)
+    assert cache.misses == misses and cache.hits >= misses
+
+
 def test_wan_cache_sites_are_unwrapped_on_restore():
     pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), native=False)
     to_k = pipe.transformer.blocks[0].attn2.to_k

@@ -3,8 +3,10 @@
 
 ``p.data`` is a tensor with a version counter of its own, so an in-place edit through it (the EMA pattern
 ``p.data.mul_(d).add_(...)``, peft's merge) leaves ``p._version`` unchanged and no cheap check could see it.
-A watcher turns the parameters it depends on into ``WatchedParameter`` and back when it lets them go; a
-parameter two watchers share turns back only when the last one lets it go. The stores compare
+Setting ``.data`` to the very memory it holds (``module.to`` a device it is on, as model CPU offload's hook
+does before each call) is no write. A watcher turns the parameters it depends on into ``WatchedParameter``
+and back when it lets them go; a parameter two watchers share turns back only when the last one lets it go.
+The stores compare
 ``weight_version``: the version counter plus the ``.data`` uses, counted apart so that autograd, which checks
 the version counter of what it saved, does not see a read of ``.data`` (a weight norm logged between a
 training forward and its backward) as a write.
@@ -43,8 +45,10 @@ class WatchedParameter(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
+        unchanged = _same_view(nn.Parameter.data.__get__(self), value)
         nn.Parameter.data.__set__(self, value)
-        _count_use(self)
+        if not unchanged:
+            _count_use(self)
 
     # A copy belongs to no watcher (the stores of a copied model start empty): a plain parameter.
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
@@ -55,6 +59,23 @@ class WatchedParameter(nn.Parameter):
     def __reduce_ex__(self, protocol: int):
         state = {name: value for name, value in self.__dict__.items() if name not in (_COUNT, _USES)}
         return _plain_parameter, (nn.Parameter.data.__get__(self), self.requires_grad, state)
+
+
+def _same_view(current: torch.Tensor, value: torch.Tensor) -> bool:
+    """``value`` is the very memory ``current`` reads, viewed alike: setting it as ``.data`` changes nothing.
+    ``module.to(device)`` sets each parameter's ``.data`` to itself where it is on ``device`` already, as
+    model CPU offload's hook does before every call of a resident model; a plain tensor each (a subclass's
+    memory may lie elsewhere than its ``data_ptr``)."""
+    return (
+        type(value) in (torch.Tensor, nn.Parameter, WatchedParameter)
+        and type(current) is torch.Tensor
+        and value.device == current.device
+        and value.dtype == current.dtype
+        and value.shape == current.shape
+        and value.stride() == current.stride()
+        and value.storage_offset() == current.storage_offset()
+        and value.untyped_storage().data_ptr() == current.untyped_storage().data_ptr()
+    )
 
 
 def _plain_parameter(data: torch.Tensor, requires_grad: bool, state: dict) -> nn.Parameter:
