@@ -77,8 +77,19 @@ class ComponentReport:
                     "  exact projection cache: {hits} hits, {misses} misses, {bypasses} bypassed, {entries} "
                     "entries, {bytes_used} of {max_bytes} bytes".format(**stats)
                 )
+                for reason, count in sorted(self.cache.bypass_reasons.items()):
+                    out.append(f"  exact projection cache: {count} calls bypassed it: {reason}")
+                for reason, count in sorted(self.cache.stale.items()):
+                    out.append(f"  exact projection cache: {count} stored outputs dropped: {reason}")
             else:
-                out.append(f"  exact projection cache: on ({stats['max_bytes']} bytes), not consulted yet")
+                why = ""
+                if self.runtime is not None and self.runtime.fallbacks:
+                    why = (
+                        " (no block has run natively, and Diffusers' forward does not consult it: see below)"
+                    )
+                out.append(
+                    f"  exact projection cache: on ({stats['max_bytes']} bytes), not consulted yet{why}"
+                )
         if self.cfg is not None:
             out.append(f"  {self.cfg.describe()}")
         if self.ulysses_group is not None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import omni_accel
 from omni_accel.cache import ExactProjectionCache
+from omni_accel.cache.projection import GRADIENTS, HOOKED, WEIGHTS_CHANGED
 
 
 @pytest.fixture(autouse=True)
@@ -222,6 +223,21 @@ def test_hooks_run_the_original(where):
     finally:
         handle.remove()
     assert seen and cache.hits == 0
+
+
+def test_bypasses_and_dropped_outputs_are_counted_by_reason():
+    """``describe`` says why the cache reused nothing (under offload: hooks, or weights loaded anew)."""
+    cache, lin = ExactProjectionCache(), _linear()
+    _project(cache, lin, _cond())
+    with torch.enable_grad():
+        _project(cache, lin, _cond())
+    handle = lin.register_forward_pre_hook(lambda *args: None)
+    _project(cache, lin, _cond())
+    handle.remove()
+    lin.weight.data = lin.weight.data.clone()  # what an offload hook's load does
+    _project(cache, lin, _cond())
+    assert cache.bypass_reasons == {GRADIENTS: 1, HOOKED: 1} and cache.stale == {WEIGHTS_CHANGED: 1}
+    assert cache.stats()["stale"] == 1 and cache.hits == 0
 
 
 def test_inference_mode_weights_run_the_original():

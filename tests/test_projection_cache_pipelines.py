@@ -104,6 +104,57 @@ def test_model_offload_hooks_keep_the_entries_of_a_resident_model(family):
     assert cache.misses == misses and cache.hits >= misses
 
 
+_CPU = torch.device("cpu")
+_DROPPED = "stored outputs dropped: its module's weights or code changed since it was stored (offload"
+_BYPASSED = "calls bypassed it: a hook on the projection's module or below it (sequential or leaf-level"
+
+
+def _group_offload(pipe):
+    pipe.transformer.enable_group_offload(_CPU, _CPU, offload_type="block_level", num_blocks_per_group=1)
+
+
+def _leaf_offload(pipe):
+    pipe.transformer.enable_group_offload(_CPU, _CPU, offload_type="leaf_level")
+
+
+def _sequential_offload(pipe):
+    from accelerate import cpu_offload
+
+    cpu_offload(pipe.transformer, execution_device=_CPU)  # enable_sequential_cpu_offload's hooks
+
+
+def _layerwise_casting(pipe):
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.bfloat16, compute_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("family", "offload", "said"),
+    [
+        ("wan", _group_offload, _DROPPED),
+        ("wan", _leaf_offload, _BYPASSED),
+        ("wan", _sequential_offload, _BYPASSED),
+        ("wan", _layerwise_casting, _BYPASSED),
+        ("flux", _group_offload, _DROPPED),
+        ("flux", _leaf_offload, "not consulted yet (no block has run natively"),
+    ],
+)
+def test_under_offload_describe_says_why_the_cache_reuses_nothing(family, offload, said):
+    """Offload and layerwise casting load or cast the weights anew at each call, or hook the projections:
+    the outputs are bitwise plain Diffusers' with the same offload, and ``describe`` says why nothing (or
+    little) was reused, instead of bare miss and bypass counts."""
+    build, run, options = {
+        "flux": (omni_accel.tiny_flux_pipeline, _flux, {}),
+        "wan": (omni_accel.tiny_wan_pipeline, _wan, {"native": False}),
+    }[family]
+    plain, fast = build(seed=0), build(seed=0)
+    offload(plain)
+    offload(fast)
+    omni_accel.accelerate(fast, **options)
+    expected = run(plain)
+    assert torch.equal(run(fast), expected) and torch.equal(run(fast), expected)
+    assert said in str(omni_accel.describe(fast))
+
+
 def test_wan_cache_sites_are_unwrapped_on_restore():
     pipe = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0), native=False)
     to_k = pipe.transformer.blocks[0].attn2.to_k

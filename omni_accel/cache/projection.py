@@ -18,7 +18,8 @@ only when reuse is provably exact:
 A conditioning tensor is compared once per forward (``begin_forward``), however many projections read it.
 The original computation runs whenever reuse cannot be proven: gradients enabled, compiling, any forward
 hook on the module or its children or a global one, or weights without a version counter (inference-mode
-tensors).
+tensors). ``describe`` counts these calls, and dropped outputs, by reason: under offload and layerwise
+casting, whose hooks load or cast the weights anew at every call, nothing can be reused.
 
 Cost: ``prepare`` compares the conditioning with every stored one of the same shape in one device
 operation and reads the verdict back: one host synchronisation per prepared tensor. ``project`` does host-side checks only: no
@@ -36,6 +37,7 @@ modulation): ``agree_over`` makes the ranks decide every hit together, so one ra
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,13 +45,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..forward_hooks import has_hooks
+from ..forward_hooks import global_hooks_active, has_hooks
 from ..utils.module_settings import settings
 from ..utils.precision import float32_precision
 from ..utils.watched import Watcher, weight_version
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_PREPARED = 64
+
+# Why a call computes without the cache (``bypass_reasons``), or a stored output was dropped (``stale``): said
+# in ``describe``, since under offload or layerwise casting the cache cannot reuse anything.
+GRADIENTS = "gradients enabled (the output must carry them)"
+GLOBAL_HOOK = "a global forward hook (it must see the projection run)"
+HOOKED = (
+    "a hook on the projection's module or below it (sequential or leaf-level offload, layerwise casting, "
+    "a user's hook) decides what it computes at each call"
+)
+INFERENCE_WEIGHTS = "its weights were made under inference mode (no version counter to check them by)"
+UNPREPARED = "its conditioning could not be compared (made under inference mode, or written since compared)"
+WEIGHTS_CHANGED = (
+    "its module's weights or code changed since it was stored (offload loads the weights anew: group offload "
+    "at each call, model offload at each request; layerwise casting casts them at each call; or an edit, "
+    "load_state_dict, an adapter change): reuse needs the very tensors, unwritten"
+)
+NUMERICS_CHANGED = "the numerical settings changed since it was stored (autocast, matmul precision)"
+OUTPUT_WRITTEN = "the output handed out was written in place since"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -105,19 +125,18 @@ def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | 
 class _Entry:
     output: torch.Tensor
     output_version: int
-    module: weakref.ref
     module_state: tuple
     numerics: tuple
     nbytes: int
 
-    def is_valid(self, module_state: tuple | None = None) -> bool:
-        """Output untouched and module unchanged (``module_state`` given, or read from the module now)."""
+    def stale_reason(self, module_state: tuple, numerics: tuple) -> str | None:
+        """Why the output cannot be reused with the module's ``module_state`` under ``numerics``; None if it
+        can (output untouched, module and settings unchanged)."""
         if self.output._version != self.output_version:
-            return False
-        if module_state is None:
-            module = self.module()
-            module_state = _module_state(module) if module is not None else None
-        return module_state == self.module_state
+            return OUTPUT_WRITTEN
+        if module_state != self.module_state:
+            return WEIGHTS_CHANGED
+        return NUMERICS_CHANGED if numerics != self.numerics else None
 
 
 @dataclass
@@ -140,6 +159,8 @@ class ExactProjectionCache:
         self.hits = 0
         self.misses = 0
         self.bypasses = 0
+        self.bypass_reasons: Counter[str] = Counter()
+        self.stale: Counter[str] = Counter()  # stored outputs dropped, by why
         self._conds: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         self._entries: dict[tuple[int, str], _Entry] = {}
         self._prepared: dict[int, _Prepared] = {}
@@ -179,6 +200,7 @@ class ExactProjectionCache:
             "hits": self.hits,
             "misses": self.misses,
             "bypasses": self.bypasses,
+            "stale": sum(self.stale.values()),
             "entries": len(self._entries),
             "bytes_used": self._bytes,
             "max_bytes": self.max_bytes,
@@ -260,21 +282,16 @@ class ExactProjectionCache:
         ):  # a traced graph must not depend on cache state
             return compute()
         prepared = self._prepared.get(id(conditioning))
-        module_state = None
-        if not (
-            self._must_bypass()
-            or prepared is None
-            or prepared.tensor() is not conditioning
-            or prepared.version != conditioning._version
-            or has_hooks(module)
-        ):
-            module_state = _module_state(module, self._watched)
+        bypass = self._bypass_reason(module, conditioning, prepared)
+        module_state = None if bypass else _module_state(module, self._watched)
         entry = key = numerics = None
         if module_state is not None:
             numerics = _numerics(conditioning.device.type)
             key = (prepared.cond_id, name)
             entry = self._entries.get(key)
-            if entry is not None and not (entry.is_valid(module_state) and entry.numerics == numerics):
+            stale = entry.stale_reason(module_state, numerics) if entry is not None else None
+            if stale is not None:
+                self.stale[stale] += 1
                 self._drop(key)
                 entry = None
         if self._agreed(entry is not None and prepared.reuse):
@@ -282,6 +299,7 @@ class ExactProjectionCache:
             return entry.output
         if module_state is None:
             self.bypasses += 1
+            self.bypass_reasons[bypass or INFERENCE_WEIGHTS] += 1
             return compute()
         if entry is not None:  # valid, but not yet reusable here or not on every rank: computed again
             self._drop(key)
@@ -292,6 +310,22 @@ class ExactProjectionCache:
         if prepared.cond_id is not None:
             self._admit_entry(key, output, module, module_state, numerics)
         return output
+
+    def _bypass_reason(
+        self, module: nn.Module, conditioning: torch.Tensor, prepared: _Prepared | None
+    ) -> str | None:
+        """Why this call computes without the cache, short of reading the module's state; None: it may not."""
+        if self._must_bypass():
+            return GRADIENTS
+        if (
+            prepared is None
+            or prepared.tensor() is not conditioning
+            or prepared.version != conditioning._version
+        ):
+            return UNPREPARED
+        if global_hooks_active():
+            return GLOBAL_HOOK
+        return HOOKED if has_hooks(module) else None
 
     def _agreed(self, hit: bool) -> bool:
         """``hit`` on every rank of the agreement group (this rank's ``hit`` without one)."""
@@ -313,7 +347,7 @@ class ExactProjectionCache:
         # an output made under inference mode has no version counter to check a later use against
         if self._bytes + nbytes > self.max_bytes or output.is_inference():
             return
-        entry = _Entry(output.detach(), output._version, weakref.ref(module), module_state, numerics, nbytes)
+        entry = _Entry(output.detach(), output._version, module_state, numerics, nbytes)
         self._entries[key] = entry
         self._bytes += nbytes
 
