@@ -142,6 +142,17 @@ def test_a_move_to_where_the_weights_are_keeps_the_entries(move):
     assert torch.equal(_project(cache, lin, _cond()), expected) and cache.hits == 1
 
 
+def test_an_alias_read_before_and_set_back_after_an_edit_invalidates():
+    """Only the parameter itself set as its ``.data`` is no write: an alias of the same memory, read before
+    the output was stored, may have been written since."""
+    cache, lin = ExactProjectionCache(), _linear()
+    alias = lin.weight.data
+    _project(cache, lin, _cond())
+    alias.mul_(2)
+    lin.weight.data = alias
+    assert torch.equal(_project(cache, lin, _cond()), lin(F.silu(_cond()))) and cache.hits == 0
+
+
 def _fused_step(module: torch.nn.Module) -> None:
     for param in module.parameters():
         param.grad = torch.ones_like(param)

@@ -3,7 +3,7 @@
 
 ``p.data`` is a tensor with a version counter of its own, so an in-place edit through it (the EMA pattern
 ``p.data.mul_(d).add_(...)``, peft's merge) leaves ``p._version`` unchanged and no cheap check could see it.
-Setting ``.data`` to the very memory it holds (``module.to`` a device it is on, as model CPU offload's hook
+Setting ``.data`` to the parameter itself (``module.to`` a device it is on, as model CPU offload's hook
 does before each call) is no write. A watcher turns the parameters it depends on into ``WatchedParameter``
 and back when it lets them go; a parameter two watchers share turns back only when the last one lets it go.
 The stores compare
@@ -45,9 +45,10 @@ class WatchedParameter(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        unchanged = _same_view(nn.Parameter.data.__get__(self), value)
         nn.Parameter.data.__set__(self, value)
-        if not unchanged:
+        # ``module.to`` a device and dtype the parameter has sets it to itself: no write. Another tensor of the
+        # same memory still counts: an alias read before may have been written since.
+        if value is not self:
             _count_use(self)
 
     # A copy belongs to no watcher (the stores of a copied model start empty): a plain parameter.
@@ -59,23 +60,6 @@ class WatchedParameter(nn.Parameter):
     def __reduce_ex__(self, protocol: int):
         state = {name: value for name, value in self.__dict__.items() if name not in (_COUNT, _USES)}
         return _plain_parameter, (nn.Parameter.data.__get__(self), self.requires_grad, state)
-
-
-def _same_view(current: torch.Tensor, value: torch.Tensor) -> bool:
-    """``value`` is the very memory ``current`` reads, viewed alike: setting it as ``.data`` changes nothing.
-    ``module.to(device)`` sets each parameter's ``.data`` to itself where it is on ``device`` already, as
-    model CPU offload's hook does before every call of a resident model; a plain tensor each (a subclass's
-    memory may lie elsewhere than its ``data_ptr``)."""
-    return (
-        type(value) in (torch.Tensor, nn.Parameter, WatchedParameter)
-        and type(current) is torch.Tensor
-        and value.device == current.device
-        and value.dtype == current.dtype
-        and value.shape == current.shape
-        and value.stride() == current.stride()
-        and value.storage_offset() == current.storage_offset()
-        and value.untyped_storage().data_ptr() == current.untyped_storage().data_ptr()
-    )
 
 
 def _plain_parameter(data: torch.Tensor, requires_grad: bool, state: dict) -> nn.Parameter:
