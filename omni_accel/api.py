@@ -113,6 +113,25 @@ class _Component:
     undo: list[Callable[[], None]] = field(default_factory=list)
     shared: bool = False  # accelerated by another pipeline holding the same module (from_pipe), which owns it
 
+    def __deepcopy__(self, memo: dict) -> _Component:
+        # The report names the layout's process groups (``describe`` reads them): a copy shares them. Here,
+        # not in ``_State``: the module's ``_Owner`` reaches the component first when the module is copied.
+        share_groups(vars(self.report).values(), memo)
+        return deepcopy_instance(self, memo)
+
+
+@dataclass
+class _Owner:
+    """The component that set a module up and the options it used, kept on the module (as its setup is):
+    a deep or unpickled copy of a pipeline sharing the module (from_pipe) without its owner holds a copy of
+    the module that no pipeline owns, and takes it over with this (``_adopt_orphans``)."""
+
+    component: _Component
+    config: AccelConfig
+
+
+_OWNER = "_omni_accel_owner"
+
 
 @dataclass
 class _State:
@@ -124,9 +143,6 @@ class _State:
     vae: nn.Module | None = None  # the VAE ``others`` describes (pipe.vae may be replaced since)
 
     def __deepcopy__(self, memo: dict) -> _State:
-        # The reports name the layout's process groups (``describe`` reads them): a copy shares them.
-        for component in self.components:
-            share_groups(vars(component.report).values(), memo)
         twin = deepcopy_instance(self, memo)
         twin.__setstate__(vars(twin))
         return twin
@@ -244,9 +260,9 @@ def accelerate(
         raise
     if deferred:
         undo.append(pipeline_calls.on_first_call(pipe, _apply_auto_layout_at_call))
-    setattr(
-        pipe, _STATE_ATTR, _State(config, components, undo, others=others, vae=getattr(pipe, "vae", None))
-    )
+    state = _State(config, components, undo, others=others, vae=getattr(pipe, "vae", None))
+    _adopt_orphans(state)
+    setattr(pipe, _STATE_ATTR, state)
     triton_builds.set_up_in_background()  # while the first call encodes its prompt
     _log_summary(pipe, components)
     return pipe
@@ -285,6 +301,8 @@ def _plan_and_commit(
         if not component.shared:  # what a pipeline sharing the module (from_pipe) is compared with
             _SET_UP_WITH[component.original] = config
             component.undo.insert(0, functools.partial(_forget_setup, component.original, config))
+            if _setup_of(component.original) is not None:
+                _keep_owner(component, config)
     if distributed:
         undo.insert(0, parallel.close)  # restore runs it last, once the components are undone
     return components, others, undo
@@ -314,6 +332,41 @@ def _forget_setup(module: nn.Module, config: AccelConfig) -> None:
         del _SET_UP_WITH[module]
 
 
+def _keep_owner(component: _Component, config: AccelConfig) -> None:
+    """The module keeps who set it up (``_Owner``), so that a copy of it that no pipeline owns can be restored."""
+    owner = _Owner(component, config)
+    object.__setattr__(component.original, _OWNER, owner)
+    component.undo.insert(0, functools.partial(_drop_owner, component.original, owner))
+
+
+def _drop_owner(module: nn.Module, owner: _Owner) -> None:
+    if module.__dict__.get(_OWNER) is owner:
+        object.__delattr__(module, _OWNER)
+
+
+def _orphan_owner(module: nn.Module) -> _Owner | None:
+    """The owner kept on a set-up ``module`` that no pipeline owns (a copy of a from_pipe sibling's, made
+    without its owner's), else None."""
+    owner = module.__dict__.get(_OWNER)
+    if owner is None or module in _SET_UP_WITH or _setup_of(module) is None:
+        return None
+    return owner
+
+
+def _adopt_orphans(state: _State) -> None:
+    """A shared component whose module no pipeline owns becomes this pipeline's (restore undoes it, describe
+    says so): a deep or unpickled copy of a from_pipe sibling owns the modules it copied, as its copy in
+    Diffusers does."""
+    for i, component in enumerate(state.components):
+        owner = _orphan_owner(component.original) if component.shared else None
+        if owner is not None:
+            adopted = owner.component
+            adopted.name = component.name
+            adopted.report = dataclasses.replace(adopted.report, name=component.name)
+            state.components[i] = adopted
+            _SET_UP_WITH[component.original] = owner.config
+
+
 def _asked(config: AccelConfig, overrides: Mapping[str, Any]) -> frozenset[str]:
     """The options the caller set: given as keywords, or in ``config`` at other than their defaults."""
     default = AccelConfig()
@@ -327,6 +380,8 @@ def differing_options(module: nn.Module, config: AccelConfig) -> tuple[AccelConf
     """The options another pipeline holding ``module`` (from_pipe) accelerated it with (None: none did), and
     the module options ``config`` sets otherwise (zero-code reads them too)."""
     owner = _SET_UP_WITH.get(module)
+    if owner is None and (orphan := _orphan_owner(module)) is not None:
+        owner = orphan.config
     if owner is None:
         return None, []
     return owner, [o for o in _MODULE_OPTIONS if getattr(config, o) != getattr(owner, o)]
@@ -617,6 +672,7 @@ def _state(pipe: Pipeline) -> _State:
     state = getattr(pipe, _STATE_ATTR, None)
     if state is None:
         raise ValueError("This pipeline is not accelerated; call omni_accel.accelerate(pipe) first.")
+    _adopt_orphans(state)
     return state
 
 

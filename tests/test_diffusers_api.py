@@ -203,6 +203,35 @@ def test_from_pipe_both_ways():
     assert rel_err(b, a) <= 1e-5
 
 
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_a_copy_of_a_from_pipe_sibling_owns_its_transformer(accelerated):
+    """A deep or unpickled copy of a sibling holds a copy of the module no other pipeline holds: restoring
+    the copy gives Diffusers' blocks back and leaves the original pipelines accelerated."""
+    from diffusers import FluxPipeline
+
+    plain, fast = _pair()
+    sibling = FluxPipeline.from_pipe(fast)
+    if accelerated:
+        omni_accel.accelerate(sibling)
+    for twin in (copy.deepcopy(sibling), pickle.loads(pickle.dumps(sibling))):
+        if not accelerated:
+            omni_accel.accelerate(twin)
+        _same(plain, twin)
+        assert omni_accel.describe(twin).components[0].mode == "native"
+        omni_accel.restore(twin)
+        assert type(twin.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+        _same(plain, twin)
+    for pipe in (fast, sibling):
+        assert type(pipe.transformer.transformer_blocks[0]).__name__ == "NativeFluxTransformerBlock"
+        _same(plain, pipe)
+    both = copy.deepcopy([fast, sibling])  # copied with its owner: the owner's copy restores it
+    if accelerated:
+        omni_accel.restore(both[1])  # a sibling's restore leaves the module as its owner set it up
+    assert type(both[1].transformer.transformer_blocks[0]).__name__ == "NativeFluxTransformerBlock"
+    omni_accel.restore(both[0])
+    assert type(both[1].transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+
+
 def test_deepcopy_and_pickle():
     plain, fast = _pair()
     twin = copy.deepcopy(fast)
