@@ -237,6 +237,9 @@ def test_deepcopy_and_pickle():
     twin = copy.deepcopy(fast)
     _same(plain, twin)
     _native_calls_only(twin)
+    # The copy's report reads the attention choices of the copy's calls, and the original's of its own.
+    assert omni_accel.describe(twin).components[0].selector.decisions()
+    assert not omni_accel.describe(fast).components[0].selector.decisions()
     assert twin.transformer.transformer_blocks[0].attn.to_q.weight.data_ptr() != (
         fast.transformer.transformer_blocks[0].attn.to_q.weight.data_ptr()
     )

@@ -143,10 +143,10 @@ class NativeRuntime(CompiledSteps):
         return None if self.code is None else self.code.reason()
 
     def __deepcopy__(self, memo: dict) -> NativeRuntime:
-        # A copy keeps the provider choice and gets its own (empty) caches; compiled code is not copied.
-        # Under a layout it runs the copy's (sharing the process groups).
+        # A copy keeps the provider choice and gets its own (empty) caches and selector (the one its report
+        # reads); compiled code is not copied. Under a layout it runs the copy's (sharing the process groups).
         twin = NativeRuntime(
-            self.selector,
+            copy.deepcopy(self.selector, memo),
             self.compile_options,
             copy.deepcopy(self.cache, memo),
             self.compile_in_background,
