@@ -591,17 +591,39 @@ def _current_vae_report(pipe: Pipeline, report: ComponentReport, vae: nn.Module 
     one ``vae`` it split (or left whole), so its line says so rather than the old VAE's split and counts."""
     module = getattr(pipe, "vae", None)
     if module is vae:
-        return report
+        return _current_coders(report, vae)
     coders = [getattr(module, name, None) for name in ("decoder", "encoder")]
     detail = f"pipe.vae was replaced after accelerate (it held a {type(vae).__name__}); what it holds now "
+    cls_name = type(module).__name__ if module is not None else "-"
+    return ComponentReport("vae", cls_name, "replaced", detail + _how_coders_run(coders, "sets it up"))
+
+
+def _current_coders(report: ComponentReport, vae: nn.Module) -> ComponentReport:
+    """The VAE's ``report`` with the coders split at ``accelerate`` and replaced since (``pipe.vae.decoder =
+    ...``) said as they run now, rather than as the split ones they replaced (and those splits' counts)."""
+    replaced = [name for name, coder in report.row_split.items() if getattr(vae, name, None) is not coder]
+    if not replaced:
+        return report
+    split = {name: coder for name, coder in report.row_split.items() if name not in replaced}
+    notes = [_split_detail(list(split))] if split else []
+    for name in replaced:
+        coder = getattr(vae, name, None)
+        notes.append(
+            f"pipe.vae.{name} was replaced after accelerate (it held a split {type(report.row_split[name]).__name__}); "
+            f"what it holds now {_how_coders_run([coder], 'splits it')}"
+        )
+    mode = report.mode if split else "replaced"
+    return dataclasses.replace(report, mode=mode, detail="; ".join(notes), row_split=split)
+
+
+def _how_coders_run(coders: list[Any], remedy: str) -> str:
+    """How a VAE's encoder and decoder put in after ``accelerate`` run: split (copies of split ones, or
+    another pipeline's) or as in Diffusers."""
     if any(
         isinstance(coder, nn.Module) and installed(coder, vae_split.RowSplit) is not None for coder in coders
     ):
-        detail += "was split by another pipeline's layout, and runs as that one set it up"
-    else:
-        detail += "runs as in Diffusers: omni_accel.restore(pipe), then accelerate(pipe), sets it up"
-    cls_name = type(module).__name__ if module is not None else "-"
-    return ComponentReport("vae", cls_name, "replaced", detail)
+        return "was split by another pipeline's layout, and runs as that one set it up"
+    return f"runs as in Diffusers: omni_accel.restore(pipe), then accelerate(pipe), {remedy}"
 
 
 # The generic tier's setup of a transformer, kept on the module itself (as native blocks keep their runtime).
@@ -1595,6 +1617,14 @@ def _spread(
     return undo
 
 
+def _split_detail(split: list[str]) -> str:
+    """What the VAE report says of the coders ``split`` by rows."""
+    return (
+        f"{' and '.join(split)} split over {dist.get_world_size()} ranks by rows (halo rows exchanged, GroupNorm "
+        "statistics reduced, the attention gathered); equal to one rank's up to float32 summation order"
+    )
+
+
 def _plan_vae(pipe: DiffusionPipeline, config: AccelConfig) -> tuple[list[nn.Module], list[ComponentReport]]:
     """Under a parallel layout: which of the VAE's encoder and decoder split over the ranks by rows (checked
     before anything is swapped), and the report line."""
@@ -1613,10 +1643,6 @@ def _plan_vae(pipe: DiffusionPipeline, config: AccelConfig) -> tuple[list[nn.Mod
         why = f"runs whole on every rank: {reasons['decoder']}"
         return [], [ComponentReport("vae", type(vae).__name__, "untouched", why)]
     split = [name for name, reason in reasons.items() if reason is None]
-    detail = (
-        f"{' and '.join(split)} split over {dist.get_world_size()} ranks by rows (halo rows exchanged, GroupNorm "
-        "statistics reduced, the attention gathered); equal to one rank's up to float32 summation order"
-    )
-    report = ComponentReport("vae", type(vae).__name__, "patch-parallel", detail)
+    report = ComponentReport("vae", type(vae).__name__, "patch-parallel", _split_detail(split))
     report.row_split = {name: coders[name] for name in split}  # describe reads their splits' counts
     return list(report.row_split.values()), [report]

@@ -291,6 +291,30 @@ def _vae_hooks_under_the_split() -> None:
             seen[:] = []
 
 
+def _vae_coder_replaced() -> None:
+    """A decoder put in ``pipe.vae.decoder`` after accelerate runs as in Diffusers, and describe says so
+    rather than the split decoder's line and counts; the encoder, still split, keeps its line."""
+    call = dict(prompt="a cat", height=40, width=24, num_inference_steps=2, output_type="np")
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(ulysses=dist.get_world_size())
+    )
+    pipe(**call, generator=torch.Generator().manual_seed(0))
+    split = pipe.vae.decoder
+    for p in (plain, pipe):
+        p.vae.decoder = omni_accel.tiny_flux_pipeline(seed=1).vae.decoder
+    want, got = (p(**call, generator=torch.Generator().manual_seed(0)).images for p in (plain, pipe))
+    assert abs(got - want).max() <= 1e-5
+    vae = next(c for c in omni_accel.describe(pipe).components if c.name == "vae")
+    lines = "\n".join(vae.lines())
+    assert vae.mode == "patch-parallel" and "pipe.vae.decoder was replaced after accelerate" in vae.detail
+    assert "encoder split over" in vae.detail and "vae decoder:" not in lines and "vae encoder:" in lines
+    pipe.vae.decoder = split
+    assert "vae decoder: 1 calls split" in str(omni_accel.describe(pipe))
+    omni_accel.restore(pipe)
+    assert "forward" not in split.__dict__
+
+
 def _graph_keys_under_a_layout() -> None:
     """Our layout hooks let a step be keyed for a CUDA graph (a user's hook still does not), and the key
     holds every rank's slice: 13 and 12 text tokens give rank 1 the same local shape (6 tokens), so a key
@@ -830,6 +854,7 @@ def _two_ranks(rank: int, world: int) -> None:
     _bf16_as_accurate_as_one_rank(_wan_guided_latents, ParallelConfig(ulysses=2), ParallelConfig(tp=2))
     _vae_checks()
     _vae_hooks_under_the_split()
+    _vae_coder_replaced()
     _a_failed_spread_is_undone()
     _a_failed_auto_spread_is_undone_and_retried()
     _graph_keys_under_a_layout()
