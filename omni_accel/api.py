@@ -287,11 +287,7 @@ def _plan_and_commit(
             _plan(name, module, config, parallel, asked) if first is None else _held_twice(name, first)
         )
     distributed = parallel is not None and parallel.mesh is not None
-    vae_coders, others = _plan_vae(pipe, config) if distributed else ([], [])
-    vae = getattr(pipe, "vae", None)
-    if not distributed and config.vae_parallel and config.parallel != "auto" and vae is not None:
-        why = "vae_parallel=True splits the VAE over a parallel layout's ranks, and none runs here: it runs whole"
-        others = [ComponentReport("vae", type(vae).__name__, "untouched", why)]
+    vae_coders, others = _plan_vae(pipe, config, distributed)
     if auto_reason is not None:
         for component in components:
             if component.runtime is not None:
@@ -602,9 +598,17 @@ def _current_coders(report: ComponentReport, vae: nn.Module) -> ComponentReport:
     """The VAE's ``report`` with the coders split at ``accelerate`` and replaced since (``pipe.vae.decoder =
     ...``) said as they run now, rather than as the split ones they replaced (and those splits' counts)."""
     replaced = [name for name, coder in report.row_split.items() if getattr(vae, name, None) is not coder]
+    split = {name: coder for name, coder in report.row_split.items() if name not in replaced}
+    if report.mode == _shared("patch-parallel") and not any(
+        installed(coder, vae_split.RowSplit) is not None for coder in split.values()
+    ):
+        detail = (
+            "shared with another pipeline (from_pipe) that split it by rows and has since restored it: it runs "
+            "whole on every rank, as in Diffusers"
+        )
+        return dataclasses.replace(report, mode="untouched", detail=detail, row_split={})
     if not replaced:
         return report
-    split = {name: coder for name, coder in report.row_split.items() if name not in replaced}
     notes = [_split_detail(list(split))] if split else []
     for name in replaced:
         coder = getattr(vae, name, None)
@@ -1418,7 +1422,7 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
             _check_layout(
                 component.original, component.spec.native_model(), parallel, component.graphs is not None
             )
-        vae_coders, others = _plan_vae(pipe, state.config)
+        vae_coders, others = _plan_vae(pipe, state.config, distributed=True)
         for component in natives:
             component.parallel = parallel
         state.undo += [parallel.close, *_spread(pipe, natives, vae_coders, parallel)]
@@ -1625,12 +1629,36 @@ def _split_detail(split: list[str]) -> str:
     )
 
 
-def _plan_vae(pipe: DiffusionPipeline, config: AccelConfig) -> tuple[list[nn.Module], list[ComponentReport]]:
-    """Under a parallel layout: which of the VAE's encoder and decoder split over the ranks by rows (checked
-    before anything is swapped), and the report line."""
+def _plan_vae(
+    pipe: DiffusionPipeline, config: AccelConfig, distributed: bool
+) -> tuple[list[nn.Module], list[ComponentReport]]:
+    """Under a parallel layout (``distributed``): which of the VAE's encoder and decoder split over the ranks by
+    rows (checked before anything is swapped); and the report line, also of a VAE another pipeline split."""
     vae = getattr(pipe, "vae", None)
     coders = {name: getattr(vae, name, None) for name in ("decoder", "encoder")}
     coders = {name: coder for name, coder in coders.items() if isinstance(coder, nn.Module)}
+    shared = {
+        name: coder for name, coder in coders.items() if installed(coder, vae_split.RowSplit) is not None
+    }
+    if shared:  # split by another pipeline holding this VAE (from_pipe): a second split would run whole
+        if config.vae_parallel is False:
+            raise ValueError(
+                f"vae_parallel=False cannot keep pipe.vae ({type(vae).__name__}) whole: it is shared with another "
+                f"pipeline (from_pipe) whose layout splits its {' and '.join(shared)} by rows. Accelerate without "
+                "vae_parallel to share that split, or omni_accel.restore() the other pipeline first."
+            )
+        detail = (
+            f"{' and '.join(shared)} split by rows by another pipeline that shares this VAE (from_pipe), as that "
+            "one set it up; restore that pipeline to undo"
+        )
+        report = ComponentReport("vae", type(vae).__name__, _shared("patch-parallel"), detail)
+        report.row_split = shared
+        return [], [report]
+    if not distributed:
+        if config.vae_parallel and config.parallel != "auto" and vae is not None:
+            why = "vae_parallel=True splits the VAE over a parallel layout's ranks, and none runs here: it runs whole"
+            return [], [ComponentReport("vae", type(vae).__name__, "untouched", why)]
+        return [], []
     if config.vae_parallel is False or not coders:
         return [], []
     reasons = {name: vae_split.supports(coder) for name, coder in coders.items()}

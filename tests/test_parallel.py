@@ -315,6 +315,35 @@ def _vae_coder_replaced() -> None:
     assert "forward" not in split.__dict__
 
 
+def _vae_shared_with_a_sibling() -> None:
+    """A from_pipe sibling accelerated under a layout, or without one, shares the VAE's split as it shares the
+    transformer (a second split over the first ran every call whole): both pipelines' decodes split, and
+    restoring them in either order leaves the VAE as Diffusers made it."""
+    from diffusers import FluxPipeline
+
+    call = dict(prompt="a cat", height=40, width=24, num_inference_steps=2, output_type="np")
+    want = omni_accel.tiny_flux_pipeline(seed=0)(**call, generator=torch.Generator().manual_seed(0)).images
+    layout = ParallelConfig(ulysses=dist.get_world_size())
+    for sibling_options, owner_first in (({"parallel": layout}, True), ({}, False)):
+        pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=layout)
+        sibling = omni_accel.accelerate(FluxPipeline.from_pipe(pipe), **sibling_options)
+        split = pipe.vae.decoder.forward
+        for p in (pipe, sibling):
+            assert abs(p(**call, generator=torch.Generator().manual_seed(0)).images - want).max() <= 1e-5
+        assert split.calls == 2 and not split.whole, split.whole
+        vae = next(c for c in omni_accel.describe(sibling).components if c.name == "vae")
+        lines = "\n".join(vae.lines())
+        assert vae.mode == "patch-parallel (shared)" and "vae decoder: 2 calls split" in lines
+        with pytest.raises(ValueError, match="vae_parallel=False cannot keep pipe.vae"):
+            omni_accel.accelerate(FluxPipeline.from_pipe(pipe), vae_parallel=False)
+        omni_accel.restore(pipe if owner_first else sibling)
+        if owner_first:
+            vae = next(c for c in omni_accel.describe(sibling).components if c.name == "vae")
+            assert vae.mode == "untouched" and "has since restored it" in vae.detail
+        omni_accel.restore(sibling if owner_first else pipe)
+        assert "forward" not in pipe.vae.decoder.__dict__ and "forward" not in pipe.vae.encoder.__dict__
+
+
 def _graph_keys_under_a_layout() -> None:
     """Our layout hooks let a step be keyed for a CUDA graph (a user's hook still does not), and the key
     holds every rank's slice: 13 and 12 text tokens give rank 1 the same local shape (6 tokens), so a key
@@ -855,6 +884,7 @@ def _two_ranks(rank: int, world: int) -> None:
     _vae_checks()
     _vae_hooks_under_the_split()
     _vae_coder_replaced()
+    _vae_shared_with_a_sibling()
     _a_failed_spread_is_undone()
     _a_failed_auto_spread_is_undone_and_retried()
     _graph_keys_under_a_layout()
