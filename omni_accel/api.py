@@ -152,6 +152,9 @@ class _State:
         for component in self.components:  # a copy owns its copied modules: its siblings share its options
             if not component.shared:
                 _SET_UP_WITH[component.original] = self.config
+        for report in self.others:
+            if report.mode == "patch-parallel":
+                _SPLIT_CODERS.update(report.row_split.values())
 
     def __getstate__(self) -> dict[str, Any]:
         for component in self.components:  # before the reports, which hold the groups too
@@ -352,7 +355,7 @@ def _orphan_owner(module: nn.Module) -> _Owner | None:
 def _adopt_orphans(state: _State) -> None:
     """A shared component whose module no pipeline owns becomes this pipeline's (restore undoes it, describe
     says so): a deep or unpickled copy of a from_pipe sibling owns the modules it copied, as its copy in
-    Diffusers does."""
+    Diffusers does; so does the VAE split a layout's sibling shared, which no pipeline split in the copy."""
     for i, component in enumerate(state.components):
         owner = _orphan_owner(component.original) if component.shared else None
         if owner is not None:
@@ -361,6 +364,17 @@ def _adopt_orphans(state: _State) -> None:
             adopted.report = dataclasses.replace(adopted.report, name=component.name)
             state.components[i] = adopted
             _SET_UP_WITH[component.original] = owner.config
+    for i, report in enumerate(state.others):
+        splits = {name: installed(coder, vae_split.RowSplit) for name, coder in report.row_split.items()}
+        if report.mode != _shared("patch-parallel") or None in splits.values():
+            continue
+        if not any(coder in _SPLIT_CODERS for coder in report.row_split.values()):
+            state.others[i] = dataclasses.replace(
+                report, mode="patch-parallel", detail=_split_detail(list(splits))
+            )
+            for name, coder in report.row_split.items():
+                _SPLIT_CODERS.add(coder)
+                state.undo.append(functools.partial(_unsplit, coder, splits[name]))
 
 
 def _asked(config: AccelConfig, overrides: Mapping[str, Any]) -> frozenset[str]:
@@ -1580,13 +1594,24 @@ def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[_Component]) -> li
     return [functools.partial(pair_cfg_calls.revert, pipe)]  # a deep copy's undo reverts the copy
 
 
+# The VAE coders a pipeline's layout split (``_split_vae``): a copy of a from_pipe sibling's VAE, split as
+# the one it copied and by no pipeline, is the copy's to undo (``_adopt_orphans``), as its transformer is.
+_SPLIT_CODERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def _split_vae(pipe: DiffusionPipeline, vae_coders: list[nn.Module]) -> list[Callable[[], None]]:
     undo = []
     for coder in vae_coders:
         row_split = vae_split.RowSplit(coder, dist.group.WORLD)
         row_split.install()
-        undo.append(row_split.uninstall)
+        _SPLIT_CODERS.add(coder)
+        undo.append(functools.partial(_unsplit, coder, row_split))
     return undo
+
+
+def _unsplit(coder: nn.Module, row_split: vae_split.RowSplit) -> None:
+    row_split.uninstall()
+    _SPLIT_CODERS.discard(coder)
 
 
 def _spread(

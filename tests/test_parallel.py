@@ -318,8 +318,12 @@ def _vae_coder_replaced() -> None:
 def _vae_shared_with_a_sibling() -> None:
     """A from_pipe sibling accelerated under a layout, or without one, shares the VAE's split as it shares the
     transformer (a second split over the first ran every call whole): both pipelines' decodes split, and
-    restoring them in either order leaves the VAE as Diffusers made it."""
+    restoring them in either order leaves the VAE as Diffusers made it. A deep copy of the sibling alone
+    restores its own copy."""
     from diffusers import FluxPipeline
+
+    from omni_accel.forward_hooks import installed
+    from omni_accel.parallel.vae import RowSplit
 
     call = dict(prompt="a cat", height=40, width=24, num_inference_steps=2, output_type="np")
     want = omni_accel.tiny_flux_pipeline(seed=0)(**call, generator=torch.Generator().manual_seed(0)).images
@@ -336,6 +340,13 @@ def _vae_shared_with_a_sibling() -> None:
         assert vae.mode == "patch-parallel (shared)" and "vae decoder: 2 calls split" in lines
         with pytest.raises(ValueError, match="vae_parallel=False cannot keep pipe.vae"):
             omni_accel.accelerate(FluxPipeline.from_pipe(pipe), vae_parallel=False)
+        twin = copy.deepcopy(sibling)  # a copy of the sibling alone owns its copies, their split too
+        assert abs(twin(**call, generator=torch.Generator().manual_seed(0)).images - want).max() <= 1e-5
+        vae = next(c for c in omni_accel.describe(twin).components if c.name == "vae")
+        assert vae.mode == "patch-parallel" and "vae decoder: 1 calls split" in "\n".join(vae.lines())
+        omni_accel.restore(twin)
+        assert "forward" not in twin.vae.decoder.__dict__ and "forward" not in twin.vae.encoder.__dict__
+        assert split.calls == 2 and installed(pipe.vae.decoder, RowSplit) is split
         omni_accel.restore(pipe if owner_first else sibling)
         if owner_first:
             vae = next(c for c in omni_accel.describe(sibling).components if c.name == "vae")
