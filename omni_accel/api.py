@@ -149,7 +149,9 @@ class _State:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         vars(self).update(state)
+        _hold_copied_patches(self.undo)
         for component in self.components:  # a copy owns its copied modules: its siblings share its options
+            _hold_copied_patches(component.undo)
             if not component.shared:
                 _SET_UP_WITH[component.original] = self.config
         for report in self.others:
@@ -360,6 +362,7 @@ def _adopt_orphans(state: _State) -> None:
         owner = _orphan_owner(component.original) if component.shared else None
         if owner is not None:
             adopted = owner.component
+            _hold_copied_patches(adopted.undo)
             adopted.name = component.name
             adopted.report = dataclasses.replace(adopted.report, name=component.name)
             state.components[i] = adopted
@@ -1347,18 +1350,35 @@ def _route_attention(component: _Component) -> None:
 
 class _HeldPatch:
     """One component's reference to a patch, applied when made; calling it reverts that reference. A deep
-    copy or an unpickled copy of the pipeline holding it makes a reference of its own, applied again (in a
-    new process too), so that restoring one copy leaves the patch in place for the other."""
+    or unpickled copy of it is pending until the copy of the pipeline holding it takes it up
+    (``_hold_copied_patches``; in a new process too), so that restoring one copy leaves the patch in place
+    for the other, while a copy of a module alone (an EMA copy of the transformer), which no pipeline
+    restores, holds none."""
 
-    def __init__(self, name: str, target: str | type) -> None:
-        patches.apply(name, target)
-        self.name, self.target = name, target
+    def __init__(self, name: str, target: str | type, pending: bool = False) -> None:
+        self.name, self.target, self.held = name, target, False
+        if not pending:
+            self.hold()
+
+    def hold(self) -> None:
+        if not self.held:
+            patches.apply(self.name, self.target)
+            self.held = True
 
     def __call__(self) -> None:
-        patches.revert(self.name, self.target)
+        if self.held:
+            patches.revert(self.name, self.target)
+            self.held = False
 
     def __reduce__(self):
-        return _HeldPatch, (self.name, self.target)
+        return _HeldPatch, (self.name, self.target, True)
+
+
+def _hold_copied_patches(undo: list[Callable[[], None]]) -> None:
+    """Takes up the patch references a copied pipeline's undo steps hold (see ``_HeldPatch``)."""
+    for step in undo:
+        if isinstance(step, _HeldPatch):
+            step.hold()
 
 
 def _unroute(module: nn.Module, route: tuple[str, str, str]) -> None:

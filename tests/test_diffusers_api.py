@@ -253,6 +253,24 @@ def test_deepcopy_and_pickle():
     assert all(torch.equal(restored.state_dict()[k], v) for k, v in expected.items())
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_copy_of_the_transformer_alone_holds_no_patch(native):
+    """A deep copy of an accelerated transformer alone (an EMA copy) computes as the original; restoring the
+    pipeline leaves no patch behind for it (no pipeline would ever restore the copy), and the copy then
+    computes as plain Diffusers."""
+    from omni_accel import patches
+
+    before = patches.applied()  # other tests' pipelines may still hold the same patches
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), native=native, compile=False)
+    lone = copy.deepcopy(pipe.transformer)
+    inputs = flux_inputs(pipe.transformer)
+    expected = omni_accel.tiny_flux_pipeline(seed=0).transformer(**inputs).sample
+    assert rel_err(lone(**inputs).sample, expected) <= 1e-5
+    omni_accel.restore(pipe)
+    assert patches.applied() == before
+    assert rel_err(lone(**inputs).sample, expected) <= 1e-5
+
+
 def test_pickled_qwenimage_pipeline_runs_as_plain_diffusers():
     """The registry's spec for Qwen-Image (its true-CFG rule) travels with the pipeline's state: it pickles."""
     plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
