@@ -335,3 +335,21 @@ def test_two_conditionings_in_one_forward():
     assert torch.equal(cache.project("m", lin, a, lambda: lin(a)), lin(a))
     assert torch.equal(cache.project("m", lin, b, lambda: lin(b)), lin(b))
     assert cache.hits == 0 and cache.misses == 2
+
+
+def test_a_weight_is_the_same_only_while_it_lives():
+    """The stored state names each weight by a weak reference, not its id: a freed weight's id and address
+    may come back as a new tensor's with other values, which must not match the entries stored for it."""
+    from omni_accel.cache.projection import _module_state
+
+    linear = torch.nn.Linear(4, 4)
+    stored = _module_state(linear)
+    assert _module_state(linear) == stored
+    weight = linear.weight
+    linear.weight = torch.nn.Parameter(torch.randn(4, 4))
+    assert _module_state(linear) != stored
+    linear.weight = weight  # the very tensor again: the entry holds
+    assert _module_state(linear) == stored
+    del weight, linear
+    freed = stored[0][0]
+    assert not freed == freed  # a freed weight equals nothing, whatever tensor comes to hold its id

@@ -103,6 +103,21 @@ def _adapter_state(module: nn.Module) -> tuple:
     )
 
 
+class _Alive:
+    """A tensor of a module's state: equal to another only while both name the very same tensor, alive. An
+    id and an address alone could be those of a freed tensor, reused by a new one with other values
+    (parameters replaced twice, ``load_state_dict(assign=True)``)."""
+
+    __slots__ = ("ref",)
+    __hash__ = None  # states are compared, never keyed on
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref = weakref.ref(tensor)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Alive) and (tensor := self.ref()) is not None and tensor is other.ref()
+
+
 def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | None:
     """Identity, storage and version of every parameter and buffer, each submodule's class, forward and
     settings, and the state of every adapter layer; None if a tensor has no version counter. With
@@ -113,7 +128,7 @@ def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | 
             return None
         if watched is not None:
             watched.watch(t)
-        state.append((id(t), t.data_ptr(), weight_version(t), t.dtype, t.device, t.shape))
+        state.append((_Alive(t), t.data_ptr(), weight_version(t), t.dtype, t.device, t.shape))
     for m in module.modules():  # and the code: a class forward patched, a submodule replaced, an eps set
         state.append((type(m), type(m).forward, m.__dict__.get("forward"), settings(m)))
         if hasattr(m, "lora_A") and hasattr(m, "scaling"):
