@@ -352,4 +352,4 @@ def test_a_weight_is_the_same_only_while_it_lives():
     assert _module_state(linear) == stored
     del weight, linear
     freed = stored[0][0]
-    assert not freed == freed  # a freed weight equals nothing, whatever tensor comes to hold its id
+    assert freed != freed  # a freed weight equals nothing, whatever tensor comes to hold its id
