@@ -141,6 +141,9 @@ class _State:
     absent: list[ComponentReport] = field(default_factory=list)
     others: list[ComponentReport] = field(default_factory=list)  # components other than denoisers (the VAE)
     vae: nn.Module | None = None  # the VAE ``others`` describes (pipe.vae may be replaced since)
+    # Components a modular pipeline let go of (``unload_components``, ``update_components``): name -> the
+    # class it held, restored and no longer referenced (``_release_dropped``).
+    released: dict[str, str] = field(default_factory=dict)
 
     def __deepcopy__(self, memo: dict) -> _State:
         twin = deepcopy_instance(self, memo)
@@ -265,6 +268,8 @@ def accelerate(
         raise
     if deferred:
         undo.append(pipeline_calls.on_first_call(pipe, _apply_auto_layout_at_call))
+    if isinstance(pipe, ModularPipeline):
+        undo.append(_follow_registrations(pipe))
     state = _State(config, components, undo, others=others, vae=getattr(pipe, "vae", None))
     _adopt_orphans(state)
     setattr(pipe, _STATE_ATTR, state)
@@ -486,8 +491,14 @@ def _denoiser_names(pipe: Pipeline, config: AccelConfig) -> list[str]:
 
 def _holds_nothing(state: _State) -> bool:
     """Whether an accelerated state holds nothing any more (it found no transformer, or only shared ones
-    that their owner has since restored), so that ``accelerate`` may start again."""
-    return not state.undo and all(c.shared and _setup_of(c.original) is None for c in state.components)
+    that their owner has since restored), so that ``accelerate`` may start again (its own following of a
+    modular pipeline's registrations, which the new state replaces, holds nothing)."""
+    following = [
+        u for u in state.undo if isinstance(u, functools.partial) and u.func is _unfollow_registrations
+    ]
+    return len(following) == len(state.undo) and all(
+        c.shared and _setup_of(c.original) is None for c in state.components
+    )
 
 
 def _in_sync(pipe: Pipeline) -> bool:
@@ -511,16 +522,58 @@ def _log_summary(pipe: Pipeline, components: list[_Component]) -> None:
             )
 
 
+def _undo_component(component: _Component) -> None:
+    for undo in reversed(component.undo):
+        undo()
+    component.undo.clear()
+    if component.cache is not None:
+        component.cache.clear()
+    if component.runtime is not None and component.runtime.fp8 is not None:
+        component.runtime.fp8.release()
+
+
+_REGISTER = "register_components"
+
+
+def _follow_registrations(pipe: ModularPipeline) -> Callable[[], None]:
+    """Has ``pipe``'s own ``register_components`` (where ``update_components``, ``load_components`` and
+    ``unload_components`` end) let go of the transformers it drops; returns the undo. On the instance, so
+    nothing outside this pipeline changes; a partial, so that a copy of the pipeline follows its own."""
+    hook = functools.partial(_register_and_release, pipe)
+    object.__setattr__(pipe, _REGISTER, hook)
+    return functools.partial(_unfollow_registrations, pipe, hook)
+
+
+def _unfollow_registrations(pipe: ModularPipeline, hook: functools.partial) -> None:
+    if pipe.__dict__.get(_REGISTER) is hook:
+        object.__delattr__(pipe, _REGISTER)
+
+
+def _register_and_release(pipe: ModularPipeline, **kwargs: Any) -> None:
+    type(pipe).register_components(pipe, **kwargs)  # the class's (zero-code's wrapper, where enabled)
+    state = getattr(pipe, _STATE_ATTR, None)
+    if state is not None:
+        _release_dropped(pipe, state)
+
+
+def _release_dropped(pipe: ModularPipeline, state: _State) -> None:
+    """A transformer the modular pipeline no longer holds (unloaded or replaced) is restored and dropped
+    from the state: ``unload_components`` frees its memory as in Diffusers (the state kept it alive), and
+    the module is left as Diffusers made it, as zero-code leaves it. ``describe`` says it was replaced."""
+    held = [module for module in pipe.components.values() if isinstance(module, nn.Module)]
+    for component in list(state.components):
+        if any(module is component.original for module in held):
+            continue
+        _undo_component(component)
+        state.components.remove(component)
+        state.released[component.name] = type(component.original).__name__
+
+
 def restore(pipe: Pipeline) -> Pipeline:
     """Puts the original Diffusers modules back (with the current weights, device and dtype)."""
     state = _state(pipe)
     for component in state.components:
-        for undo in reversed(component.undo):
-            undo()
-        if component.cache is not None:
-            component.cache.clear()
-        if component.runtime is not None and component.runtime.fp8 is not None:
-            component.runtime.fp8.release()
+        _undo_component(component)
     for undo in reversed(state.undo):
         undo()
     setattr(pipe, _STATE_ATTR, None)
@@ -545,6 +598,8 @@ def describe(pipe: Pipeline) -> AccelerationReport:
         if held is not None:  # read now: enable_cache() and disable_cache() come before or after accelerate
             report = dataclasses.replace(report, step_cache=step_cache_note(held.original))
         reports.append(report)
+    for name, held_class in state.released.items():
+        reports.append(_replaced_report(pipe, name, held_class))
     others = [
         _current_vae_report(pipe, other, state.vae) if other.name == "vae" else other
         for other in state.others
@@ -580,16 +635,7 @@ def _current_report(
     module = getattr(pipe, component.name, None)
     held = next((other for other in components if other.original is module), None)
     if held is None:
-        cls_name = type(module).__name__ if module is not None else "-"
-        detail = (
-            f"pipe.{component.name} was replaced after accelerate (it held a "
-            f"{type(component.original).__name__}); what it holds now "
-        )
-        if module is not None and _setup_of(module) is not None:
-            detail += "was accelerated by another pipeline, and runs as that one set it up"
-        else:
-            detail += "runs as in Diffusers: omni_accel.restore(pipe), then accelerate(pipe), accelerates it"
-        return ComponentReport(component.name, cls_name, "replaced", detail), None
+        return _replaced_report(pipe, component.name, type(component.original).__name__), None
     # A module this pipeline left untouched may hold another pipeline's setup since (from_pipe).
     untouched_then_set_up = held.report.mode == "untouched" and _setup_of(module) is not None
     report = _shared_report(component.name, module) if held.shared or untouched_then_set_up else held.report
@@ -597,6 +643,18 @@ def _current_report(
         detail = f"{report.detail} (set up as pipe.{held.name}, which pipe.{component.name} holds now)"
         report = dataclasses.replace(report, name=component.name, detail=detail)
     return report, held
+
+
+def _replaced_report(pipe: Pipeline, name: str, held_class: str) -> ComponentReport:
+    """``pipe.<name>``, which held a ``held_class`` at ``accelerate``, as it runs now."""
+    module = getattr(pipe, name, None)
+    cls_name = type(module).__name__ if module is not None else "-"
+    detail = f"pipe.{name} was replaced after accelerate (it held a {held_class}); what it holds now "
+    if module is not None and _setup_of(module) is not None:
+        detail += "was accelerated by another pipeline, and runs as that one set it up"
+    else:
+        detail += "runs as in Diffusers: omni_accel.restore(pipe), then accelerate(pipe), accelerates it"
+    return ComponentReport(name, cls_name, "replaced", detail)
 
 
 def _current_vae_report(pipe: Pipeline, report: ComponentReport, vae: nn.Module | None) -> ComponentReport:

@@ -4,8 +4,10 @@ restore, malformed attention options, components that are not denoisers, modular
 described, restored, and under zero-code), and zero-code never failing a pipeline plain Diffusers builds."""
 
 import copy
+import gc
 import logging
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -305,6 +307,24 @@ def test_a_modular_pipeline_is_accelerated_described_and_restored():
     with pytest.raises(ValueError, match="is a modular pipeline"):
         omni_accel.accelerate(fast, parallel=ParallelConfig(tp=2))
     assert getattr(fast, "_omni_accel_state", None) is None
+
+
+def test_a_modular_pipeline_lets_go_of_the_transformer_it_unloads_or_replaces():
+    """``unload_components`` frees the transformer as in Diffusers (the accelerated state kept it alive), and
+    one replaced by ``update_components`` leaves the pipeline as Diffusers made it."""
+    pipe = omni_accel.accelerate(_modular(_tiny_components()))
+    first = weakref.ref(pipe.transformer)
+    pipe.unload_components("transformer")
+    gc.collect()
+    assert first() is None
+    assert omni_accel.describe(pipe).components[0].mode == "replaced"
+    pipe = omni_accel.accelerate(_modular(_tiny_components()))
+    old = pipe.transformer
+    pipe.update_components(transformer=_tiny_components(seed=1)["transformer"])
+    assert type(old.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+    assert "it held a FluxTransformer2DModel" in omni_accel.describe(pipe).components[0].detail
+    omni_accel.restore(pipe)
+    assert "register_components" not in vars(pipe)
 
 
 def test_zero_code_accelerates_a_modular_pipeline_when_its_components_arrive():
