@@ -109,6 +109,30 @@ def _images(pipe, **call):
     return pipe(**call, generator=torch.Generator().manual_seed(0)).images
 
 
+def test_klein_kv_pipeline_counts_every_block_call_it_leaves_to_diffusers():
+    """Flux2KleinKVPipeline with a reference image: its first step extracts the reference K/V under a
+    modulation per token, the later ones reuse it; each block call runs Diffusers' forward and is counted
+    with its reason (none silently), and the result is plain Diffusers'."""
+    import PIL.Image
+    from diffusers import Flux2KleinKVPipeline
+
+    def kv_pipeline() -> Flux2KleinKVPipeline:
+        klein = omni_accel.tiny_flux2_klein_pipeline(seed=0, is_distilled=True)
+        pipe = Flux2KleinKVPipeline(**{k: v for k, v in klein.components.items() if k != "is_distilled"})
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    pixels = torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    call = dict(image=PIL.Image.fromarray(pixels.numpy()), height=32, width=32, num_inference_steps=3)
+    plain, fast = kv_pipeline(), omni_accel.accelerate(kv_pipeline())
+    assert torch.equal(_images(fast, **call), _images(plain, **call))
+    blocks = len(fast.transformer.transformer_blocks) + len(fast.transformer.single_transformer_blocks)
+    reasons = omni_accel.describe(fast).components[0].runtime.fallbacks
+    assert reasons == {
+        "the reference-image KV cache of Flux2KleinKVPipeline (its processors) runs in Diffusers": 3 * blocks
+    }
+
+
 @pytest.mark.parametrize(
     "distilled, call",
     [(True, {}), (False, {"guidance_scale": 4.0}), (False, {"prompt": ["a cat", "a dog"]})],

@@ -92,9 +92,14 @@ class _Flux2Native(NativeBlock):
     math: Any
     processor_class: type
 
-    def unsupported_reason(self, joint_attention_kwargs: dict[str, Any] | None) -> str | None:
+    def unsupported_reason(
+        self, joint_attention_kwargs: dict[str, Any] | None, modulation: torch.Tensor
+    ) -> str | None:
         if isinstance(self.attn.processor, _KV_PROCESSORS):
             return "the reference-image KV cache of Flux2KleinKVPipeline (its processors) runs in Diffusers"
+        # [B, tokens, ...]: the model blends a modulation per token (the K/V extract)
+        if modulation.ndim != 2:
+            return "a modulation per token (the reference-image K/V extract of Flux2KleinKVPipeline)"
         return processor_reason(self.attn, self.processor_class) or processor_kwargs_reason(
             self.processor_class, _PROCESSOR_TAKES, joint_attention_kwargs
         )
@@ -107,9 +112,12 @@ class _Flux2Native(NativeBlock):
         return {name: getattr(self.attn, f"norm_{name}").weight for name in names}
 
     @torch.compiler.disable
-    def _prepare(self, joint_attention_kwargs: dict[str, Any] | None, inputs: tuple):
-        """The weights, norms and constants, or None when this call runs Diffusers' forward."""
-        weights = self.native_weights(joint_attention_kwargs, inputs=inputs)
+    def _prepare(
+        self, joint_attention_kwargs: dict[str, Any] | None, modulation: torch.Tensor, inputs: tuple
+    ):
+        """The weights, norms and constants, or None when this call runs Diffusers' forward (the reason
+        counted). ``modulation``: the image stream's, from the model."""
+        weights = self.native_weights(joint_attention_kwargs, modulation, inputs=inputs)
         if weights is None:
             return None
         runtime = self.omni_runtime
@@ -164,10 +172,9 @@ class NativeFlux2TransformerBlock(_Flux2Native, Flux2TransformerBlock):
         joint_attention_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = (hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb)
-        per_sample = temb_mod_img.ndim == 2  # per token (the KV extract): Diffusers'
         return self.native_call(
             functools.partial(super().forward, *inputs, joint_attention_kwargs),
-            lambda: self._prepare(joint_attention_kwargs, inputs) if per_sample else None,
+            lambda: self._prepare(joint_attention_kwargs, temb_mod_img, inputs),
             lambda math, prepared: math(*inputs, *prepared),
         )
 
@@ -211,7 +218,7 @@ class NativeFlux2SingleTransformerBlock(_Flux2Native, Flux2SingleTransformerBloc
         diffusers_args = (*inputs, joint_attention_kwargs, split_hidden_states, text_seq_len)
         return self.native_call(
             functools.partial(super().forward, *diffusers_args),
-            lambda: self._prepare(joint_attention_kwargs, inputs) if temb_mod.ndim == 2 else None,
+            lambda: self._prepare(joint_attention_kwargs, temb_mod, inputs),
             run,
         )
 
