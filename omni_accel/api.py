@@ -235,6 +235,11 @@ def accelerate(
         raise RuntimeError("This pipeline is already accelerated; call omni_accel.restore(pipe) first.")
     if config is not None and not isinstance(config, AccelConfig):
         raise TypeError(f"config must be an omni_accel.AccelConfig, got {type(config).__name__}.")
+    # What the shared components of a state that holds nothing still hold: the scopes a module holding their
+    # blocks got (``_scope_holders``), bound to a transformer that its owner has since restored.
+    if state is not None:
+        for component in state.components:
+            _undo_component(component)
     config = (config or AccelConfig()).with_overrides(**overrides)
     asked = _asked(config, overrides)
 
@@ -442,6 +447,7 @@ def _commit_all(
     try:
         for component in components:
             _commit(component)
+        _scope_holders(pipe, components)
         return _spread(pipe, components, vae_coders, parallel) if parallel is not None else []
     except BaseException:
         for component in reversed(components):
@@ -597,6 +603,8 @@ def describe(pipe: Pipeline) -> AccelerationReport:
             report = dataclasses.replace(report, not_accelerated=[*report.not_accelerated, compiled])
         if held is not None:  # read now: enable_cache() and disable_cache() come before or after accelerate
             report = dataclasses.replace(report, step_cache=step_cache_note(held.original))
+        if isinstance(report.runtime, NativeRuntime):
+            report = dataclasses.replace(report, holders=_holder_lines(pipe, state, report.runtime))
         reports.append(report)
     for name, held_class in state.released.items():
         reports.append(_replaced_report(pipe, name, held_class))
@@ -605,6 +613,23 @@ def describe(pipe: Pipeline) -> AccelerationReport:
         for other in state.others
     ]
     return AccelerationReport(type(pipe).__name__, reports + others + state.absent)
+
+
+def _holder_lines(pipe: Pipeline, state: _State, runtime: NativeRuntime) -> list[str]:
+    """How the components holding native blocks of ``runtime`` (``_holders``) run them now."""
+    lines = []
+    for name, module, held, count in _holders(pipe, [c.original for c in state.components]):
+        if held is not runtime:
+            continue
+        line = f"pipe.{name} ({type(module).__name__}) holds {count} of these native blocks (Diffusers shares them)"
+        if _binds(module, runtime):
+            lines.append(f"{line}: they run natively in its forward too")
+        else:
+            lines.append(
+                f"{line}, put in the pipeline after accelerate: they run Diffusers' forward in its forward (counted "
+                "above); omni_accel.restore(pipe), then accelerate(pipe), runs them natively there"
+            )
+    return lines
 
 
 def _users_compile(module: nn.Module) -> str | None:
@@ -1257,16 +1282,71 @@ def _swap_native_blocks(component: _Component) -> None:
 def _add_scope(component: _Component, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:
     """Runs the module's calls in a scope (``forward_hooks.add_scope``), the class patch that enters it held
     once per component."""
-    module = component.original
+    _scope_calls(component.original, enter, leave, component.undo)
+
+
+def _scope_calls(
+    module: nn.Module, enter: Callable[[], Any], leave: Callable[[Any], None], undo: list[Callable[[], None]]
+) -> None:
+    """Runs ``module``'s calls in a scope; its undo, and the class patch that enters it (held once per
+    module), join ``undo``."""
     if scoped_calls.SCOPES not in vars(module):
-        component.undo.append(_HeldPatch("scoped_calls", type(module)))
-    component.undo.append(add_scope(module, enter, leave))
+        undo.append(_HeldPatch("scoped_calls", type(module)))
+    undo.append(add_scope(module, enter, leave))
 
 
 def _bind_forward_runtime(component: _Component) -> None:
     """The blocks' attention reads its selector and layout from the forward in flight."""
     enter = functools.partial(enter_forward, component.runtime)
     _add_scope(component, enter, leave_forward)
+
+
+def _scope_native_forwards(module: nn.Module, runtime: NativeRuntime, undo: list[Callable[[], None]]) -> None:
+    """``module``'s calls are forwards of ``runtime``'s native blocks: the runtime bound to them, each marked
+    as a new forward (``_mark_forwards``)."""
+    _scope_calls(module, functools.partial(enter_forward, runtime), leave_forward, undo)
+    _scope_calls(
+        module, functools.partial(_forward_begins, runtime.cache, runtime.fp8), _nothing_to_leave, undo
+    )
+
+
+def _holders(
+    pipe: Pipeline, transformers: list[nn.Module]
+) -> list[tuple[str, nn.Module, NativeRuntime, int]]:
+    """The pipeline's other components that hold native blocks of an accelerated transformer (Diffusers
+    shares some of a transformer's blocks with a module built on it, which calls them from its own forward):
+    (name, module, the blocks' runtime, how many it holds), for a module whose native blocks all share one
+    runtime."""
+    found, seen = [], [*transformers]
+    for name, module in pipe.components.items():
+        if not isinstance(module, nn.Module) or any(module is other for other in seen):
+            continue
+        seen.append(module)
+        runtimes = [m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock)]
+        if runtimes and all(runtime is runtimes[0] for runtime in runtimes):
+            found.append((name, module, runtimes[0], len(runtimes)))
+    return found
+
+
+def _binds(module: nn.Module, runtime: NativeRuntime) -> bool:
+    """Whether ``module``'s calls run in ``runtime``'s forward scope (``_scope_native_forwards``)."""
+    return any(
+        isinstance(scope.enter, functools.partial)
+        and scope.enter.func is enter_forward
+        and scope.enter.args[0] is runtime
+        for scope in vars(module).get(scoped_calls.SCOPES, ())
+    )
+
+
+def _scope_holders(pipe: Pipeline, components: list[_Component]) -> None:
+    """A component that holds native blocks of an accelerated transformer (``_holders``) gets that
+    transformer's forward scopes: the blocks run natively in its calls as in the transformer's (else they
+    would run Diffusers' forward there, called outside their transformer's forward). Undone with the
+    component whose module runs that runtime (its owner, or the pipeline sharing it: from_pipe)."""
+    for _, module, runtime, _ in _holders(pipe, [c.original for c in components]):
+        component = next((c for c in components if _setup_of(c.original) is runtime), None)
+        if component is not None and not _binds(module, runtime):
+            _scope_native_forwards(module, runtime, component.undo)
 
 
 def _mark_forwards(component: _Component) -> None:

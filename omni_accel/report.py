@@ -49,6 +49,9 @@ class ComponentReport:
     adapted: list[str] = field(default_factory=list)  # where the model's own code was replaced, and how
     row_split: dict[str, nn.Module] = field(default_factory=dict)  # the VAE's coders split by rows, by name
     step_cache: str = ""  # the Diffusers step cache on the module when described (``step_cache_note``)
+    # Other components that hold some of its native blocks and call them from their own forward, and how
+    # those calls run (read when described).
+    holders: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         layout = f"; {self.layout}" if self.layout else ""
@@ -151,6 +154,7 @@ class ComponentReport:
                 out.extend(f"  {line}" for line in split.describe(name))
         if self.step_cache:
             out.append(f"  {self.step_cache}")
+        out.extend(f"  {line}" for line in self.holders)
         out.extend(f"  adapted: {item}" for item in self.adapted)
         out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
         return out

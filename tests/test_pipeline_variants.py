@@ -6,7 +6,9 @@ counted where a pipeline needs it."""
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 from conftest import rel_err
 from diffusers import DiffusionPipeline
+from omni_accel.patches import scoped_calls
 from transformers import Siglip2ImageProcessorPil, Siglip2VisionConfig, Siglip2VisionModel
 
 import omni_accel
@@ -140,8 +143,8 @@ _CASES: list[tuple[str, Callable[[str], DiffusionPipeline], dict[str, Any], set[
     ),
     # ControlNet residuals added after the blocks, true CFG
     ("FluxControlNetPipeline", _flux, dict(control_image=_CONTROL, **_TRUE_CFG), set()),
-    # the ControlNet runs the transformer's refiners (Diffusers shares them) outside its forward
-    ("ZImageControlNetPipeline", _zimage, dict(control_image=_CONTROL, **_ZIMAGE_CFG), {_OUTSIDE}),
+    # the ControlNet runs the transformer's refiners (Diffusers shares them) in its own forward, natively
+    ("ZImageControlNetPipeline", _zimage, dict(control_image=_CONTROL, **_ZIMAGE_CFG), set()),
     ("ZImageOmniPipeline", _zimage, dict(image=[_picture(64, seed=1)], **_ZIMAGE_CFG), {_OMNI}),
     # RGBA layers on a layer-3D RoPE, with the additional timestep condition
     (
@@ -204,3 +207,57 @@ def test_pipeline_matches_diffusers_and_describe_says_what_ran(pipeline_class, b
     assert component.name == "transformer" and component.mode == "native"
     assert set(component.runtime.fallbacks) == reasons
     assert component.selector.decisions()  # native blocks ran: their attention resolved
+
+
+def test_zimage_controlnet_runs_the_shared_refiners_natively_until_restore():
+    """ZImageControlNetModel holds the transformer's refiners (``from_transformer``) and calls them in its own
+    forward: they run natively there (its calls get the transformer's scopes), in deep and pickled copies
+    too (bound to the copy's blocks), and restore removes the scopes; a ControlNet put in after accelerate
+    runs them by Diffusers' forward, and describe says so."""
+    call = dict(control_image=_CONTROL, **_ZIMAGE_CFG)
+    expected = _latents(_zimage("ZImageControlNetPipeline"), call)
+    fast = omni_accel.accelerate(_zimage("ZImageControlNetPipeline"))
+    pickled = pickle.loads(pickle.dumps(fast))  # before a call: the text encoder's hooks do not pickle
+    twin = copy.deepcopy(fast)
+    for pipe in (fast, twin, pickled):
+        assert all(rel_err(g, e) <= 1e-5 for g, e in zip(_latents(pipe, call), expected, strict=True))
+        component = omni_accel.describe(pipe).components[0]
+        assert component.runtime.fallbacks == {}
+        assert component.holders == [
+            "pipe.controlnet (ZImageControlNetModel) holds 2 of these native blocks (Diffusers shares them): "
+            "they run natively in its forward too"
+        ]
+    omni_accel.restore(twin)
+    assert scoped_calls.SCOPES not in vars(twin.controlnet) and scoped_calls.SCOPES in vars(fast.controlnet)
+    omni_accel.restore(fast)
+    assert scoped_calls.SCOPES not in vars(fast.controlnet)
+    assert all(torch.equal(g, e) for g, e in zip(_latents(fast, call), expected, strict=True))
+
+    fast = omni_accel.accelerate(_zimage("ZImageControlNetPipeline"))
+    fast.controlnet = type(fast.controlnet).from_transformer(copy.deepcopy(fast.controlnet), fast.transformer)
+    assert all(rel_err(g, e) <= 1e-5 for g, e in zip(_latents(fast, call), expected, strict=True))
+    component = omni_accel.describe(fast).components[0]
+    assert set(component.runtime.fallbacks) == {_OUTSIDE}
+    assert "put in the pipeline after accelerate" in component.holders[0]
+
+
+def test_zimage_controlnet_sharing_a_transformer_from_pipe_keeps_no_scopes_after_restore():
+    """A ControlNet pipeline made by from_pipe shares the accelerated transformer: its ControlNet gets the
+    transformer's scopes from this pipeline's accelerate, and its restore removes them, also where the
+    pipeline was accelerated again after the transformer's owner restored it."""
+    owner = omni_accel.accelerate(omni_accel.tiny_zimage_pipeline(seed=0))
+    controlnet = _zimage("ZImageControlNetPipeline").controlnet
+    sibling = omni_accel.accelerate(
+        diffusers.ZImageControlNetPipeline.from_pipe(owner, controlnet=controlnet)
+    )
+    assert (
+        omni_accel.describe(sibling).components[0].holders[0].endswith("they run natively in its forward too")
+    )
+    held = dict(omni_accel.patches.applied())
+    omni_accel.restore(owner)
+    omni_accel.accelerate(sibling)  # it now sets up the transformer itself
+    assert len(vars(controlnet)[scoped_calls.SCOPES]) == 2  # the runtime bound, the forwards marked
+    omni_accel.restore(sibling)
+    assert scoped_calls.SCOPES not in vars(controlnet)
+    patch = ("scoped_calls", type(controlnet))
+    assert omni_accel.patches.applied().get(patch, 0) == held[patch] - 1
