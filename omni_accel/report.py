@@ -87,8 +87,12 @@ class ComponentReport:
             else:
                 why = ""
                 if self.runtime is not None and self.runtime.fallbacks:
+                    ran_natively = self.selector is not None and self.selector.decisions()
                     why = (
-                        " (no block has run natively, and Diffusers' forward does not consult it: see below)"
+                        " (the blocks that ran natively did not consult it, and Diffusers' forward, which ran "
+                        "the others, does not: see below)"
+                        if ran_natively
+                        else " (no block has run natively, and Diffusers' forward does not consult it: see below)"
                     )
                 out.append(
                     f"  exact projection cache: on ({stats['max_bytes']} bytes), not consulted yet{why}"

@@ -207,6 +207,8 @@ def test_pipeline_matches_diffusers_and_describe_says_what_ran(pipeline_class, b
     assert component.name == "transformer" and component.mode == "native"
     assert set(component.runtime.fallbacks) == reasons
     assert component.selector.decisions()  # native blocks ran: their attention resolved
+    # the projection cache's line said so of ZImageOmniPipeline, whose context refiner runs natively
+    assert "no block has run natively" not in str(omni_accel.describe(fast))
 
 
 def test_zimage_controlnet_runs_the_shared_refiners_natively_until_restore():
