@@ -23,6 +23,7 @@ from omni_accel.patches import scoped_calls
 from transformers import Siglip2ImageProcessorPil, Siglip2VisionConfig, Siglip2VisionModel
 
 import omni_accel
+from omni_accel import ParallelConfig
 from omni_accel.models.tiny_pipelines import _finish, _qwen_transformer, _randomize_, _seeded
 
 
@@ -263,3 +264,23 @@ def test_zimage_controlnet_sharing_a_transformer_from_pipe_keeps_no_scopes_after
     assert scoped_calls.SCOPES not in vars(controlnet)
     patch = ("scoped_calls", type(controlnet))
     assert omni_accel.patches.applied().get(patch, 0) == held[patch] - 1
+
+
+def _zimage_controlnet_over_two_ranks(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    call = dict(control_image=_CONTROL, **_ZIMAGE_CFG)
+    one = _latents(_zimage("ZImageControlNetPipeline"), call)
+    # tp: the refiners the ControlNet calls are split over the ranks (they raised, run by Diffusers' forward);
+    # cfg: the residuals, padded over the whole stacked batch, did not fit half of it (a shape error)
+    for layout in (ParallelConfig(tp=2), ParallelConfig(cfg=2)):
+        pipe = omni_accel.accelerate(_zimage("ZImageControlNetPipeline"), parallel=layout)
+        got = _latents(pipe, call)
+        assert all(rel_err(g, e) <= 1e-5 for g, e in zip(got, one, strict=True)), layout
+        assert omni_accel.describe(pipe).components[0].runtime.fallbacks == {}, layout
+
+
+@pytest.mark.multirank
+def test_zimage_controlnet_pipeline_over_two_ranks():
+    from multirank import run_multirank
+
+    run_multirank(_zimage_controlnet_over_two_ranks, 2, timeout=300)

@@ -172,6 +172,16 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
         return mod, rope, mask, weights, norms, constants
 
 
+_BATCHED = ("x", "t", "cap_feats", "siglip_feats", "image_noise_mask")
+
+
+def _batched_inputs(arguments: dict[str, Any]) -> tuple[str, ...] | None:
+    """The arguments that carry ZImagePipeline's stacked batch; None (the call runs whole on both cfg ranks)
+    where ControlNet residuals come with it: the ControlNet padded them to the longest sample of the whole
+    batch, and half of it holds a shorter unified sequence, which the transformer adds them to as they are."""
+    return None if arguments.get("controlnet_block_samples") is not None else _BATCHED
+
+
 ZIMAGE = NativeModel(
     compiled_by_default=True,  # SwiGLU and its norms: Diffusers' ops, fused by the compiler
     blocks={
@@ -192,7 +202,7 @@ ZIMAGE = NativeModel(
             output=("all_final_layer.2-1", Split("unified", 1)),
         ),
         # ZImagePipeline stacks cond and uncond in one call, each a list of per-sample entries.
-        batched_inputs=("x", "t", "cap_feats", "siglip_feats", "image_noise_mask"),
+        batched_inputs=_batched_inputs,
         per_sample_inputs=("x", "cap_feats", "siglip_feats", "image_noise_mask"),
         output_like=LearnedOutputs(),
         tokens_over_tp=False,
