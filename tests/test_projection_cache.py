@@ -303,6 +303,26 @@ def test_byte_budget_is_never_exceeded_and_cyclic_schedules_keep_hitting():
     assert cache.hits == 8
 
 
+def test_outputs_of_weights_gone_for_good_leave_their_room_to_the_new_ones():
+    """A dtype move (or a ``load_state_dict``) also changes the conditioning, computed from the weights: the
+    old entries are never seen again. They are dropped at the next miss, with their conditioning, so the
+    new weights' outputs fit the budget they took (kept, the cache never hit again)."""
+    lin = _linear(o=32)
+    cache = ExactProjectionCache(max_bytes=2 * 8 * 8 + 2 * 32 * 8)  # one float64 conditioning and output
+    _project(cache, lin, _cond())
+    lin.double()
+    for _ in range(2):  # the first call frees the room and stores, the second hits
+        _project(cache, lin, _cond(2.0).double())
+    assert cache.hits == 1 and cache.stale[WEIGHTS_CHANGED] == 1
+    assert cache.bytes_used == 2 * 8 * 8 + 2 * 32 * 8
+    replaced = lin.weight
+    lin.weight = torch.nn.Parameter(replaced.detach() * 2)
+    _project(cache, lin, _cond(3.0).double())  # a miss under a weight that may come back: nothing dropped
+    lin.weight = replaced  # the very tensor again, alive and unwritten
+    _project(cache, lin, _cond(2.0).double())
+    assert cache.hits == 2
+
+
 def test_clear_forgets_everything():
     cache, lin = ExactProjectionCache(), _linear()
     _project(cache, lin, _cond())

@@ -222,3 +222,19 @@ def test_a_cache_site_whose_code_or_submodules_change_computes_again(monkeypatch
     for pipe in (plain, fast):
         pipe.transformer.condition_embedder.time_embedder.act = torch.nn.Identity()
     assert torch.equal(_wan(fast), _wan(plain))
+
+
+def test_pipe_to_another_dtype_hits_as_a_pipeline_made_in_it():
+    """The outputs stored under the fp32 weights can never be reused after ``pipe.to(torch.bfloat16)``: they
+    leave their room in the budget to the bf16 ones (they kept it, and the cache never hit again)."""
+    budget = 8000  # one 3-step call's conditionings and modulations in fp32, with no room to spare
+    moved = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), projection_cache_bytes=budget)
+    _flux(moved)
+    made = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0).to(torch.bfloat16), projection_cache_bytes=budget
+    )
+    moved.to(torch.bfloat16)
+    assert torch.equal(_flux(moved), _flux(made))  # the first frees the room as it stores
+    assert _cache(moved).hits == _cache(made).hits == 0
+    assert torch.equal(_flux(moved), _flux(made))
+    assert _cache(moved).hits == _cache(made).hits > 0

@@ -28,7 +28,11 @@ synchronisation, no device work on a hit.
 Admission: entries are admitted while they fit the byte budget and are never evicted to make room. A
 denoising schedule is a cycle (step 1..N, then again for the next request); when the cycle does not fit,
 LRU or FIFO evict each entry just before its reuse and hit nothing, while a frozen set keeps hitting on the
-part that fits. Invalid entries are dropped as soon as they are seen, which frees room for new ones.
+part that fits. Invalid entries are dropped as soon as they are seen, which frees room for new ones; and
+those stored under weights that can never come back (freed, or written since: a dtype or device move, a
+``load_state_dict``), whose conditioning may never be seen again (it is computed from those weights too),
+are dropped with their conditioning at the projection's next miss, so that they hold neither memory nor the
+budget that the new weights' outputs need.
 
 Under tensor or sequence parallelism a projection may be a collective (a row-split linear, the split AdaLN
 modulation): ``agree_over`` makes the ranks decide every hit together, so one rank's miss is every rank's.
@@ -136,6 +140,17 @@ def _module_state(module: nn.Module, watched: Watcher | None = None) -> tuple | 
     return tuple(state)
 
 
+def _outlived(module_state: tuple) -> bool:
+    """Whether ``module_state`` can never be its module's again: one of its tensors was freed, or written
+    since (version counters and ``.data`` uses only grow). A replaced tensor still alive may be put back."""
+    for record in module_state:
+        if isinstance(record[0], _Alive):
+            tensor = record[0].ref()
+            if tensor is None or weight_version(tensor) != record[2]:
+                return True
+    return False
+
+
 @dataclass
 class _Entry:
     output: torch.Tensor
@@ -178,6 +193,10 @@ class ExactProjectionCache:
         self.stale: Counter[str] = Counter()  # stored outputs dropped, by why
         self._conds: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         self._entries: dict[tuple[int, str], _Entry] = {}
+        self._keys: dict[str, set[tuple[int, str]]] = {}  # each projection's entries
+        self._stored_under: dict[str, tuple] = {}  # the module state each projection last stored under
+        self._cond_entries: Counter[int] = Counter()  # entries per stored conditioning
+        self._cond_buckets: dict[int, tuple] = {}  # each stored conditioning's bucket key
         self._prepared: dict[int, _Prepared] = {}
         self._next_id = 0
         self._bytes = 0
@@ -207,6 +226,10 @@ class ExactProjectionCache:
         self._watched.release()
         self._conds.clear()
         self._entries.clear()
+        self._keys.clear()
+        self._stored_under.clear()
+        self._cond_entries.clear()
+        self._cond_buckets.clear()
         self._prepared.clear()
         self._bytes = 0
 
@@ -275,6 +298,7 @@ class ExactProjectionCache:
         cond_id = self._next_id
         self._next_id += 1
         self._conds.setdefault(bucket_key, []).append((cond_id, bits.clone()))
+        self._cond_buckets[cond_id] = bucket_key
         self._bytes += nbytes
         return cond_id
 
@@ -319,6 +343,7 @@ class ExactProjectionCache:
         if entry is not None:  # valid, but not yet reusable here or not on every rank: computed again
             self._drop(key)
         self.misses += 1
+        self._drop_outlived(name, module_state)
         output = self._lookup_precomputed(name, module, conditioning)
         if output is None:
             output = compute()
@@ -364,10 +389,42 @@ class ExactProjectionCache:
             return
         entry = _Entry(output.detach(), output._version, module_state, numerics, nbytes)
         self._entries[key] = entry
+        self._keys.setdefault(key[1], set()).add(key)
+        self._stored_under[key[1]] = module_state
+        self._cond_entries[key[0]] += 1
         self._bytes += nbytes
 
     def _drop(self, key: tuple[int, str]) -> None:
         self._bytes -= self._entries.pop(key).nbytes
+        self._keys[key[1]].discard(key)
+        self._cond_entries[key[0]] -= 1
+
+    def _drop_outlived(self, name: str, module_state: tuple) -> None:
+        """A miss of projection ``name`` under ``module_state``: if the state it last stored under can never
+        come back, drops its entries stored under such states, and the conditionings left with no entry
+        (unless compared in this forward). Their conditioning, computed from the old weights too, may never
+        be seen again, and would otherwise keep them, and the budget they take, for good. One check of a
+        few tensors per miss; a scan of the projection's entries only once its weights changed."""
+        stored_under = self._stored_under.get(name)
+        if stored_under is None or not _outlived(stored_under):
+            return
+        emptied = set()
+        for key in [k for k in self._keys[name] if _outlived(self._entries[k].module_state)]:
+            self._drop(key)
+            self.stale[WEIGHTS_CHANGED] += 1
+            if not self._cond_entries[key[0]]:
+                emptied.add(key[0])
+        self._stored_under[name] = module_state
+        emptied -= {p.cond_id for p in self._prepared.values() if p.tensor() is not None}
+        for cond_id in emptied:
+            del self._cond_entries[cond_id]
+            bucket_key = self._cond_buckets.pop(cond_id)
+            bucket = self._conds[bucket_key]
+            (index,) = [i for i, (stored_id, _) in enumerate(bucket) if stored_id == cond_id]
+            _, bits = bucket.pop(index)
+            self._bytes -= bits.numel() * bits.element_size()
+            if not bucket:
+                del self._conds[bucket_key]
 
     def _lookup_precomputed(
         self, name: str, module: nn.Module, conditioning: torch.Tensor
