@@ -221,7 +221,8 @@ def _adapted_under_cfg() -> None:
 
 
 def _refusals() -> None:
-    model, _ = build("QwenImageTransformer2DModel")
+    model, inputs = build("QwenImageTransformer2DModel")
+    _too_short_to_split(model, inputs)
     sd3, _ = build("SD3Transformer2DModel")
     cases = [
         (sd3, dict(parallel=omni_accel.ParallelConfig(tp=2)), "and SD3Transformer2DModel has neither"),
@@ -231,6 +232,27 @@ def _refusals() -> None:
         with pytest.raises(ValueError, match=re.escape(message)):
             _generic(pipe, **options)
         assert not hasattr(pipe, "_omni_accel_state") or not omni_accel.describe(pipe).components
+
+
+def _too_short_to_split(model, inputs: dict) -> None:
+    """A one-token prompt over two ranks: Diffusers' code cannot run on the rank that would hold none of its
+    tokens (its RoPE reshapes an empty tensor, and the other rank would wait in an exchange forever), so
+    every rank refuses the call alike, naming the fix; the layout then runs a longer prompt exactly."""
+    short = {
+        **inputs,
+        "encoder_hidden_states": inputs["encoder_hidden_states"][:, :1],
+        "encoder_hidden_states_mask": inputs["encoder_hidden_states_mask"][:, :1],
+    }
+    plain = outputs(model, inputs)
+    for layout in LAYOUTS:
+        holder = _generic(Holder(model), parallel=omni_accel.ParallelConfig(**layout))
+        try:
+            with pytest.raises(ValueError, match="Use at most 1 ulysses x ring ranks for such inputs"):
+                outputs(holder.transformer, short)
+            got = outputs(holder.transformer, inputs)
+            assert _close(got, plain) <= 1e-5 and _same_on_every_rank(got), layout
+        finally:
+            omni_accel.restore(holder)
 
 
 def _pipeline_images(pipe, **call) -> torch.Tensor:

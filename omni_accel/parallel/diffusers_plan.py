@@ -37,7 +37,7 @@ def sequence_plan(module: nn.Module, cp_plan: Mapping[str, Any] | None) -> Seque
                 gathers[path] = _gather(entry, ContextParallelOutput, pattern)
                 continue
             for key, value in entry.items():
-                split = _split(value, ContextParallelInput, f"{pattern}:{key}")
+                split = _split(value, ContextParallelInput, f"{pattern}:{key}" if pattern else key)
                 if _value_of(value).split_output:
                     submodule_outputs.setdefault(path, {})[int(key)] = split
                 elif path == "":
@@ -53,6 +53,7 @@ def sequence_plan(module: nn.Module, cp_plan: Mapping[str, Any] | None) -> Seque
         submodule_inputs=submodule_inputs,
         submodule_outputs=submodule_outputs,
         gathers=gathers,
+        empty_shares=False,
     )
 
 

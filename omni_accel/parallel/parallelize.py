@@ -143,8 +143,8 @@ def parallelize(
     if config.sequence_parallel > 1 or splits_tokens:
         tp = tp if splits_tokens else None
         groups = (state.group("ulysses"), state.group("ring"), tp)
-        layout.sequence = sequence = SequenceState(*groups, tuning)
         seq, submodules = plan.sequence, SubmoduleHooks(transformer)
+        layout.sequence = sequence = SequenceState(*groups, tuning, empty_shares=seq.empty_shares)
         for path, splits in seq.submodule_inputs.items():
             submodules.add(path, SplitInputs(splits, sequence), _HOOK_PREFIX + "sp_split", outermost=True)
         for path, splits in seq.submodule_outputs.items():

@@ -121,7 +121,10 @@ class SequencePlan:
     ``gathers``: further submodule path -> Split whose output is gathered (a plan that splits only inside
     the blocks). A Split whose ``stream`` no split names (a plan taken from Diffusers', which names none) is
     gathered by its length (``SequenceState.layout_of``). ``ring_first``: on two ranks whose K/V travel
-    by peer writes, ring is measured faster than Ulysses for this model (``parallel="auto"`` follows it)."""
+    by peer writes, ring is measured faster than Ulysses for this model (``parallel="auto"`` follows it).
+    ``empty_shares``: the model's code runs on a rank that holds none of a stream's tokens (our blocks do);
+    a plan taken from Diffusers' runs Diffusers' code, whose RoPE and reshapes do not take an empty
+    sequence, so there a stream shorter than the ranks that split it is refused (``SequenceState.stream``)."""
 
     output: tuple[str, Split]
     inputs: Mapping[str, Split] = field(default_factory=dict)
@@ -129,17 +132,27 @@ class SequencePlan:
     submodule_outputs: Mapping[str, Mapping[int, Split]] = field(default_factory=dict)
     gathers: Mapping[str, Split] = field(default_factory=dict)
     ring_first: bool = False
+    empty_shares: bool = True
 
 
 class SequenceState(HoldsGroups):
     """The sequence layout of the forward in flight: one plan per stream, and ``joint``, every stream
     joined as attention joins them (read by the blocks' attention); with a TP group, each stream's split of
-    this rank's tokens over it (``tokens``). ``tuning``: how the exchanges run."""
+    this rank's tokens over it (``tokens``). ``tuning``: how the exchanges run. ``empty_shares``: as the
+    plan's (``SequencePlan.empty_shares``)."""
 
-    def __init__(self, ulysses_group, ring_group, tp_group=None, tuning: LayoutTuning | None = None) -> None:
+    def __init__(
+        self,
+        ulysses_group,
+        ring_group,
+        tp_group=None,
+        tuning: LayoutTuning | None = None,
+        empty_shares: bool = True,
+    ) -> None:
         self.groups = dict(ulysses_group=ulysses_group, ring_group=ring_group)
         self.tp_group = tp_group
         self.tuning = LayoutTuning() if tuning is None else tuning
+        self.empty_shares = empty_shares
         self.shares = SequenceShares()
         self.reset()
 
@@ -153,6 +166,7 @@ class SequenceState(HoldsGroups):
     def stream(self, name: str, length: int) -> SequenceParallel:
         plan = self.streams.get(name)
         if plan is None:
+            self._refuse_empty_shares(name, length)
             plan = self.streams[name] = SequenceParallel.plan(length, **self.groups, tuning=self.tuning)
             sizes = zip(*(p.sizes for p in self.streams.values()), strict=True)
             self.joint = SequenceParallel(tuple(map(sum, sizes)), **self.groups, tuning=self.tuning)
@@ -165,6 +179,19 @@ class SequenceState(HoldsGroups):
                 "it was first split; the model's sequence plan is inconsistent"
             )
         return plan
+
+    def _refuse_empty_shares(self, name: str, length: int) -> None:
+        """Raises where a rank would hold none of ``length`` tokens and the model cannot run on none. Every
+        rank sees the same length, so every rank raises alike, at the same point: none is left waiting."""
+        degree = self.degree
+        if self.empty_shares or not 0 < length < degree:
+            return
+        raise ValueError(
+            f"sequence parallelism: the model's _cp_plan splits {length} token(s) at {name!r} over {degree} "
+            "ulysses x ring ranks, so a rank would hold none of them, and this model's own (Diffusers') code "
+            f"does not run on an empty sequence. Use at most {length} ulysses x ring ranks for such inputs, or a "
+            "longer input (e.g. a longer prompt)."
+        )
 
     def split(self, value: Any, split: Split) -> Any:
         if value is None:
