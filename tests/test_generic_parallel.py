@@ -15,8 +15,10 @@ from multirank import run_multirank
 from tiny_transformers import (
     OVERRIDES,
     Holder,
+    Shapes,
     build,
     exported_transformers,
+    generic_inputs,
     outputs,
     randomized,
     tiny_config,
@@ -106,7 +108,8 @@ def _families() -> None:
 
 def _masked_and_uneven(layouts: tuple[dict, ...] = LAYOUTS) -> None:
     """Qwen-Image with padded text (a key mask, as its pipeline passes) over 15 image tokens and 5 text
-    tokens: both split unevenly (8+7, 3+2), so the ranks exchange their lengths."""
+    tokens: both split unevenly (8+7, 3+2), so the ranks exchange their lengths; then with ControlNet
+    residuals, and FLUX.1's (native=False) over 15 image tokens."""
     model, inputs = build("QwenImageTransformer2DModel")
     batch, channels = inputs["hidden_states"].shape[0], inputs["hidden_states"].shape[-1]
     g = torch.Generator().manual_seed(3)
@@ -125,6 +128,23 @@ def _masked_and_uneven(layouts: tuple[dict, ...] = LAYOUTS) -> None:
         assert _same_on_every_rank(got)
         again, _ = _split(model, inputs, layout)  # lengths exchanged again by a new layout, same result
         assert all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
+    inputs["controlnet_block_samples"] = [torch.randn(batch, 15, model.inner_dim, generator=g)]
+    _controlnet_residuals("QwenImageTransformer2DModel", model, inputs, layouts)
+    model, _ = build("FluxTransformer2DModel")
+    inputs = generic_inputs(model, Shapes("tokens", height=3, width=5))
+    residuals = [torch.randn(batch, 15, model.inner_dim, generator=g) for _ in range(3)]
+    inputs.update(controlnet_block_samples=residuals[:1], controlnet_single_block_samples=residuals[1:])
+    _controlnet_residuals("FluxTransformer2DModel", model, inputs, layouts)
+
+
+def _controlnet_residuals(name: str, model, inputs: dict, layouts: tuple[dict, ...]) -> None:
+    """ControlNet residuals (15 image tokens, split 8+7), which the _cp_plan leaves whole, split with the
+    image tokens they are added to (they were whole beside a slice: a shape error)."""
+    plain = outputs(model, inputs)
+    for layout in layouts:
+        got, _ = _split(model, inputs, layout)
+        err = _close(got, plain)
+        assert err <= 1e-5 and _same_on_every_rank(got), f"{name} {layout} ControlNet: rel err {err:.2e}"
 
 
 def _compiled_split() -> None:

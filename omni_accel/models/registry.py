@@ -130,8 +130,16 @@ _SPECS: dict[str, ModelSpec] = {
 }
 
 
+# ControlNet residuals a forward adds to its image tokens: split as they are (by the same sizes, being as long).
+_RESIDUALS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+
 # What Diffusers' `_cp_plan` of a class lacks, in its own form, merged over it (``cp_plan``).
 _CP_PLAN_ADDITIONS: dict[str, dict[str, Any]] = {
+    # Their plans split the image tokens but not the ControlNet residuals added to them, whole beside a slice.
+    "FluxTransformer2DModel": {
+        "": {"controlnet_block_samples": _RESIDUALS, "controlnet_single_block_samples": _RESIDUALS},
+    },
+    "QwenImageTransformer2DModel": {"": {"controlnet_block_samples": _RESIDUALS}},
     # LTX-2's plan splits the video RoPE but not the one its audio<->video cross-attentions rotate the
     # video tokens with (`cross_attn_rope`), so those calls meet a whole table beside split tokens.
     "LTX2VideoTransformer3DModel": {
