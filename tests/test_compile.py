@@ -549,3 +549,42 @@ def test_block_compiles_carry_our_graph_passes_where_inductor_compiles():
     own = object()
     options = BlockCompiler({"options": {"post_grad_custom_pre_pass": own}}).options
     assert options["options"]["post_grad_custom_pre_pass"] is own
+
+
+@pytest.mark.parametrize("tier", ["native", "generic"])
+@pytest.mark.parametrize("when", ["queued", "in-flight"])
+def test_a_dtype_change_beside_the_background_compile_is_compiled_again_not_failed(tier, when):
+    """``pipe.to(torch.float64)`` after the eager calls queued their arguments (a one-step call), or while
+    the worker runs them: the queued activations and the moved weights mixed dtypes, the compile "failed",
+    the next call raised and the blocks never compiled. Now the compile is made again from new calls."""
+    torch._dynamo.reset()
+    running, release = threading.Event(), threading.Event()
+
+    def backend(gm, example_inputs):
+        running.set()
+        release.wait(60)
+        return gm.forward
+
+    if when == "queued":
+        release.set()
+    build = omni_accel.tiny_flux_pipeline if tier == "native" else omni_accel.tiny_qwenimage_pipeline
+    options = {"native": False} if tier == "generic" else {}
+    pipe = omni_accel.accelerate(
+        build(seed=0), compile={"backend": backend}, compile_in_background=True, **options
+    )
+    compiler = _compiler(pipe)
+    _latents_of(pipe, steps=1 if when == "queued" else 2)
+    if when == "in-flight":
+        assert running.wait(60) and compiler.compiling
+    pipe.to(torch.float64)
+    release.set()
+    expected = _latents_of(build(seed=0).to(torch.float64), steps=2)
+    for _ in range(2):  # the first compiles again (eagerly meanwhile), the second runs the compiled code
+        assert ((_latents_of(pipe, steps=2) - expected).abs().max() / expected.abs().max()).item() <= 1e-12
+        compiler.wait()
+    assert "failed" not in str(omni_accel.describe(pipe))
+    assert all(compiled for _, compiled in compiler.calls().values()), compiler.calls()
+
+
+def _latents_of(pipe, steps):
+    return pipe(**{**CALL, "num_inference_steps": steps}, generator=torch.Generator().manual_seed(0)).images

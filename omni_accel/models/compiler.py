@@ -38,7 +38,7 @@ import contextvars
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,7 +61,8 @@ class _Function:
 
     at_first_call: bool = False  # compiled where first called (no background), as torch.compile does
     compiled: Callable | None = None  # in the background made by the worker, off the steps' path
-    # per input signature, a call's arguments and state, and the first one's context: compiled together
+    # per input signature, a call's arguments, state and tensor layout, and the first one's context:
+    # compiled together
     queued: dict[Hashable, tuple] = field(default_factory=dict)
     compiling: bool = False
     ready: bool = False  # compiled, switched in at the next step boundary
@@ -81,7 +82,8 @@ class _Function:
         signature = _signature(args, kwargs)
         if signature not in self.queued:
             state = _CallerState.of((args, kwargs))
-            self.queued[signature] = (args, kwargs, state, contextvars.copy_context())
+            layout = _layout((args, kwargs))
+            self.queued[signature] = (args, kwargs, state, layout, contextvars.copy_context())
 
 
 class BlockCompiler:
@@ -244,10 +246,10 @@ class BlockCompiler:
                 "cached on disk)",
                 fn.__qualname__,
             )
-            context = calls[0][3]  # the first call's: what the compile runs in
+            context = calls[0][4]  # the first call's: what the compile runs in
             thread = threading.Thread(
                 target=context.run,
-                args=(self._compile, fn, function, [call[:3] for call in calls]),
+                args=(self._compile, fn, function, [call[:4] for call in calls]),
                 name=f"omni_accel-compile-{fn.__qualname__}",
             )  # not a daemon: an interpreter exiting mid-compile waits for it instead of aborting
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
@@ -257,6 +259,11 @@ class BlockCompiler:
         start = time.perf_counter()
         try:
             compiled = self._build(fn, calls, self.options)
+        except _Stale:  # not a failure: the next eager calls queue the model's arguments as they are now
+            with self._lock:
+                function.compiling = False
+            logger.info("%s: the model changed while its compile waited; compiled again", fn.__qualname__)
+            return
         except BaseException as exc:  # raised at the next step boundary, in the caller's thread
             with self._lock:
                 function.error, function.compiling, self._pending = exc, False, True
@@ -269,13 +276,21 @@ class BlockCompiler:
 
     @staticmethod
     def _build(fn: Callable, calls: list[tuple], options: dict) -> Callable:
-        """``torch.compile(fn)``, compiled by calling it once per ``(args, kwargs, state)`` in that state."""
+        """``torch.compile(fn)``, compiled by calling it once per ``(args, kwargs, state, layout)`` in that
+        state. Raises ``_Stale`` where the tensors the arguments reach no longer have the ``layout`` they had
+        when queued (``pipe.to(torch.float64)`` or a LoRA loaded since: the arguments mix the old activations
+        with the new weights, and their run would fail as no call of the model does)."""
         with background.LOCK:
             compiled = torch.compile(fn, **options)
-            for args, kwargs, state in calls:
+            for args, kwargs, state, layout in calls:
                 with contextlib.ExitStack() as stack:
                     state.enter(stack)
-                    compiled(*args, **kwargs)
+                    try:
+                        if _layout((args, kwargs)) == layout:
+                            compiled(*args, **kwargs)
+                    finally:  # before the run or while it ran, whatever it raised
+                        if _layout((args, kwargs)) != layout:
+                            raise _Stale
         return compiled
 
 
@@ -405,6 +420,25 @@ def _signature(args: tuple, kwargs: dict) -> Hashable:
         else:
             parts.append(type(leaf))
     return tuple(parts)
+
+
+class _Stale(Exception):
+    """The model changed between a call and the background compile of its arguments."""
+
+
+def _layout(value: Any) -> tuple:
+    """The dtype, device and shape of every tensor ``value`` reaches: in containers, dataclasses (a
+    ``LinearWeights``) and modules (a generic block's parameters and buffers). Parameters keep their
+    identity when ``Module.to`` or a LoRA changes them, so a queued call sees those changes here."""
+    found: list[tuple] = []
+    for leaf in torch.utils._pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            found.append((leaf.dtype, leaf.device, tuple(leaf.shape)))
+        elif isinstance(leaf, torch.nn.Module):
+            found.append(_layout([*leaf.parameters(), *leaf.buffers()]))
+        elif is_dataclass(leaf) and not isinstance(leaf, type):
+            found.append(_layout([getattr(leaf, f.name) for f in fields(leaf)]))
+    return tuple(found)
 
 
 def _reason(error: BaseException) -> str:
