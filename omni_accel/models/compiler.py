@@ -182,13 +182,17 @@ class BlockCompiler:
     @staticmethod
     def _line(fn: Callable, function: _Function) -> str:
         if function.at_first_call:
-            state = f"compile failed, runs eagerly: {function.failed}" if function.failed else "compiled"
+            state = (
+                f"compile failed, runs eagerly: {_one_line(function.failed)}"
+                if function.failed
+                else "compiled"
+            )
             return f"{fn.__qualname__}: {state} at its first call per input shape"
         state = "compiled" if function.active else "compiling" if function.compiling else "not yet compiled"
         if function.ready:
             state = "compiled, switched in at the next step"
         if function.failed:
-            state = f"compile failed, runs eagerly: {function.failed}"
+            state = f"compile failed, runs eagerly: {_one_line(function.failed)}"
         took = f" in {function.window[1] - function.window[0]:.1f} s" if function.window else ""
         return (
             f"{fn.__qualname__}: {state} in the background{took} ({function.eager_calls} calls ran eagerly "
@@ -443,6 +447,16 @@ def _layout(value: Any) -> tuple:
 
 def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def _one_line(reason: str, limit: int = 400) -> str:
+    """``reason`` as one line of ``describe``: torch's errors run over many lines (a graph break's
+    explanation and user code, a backend's own error under its wrapper, advice on logging), which split the
+    report's line in the middle. The whole error is raised with its traceback (at the next step boundary,
+    or at the first call with ``compile_in_background=False``)."""
+    lines = (line.strip() for line in reason.splitlines())
+    text = " ".join(line for line in lines if line and not line.startswith("Set TORCHDYNAMO_VERBOSE"))
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _capturing() -> bool:
