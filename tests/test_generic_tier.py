@@ -5,6 +5,7 @@ the model (LoRA, step caches, gradients, deepcopy, a compile of another model of
 tests/test_gpu_generic.py."""
 
 import copy
+import threading
 
 import omni_accel.patches as patches
 import pytest
@@ -103,6 +104,28 @@ def test_background_compile_serves_eagerly_then_switches_in():
     ((eager, compiled),) = runtime.compiler.calls().values()
     assert eager >= 2 and compiled >= 2  # two blocks per step: the first steps eager, the last ones compiled
     assert "compiled in the background" in omni_accel.describe(pipe).components[0].detail
+
+
+def test_blocks_of_one_class_that_compile_apart_all_compile_in_the_background():
+    """SD3's last block (``context_pre_only``: other submodules) compiles a graph of its own. Its calls
+    looked like the other blocks' (one module type), so the worker compiled one graph and the first
+    compiled step compiled the other in the call, the wait the background compile is there to spare."""
+    torch._dynamo.reset()
+    compiled_in = []
+
+    def backend(gm, example_inputs):
+        compiled_in.append(threading.current_thread().name)
+        return gm.forward
+
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_sd3_pipeline(seed=0), compile={"backend": backend}, compile_in_background=True
+    )
+    _latents(pipe)
+    compiler = omni_accel.describe(pipe).components[0].runtime.compiler
+    compiler.wait(120)
+    _latents(pipe)
+    assert compiler.calls()["JointTransformerBlock.forward"][1] > 0  # the second image ran compiled code
+    assert compiled_in == ["omni_accel-compile-JointTransformerBlock.forward"] * 2, compiled_in
 
 
 def test_a_plain_model_of_the_same_class_compiled_elsewhere_keeps_diffusers_attention():

@@ -412,8 +412,10 @@ _SHAPES_COMPILED_AHEAD = 4
 
 def _signature(args: tuple, kwargs: dict) -> Hashable:
     """What tells calls apart for a static compile: each tensor's shape, strides, dtype, device and grad
-    flag, each plain value (Dynamo specializes on it), and the type of anything else (an object passed to
-    every block alike, whose identity must not make each block's call look new)."""
+    flag, each plain value (Dynamo specializes on it), a module's structure (the generic tier's block: SD3's
+    last one, ``context_pre_only``, has other submodules and compiles a graph of its own) and the type of
+    anything else (an object passed to every block alike, whose identity must not make each block's call
+    look new)."""
     leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     parts: list[Hashable] = [spec]
     for leaf in leaves:
@@ -421,6 +423,8 @@ def _signature(args: tuple, kwargs: dict) -> Hashable:
             parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
         elif isinstance(leaf, PLAIN_VALUES):
             parts.append((type(leaf), leaf))
+        elif isinstance(leaf, torch.nn.Module):
+            parts.append((tuple(type(module) for module in leaf.modules()), _layout(leaf)))
         else:
             parts.append(type(leaf))
     return tuple(parts)
