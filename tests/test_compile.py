@@ -373,6 +373,25 @@ def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():
     assert compiler.calls() == {"breaks": (5, 0)}
 
 
+def test_describe_beside_another_threads_first_call(monkeypatch):
+    """``describe`` lists the compiler's functions while another thread's first call of a block function
+    adds one (a status page beside a request): it raised "dictionary changed size during iteration"."""
+    from omni_accel.models.compiler import BlockCompiler
+
+    compiler = BlockCompiler({"backend": "eager"})
+    compiler.math(f, "a")
+    line = BlockCompiler._line
+
+    def line_while_another_thread_calls(fn, function):
+        compiler.math(g, "b")  # what the other thread ran meanwhile
+        return line(fn, function)
+
+    monkeypatch.setattr(BlockCompiler, "_line", staticmethod(line_while_another_thread_calls))
+    assert compiler.summary() == [
+        "f: not yet compiled in the background (0 calls ran eagerly before, 0 compiled)"
+    ]
+
+
 def test_a_compile_that_cannot_start_raises_at_every_call():
     """torch.compile refusing its arguments at the first call is not remembered as a compiled function."""
     from omni_accel.models.compiler import BlockCompiler

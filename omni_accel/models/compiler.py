@@ -170,7 +170,7 @@ class BlockCompiler:
     def summary(self) -> list[str]:
         """One line per block function, for ``describe``."""
         lines = []
-        for fn, function in self._functions.items():
+        for fn, function in list(self._functions.items()):  # other threads may add to it
             lines.append(self._line(fn, function))
             if function.over_limit:
                 lines.append(
