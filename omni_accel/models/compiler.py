@@ -266,7 +266,10 @@ class BlockCompiler:
         except _Stale:  # not a failure: the next eager calls queue the model's arguments as they are now
             with self._lock:
                 function.compiling = False
-            logger.info("%s: the model changed while its compile waited; compiled again", fn.__qualname__)
+            logger.info(
+                "%s: the model changed since its calls were queued; it compiles from the next calls",
+                fn.__qualname__,
+            )
             return
         except BaseException as exc:  # raised at the next step boundary, in the caller's thread
             with self._lock:
