@@ -587,8 +587,6 @@ def test_a_dtype_change_beside_the_background_compile_is_compiled_again_not_fail
         release.wait(60)
         return gm.forward
 
-    if when == "queued":
-        release.set()
     build = omni_accel.tiny_flux_pipeline if tier == "native" else omni_accel.tiny_qwenimage_pipeline
     # built before any compile: one ending beside a seeded build undoes its seed (see the test above)
     expected = _latents_of(build(seed=0).to(torch.float64), steps=2)
@@ -600,6 +598,7 @@ def test_a_dtype_change_beside_the_background_compile_is_compiled_again_not_fail
     _latents_of(pipe, steps=1 if when == "queued" else 2)
     if when == "in-flight":
         assert running.wait(60) and compiler.compiling
+    # the worker, queued or tracing, sees the move before its backend returns: no unordered race with it
     pipe.to(torch.float64)
     release.set()
     compiler.wait()  # the compile in flight ends, stale
