@@ -29,11 +29,14 @@ _ORIGINAL = "_omni_accel_original_call"
 
 def apply(cls: type) -> None:
     inherited = cls.__call__
+    # A base class patched before (a subclass's instance accelerated beside one of its base): its wrapper,
+    # which stays valid after its own revert, enters the scopes; entered twice, a forward would be marked twice.
+    nested = is_ours(inherited)
 
     @functools.wraps(inherited)
     def __call__(self, *args, **kwargs):
         scopes = self.__dict__.get(SCOPES)
-        if not scopes or torch.compiler.is_dynamo_compiling():
+        if nested or not scopes or torch.compiler.is_dynamo_compiling():
             return inherited(self, *args, **kwargs)
         entered = []
         try:

@@ -576,6 +576,22 @@ def test_scopes_nest_and_a_raising_pre_hook_gives_its_error_alone():
         scoped_calls.revert(Scoped)
     assert "__call__" not in vars(Scoped)
 
+    class Derived(Scoped):  # patched beside its base: the scopes are still entered once a call
+        pass
+
+    entered = []
+    scoped_calls.apply(Scoped)
+    scoped_calls.apply(Derived)
+    try:
+        module = Derived(2, 2)
+        undo = add_scope(module, lambda: entered.append(1), lambda _: None)
+        module(torch.zeros(1, 2))
+        assert entered == [1]
+        undo()
+    finally:
+        scoped_calls.revert(Derived)
+        scoped_calls.revert(Scoped)
+
     pipe = omni_accel.tiny_flux_pipeline(seed=0)
     refuse = [True]
 
