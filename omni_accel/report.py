@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,19 +161,56 @@ class ComponentReport:
             out.append(f"  {self.step_cache}")
         out.extend(f"  {line}" for line in self.holders)
         out.extend(f"  adapted: {item}" for item in self.adapted)
-        out.extend(f"  not accelerated: {item}" for item in self.not_accelerated)
+        out.extend(f"  not accelerated: {item}" for item in self._not_accelerated())
         return out
 
     def _detail(self) -> str:
-        """``detail``, its claim that the projections run in FP8 replaced by what happened where none does."""
+        """``detail``, its claims that the projections run in FP8 and that the blocks are compiled replaced by
+        what happened where none is quantized or a compile failed."""
+        parts = self.detail.split("; ")
         reasons = _fp8_unused(self.runtime)
-        if not reasons:
-            return self.detail
-        truth = f"quantize='fp8' requested, none quantized: {' / '.join(reasons)}"
-        return "; ".join(truth if p.startswith(FP8_CLAIM) else p for p in self.detail.split("; "))
+        if reasons:
+            truth = f"quantize='fp8' requested, none quantized: {' / '.join(reasons)}"
+            parts = [truth if p.startswith(FP8_CLAIM) else p for p in parts]
+        failed, every = _compile_failures(self.runtime)
+        if failed:
+            parts = [_compile_truth(p, failed, every) if COMPILE_CLAIM.match(p) else p for p in parts]
+        return "; ".join(parts)
+
+    def _not_accelerated(self) -> list[str]:
+        """``not_accelerated``, the generic tier's note that Diffusers' own layers run compiled corrected
+        where every compile failed."""
+        if not _compile_failures(self.runtime)[1]:
+            return self.not_accelerated
+        return [
+            item.replace(" (compiled)", " (not compiled: the compile failed)")
+            for item in self.not_accelerated
+        ]
 
 
 FP8_CLAIM = "LOSSY: quantize='fp8'"  # how a planned detail says FP8 was asked (api.py writes it)
+# How a planned detail says the repeated blocks compile (api.py writes it): "2 repeated blocks (A, B)
+# compiled ..." in the generic tier, "repeated blocks compiled ..." in the native one.
+COMPILE_CLAIM = re.compile(r"(\d+ )?repeated blocks (\([^)]*\) )?compiled\b")
+
+
+def _compile_failures(runtime: NativeRuntime | GenericRuntime | None) -> tuple[dict[str, str], bool]:
+    """The block functions of ``runtime`` whose compile failed, with the one-line reason, and whether that is
+    every function compiled so far."""
+    compiler = getattr(runtime, "compiler", None)
+    if compiler is None:
+        return {}, False
+    failed = compiler.failures()
+    return failed, bool(failed) and len(failed) == len(compiler.calls())
+
+
+def _compile_truth(claim: str, failed: dict[str, str], every: bool) -> str:
+    """``claim`` that the blocks are compiled, said as it went: which block functions failed and why."""
+    reasons = " / ".join(f"{name}: {reason}" for name, reason in sorted(failed.items()))
+    if every:
+        blocks = COMPILE_CLAIM.match(claim).group(0).removesuffix("compiled")
+        return f"{blocks}not compiled: the compile failed, so they run eagerly ({reasons})"
+    return f"{claim}, except the blocks of a function whose compile failed, which run eagerly ({reasons})"
 
 
 def _fp8_unused(runtime: NativeRuntime | GenericRuntime | None) -> list[str]:

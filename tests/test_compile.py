@@ -373,6 +373,64 @@ def test_a_failed_background_compile_is_raised_once_then_runs_eagerly():
     assert compiler.calls() == {"breaks": (5, 0)}
 
 
+def _refuses(gm, example_inputs):
+    raise RuntimeError("this backend refuses every graph")
+
+
+@pytest.mark.parametrize("tier", ["native", "generic"])
+def test_describe_says_blocks_whose_background_compile_failed_run_eagerly(tier):
+    """The report's first line said the blocks were compiled (and the generic tier's layers "(compiled)")
+    after their compile had failed and they ran eagerly; only the ``compiled:`` line told the truth."""
+    torch._dynamo.reset()
+    build, options = {
+        "native": (omni_accel.tiny_flux_pipeline, {}),
+        "generic": (omni_accel.tiny_qwenimage_pipeline, {"native": False}),
+    }[tier]
+    pipe = omni_accel.accelerate(
+        build(seed=0), compile={"backend": _refuses}, compile_in_background=True, **options
+    )
+    _latents(pipe)  # the second step starts the compile
+    _compiler(pipe).wait()
+    pending = str(omni_accel.describe(pipe))
+    assert "compile failed, raised at the next step, then runs eagerly: BackendCompilerFailed" in pending
+    with pytest.raises(RuntimeError, match="in the background failed to compile"):
+        _latents(pipe)
+    for report in (pending, str(omni_accel.describe(pipe))):
+        first = report.splitlines()[1]
+        assert re.search(
+            r"repeated blocks (\(\w+\) )?not compiled: the compile failed, so they run eagerly \(.+: "
+            r"BackendCompilerFailed: .*this backend refuses every graph\)",
+            first,
+        ), first
+        assert "compiled in the background" not in first and "compiled (in the background" not in first
+        assert "(compiled)" not in report
+
+
+def test_describe_names_the_block_functions_whose_compile_failed_beside_compiled_ones():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from omni_accel.models.compiler import BlockCompiler
+    from omni_accel.report import ComponentReport
+
+    torch._dynamo.reset()
+    compiler = BlockCompiler({"backend": "eager", "fullgraph": True}, raise_failures=False)
+    x = torch.randn(4)
+    for _ in range(3):  # eager, then both compile (``breaks`` fails), then switched in
+        compiler.math(f, "a")(x)
+        compiler.math(breaks, "b")(x)
+        compiler.wait()
+    runtime = SimpleNamespace(compiler=compiler, fallbacks=Counter())
+    report = ComponentReport(
+        "transformer", "T", "native", "x; repeated blocks compiled (in the background)", runtime=runtime
+    )
+    assert re.fullmatch(
+        r"x; repeated blocks compiled \(in the background\), except the blocks of a function whose compile "
+        r"failed, which run eagerly \(breaks: Unsupported: .+\)",
+        report._detail(),
+    )
+
+
 def test_describe_beside_another_threads_first_call(monkeypatch):
     """``describe`` lists the compiler's functions while another thread's first call of a block function
     adds one (a status page beside a request): it raised "dictionary changed size during iteration"."""

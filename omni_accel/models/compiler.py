@@ -167,6 +167,15 @@ class BlockCompiler:
         (compiles run one at a time: it may first wait for another) and when its compiled code was ready."""
         return {fn.__qualname__: f.window for fn, f in list(self._functions.items()) if f.window is not None}
 
+    def failures(self) -> dict[str, str]:
+        """Per block function whose compile failed (its blocks run eagerly, or will from the next step once
+        the error is raised there), the failure on one line."""
+        return {
+            fn.__qualname__: _one_line(f.failed if f.failed is not None else _reason(f.error))
+            for fn, f in list(self._functions.items())
+            if f.failed is not None or f.error is not None
+        }
+
     def summary(self) -> list[str]:
         """One line per block function, for ``describe``."""
         lines = []
@@ -191,6 +200,8 @@ class BlockCompiler:
         state = "compiled" if function.active else "compiling" if function.compiling else "not yet compiled"
         if function.ready:
             state = "compiled, switched in at the next step"
+        if function.error is not None:
+            state = f"compile failed, raised at the next step, then runs eagerly: {_one_line(_reason(function.error))}"
         if function.failed:
             state = f"compile failed, runs eagerly: {_one_line(function.failed)}"
         took = f" in {function.window[1] - function.window[0]:.1f} s" if function.window else ""
