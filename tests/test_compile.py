@@ -292,6 +292,61 @@ def test_no_compile_starts_in_a_step_a_capture_waits_to_follow():
     assert compiler.begin_step() == 1 and compiler.calls() == {"f": (3, 0), "g": (3, 0)}
 
 
+def test_an_eager_call_beside_the_compiles_start_queues_no_second_compile(monkeypatch):
+    """Another thread's eager call (a pipeline sharing the transformer) that checked the function was not
+    compiling, then queued its arguments after this thread's step boundary had started the compile, left
+    them queued: the next boundary compiled the function a second time after its code was switched in
+    (the generation advanced again: CUDA graphs recaptured; no capture while it compiled)."""
+    from omni_accel.models import compiler as module
+
+    torch._dynamo.reset()
+    compiler = module.BlockCompiler({"backend": "eager"})
+    builds = []
+    real_build = compiler._build
+    compiler._build = lambda fn, calls, options: builds.append(len(calls)) or real_build(fn, calls, options)
+    x, y = torch.randn(4), torch.randn(6)
+    compiler.math(f, "a")(x)  # this thread's first step: queues x's shape
+    inside, go = threading.Event(), threading.Event()
+    signature = module._signature
+
+    def slow_signature(args, kwargs):  # the other thread's call, between its check and its queueing
+        if threading.current_thread().name == "other":
+            inside.set()
+            go.wait(0.5)  # fixed: it holds the lock, so the compile cannot start before it queued
+        return signature(args, kwargs)
+
+    monkeypatch.setattr(module, "_signature", slow_signature)
+    other = threading.Thread(target=lambda: compiler.math(f, "b")(y), name="other")
+    other.start()
+    assert inside.wait(10)
+    compiler.start_compiles()  # this thread's next step boundary
+    go.set()
+    other.join(10)
+    for _ in range(3):  # the steps after: the code is switched in, and nothing is left to compile
+        compiler.wait()
+        compiler.math(f, "a")(x)
+    assert builds == [2] and compiler.generation == 1
+
+
+def test_an_eager_call_that_ends_after_the_switch_queues_no_second_compile():
+    """A block whose eager math was handed out before another thread's step boundary switched the compiled
+    code in, and ran after it, queued its arguments: the next boundary compiled the function again."""
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    compiler = BlockCompiler({"backend": "eager"})
+    x = torch.randn(4)
+    compiler.math(f, "a")(x)
+    compiler.math(f, "a")(x)  # the second step starts the compile
+    compiler.wait()
+    late = compiler.math(f, "b")  # this thread's block, still eager
+    compiler.math(f, "a")  # another thread's next step: the code is switched in
+    late(x)
+    compiler.math(f, "a")(x)
+    compiler.wait()
+    assert compiler.generation == 1 and not compiler.compiling and compiler.begin_step() == 1
+
+
 def test_every_input_shape_the_eager_steps_met_compiles_in_the_background():
     """A block function called with several shapes in a step (Z-Image's refiners and main layers) has each
     compiled by the worker before the switch, none left to compile in the call that meets it after."""

@@ -123,10 +123,15 @@ class BlockCompiler:
             return function.compiled
 
         def eager_meanwhile(*args: Any, **kwargs: Any) -> Any:
-            function.eager_calls += 1
-            # not once its compile failed (``error`` until the step boundary reports it, ``failed`` after)
-            if not (function.compiling or function.ready or function.failed or function.error is not None):
-                function.queue(args, kwargs)
+            # Locked: another thread's step boundary may start the compile between the check and the queueing
+            # (``_start_queued``), which left the arguments queued for a second compile of the function.
+            with self._lock:
+                function.eager_calls += 1
+                # not once compiling, compiled (``active`` too: another thread's step switched it in since
+                # this eager math was handed out) or failed (``error`` until the step boundary reports it)
+                done = function.ready or function.active or function.failed or function.error is not None
+                if not (function.compiling or done):
+                    function.queue(args, kwargs)
             return fn(*args, **kwargs)
 
         return eager_meanwhile
