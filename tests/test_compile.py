@@ -347,6 +347,52 @@ def test_an_eager_call_that_ends_after_the_switch_queues_no_second_compile():
     assert compiler.generation == 1 and not compiler.compiling and compiler.begin_step() == 1
 
 
+def test_wait_joins_compiles_started_from_several_threads_at_once():
+    """Two threads' step boundaries starting compiles at once (pipelines sharing a transformer) each rebuilt
+    the list of compile threads from what it read before the other's update: one thread was lost, and
+    ``wait`` (the benchmarks' wait for a warm image) returned while its compile still ran."""
+    from omni_accel.models.compiler import BlockCompiler
+
+    torch._dynamo.reset()
+    compiler = BlockCompiler({"backend": "eager"})
+    release = threading.Event()
+    real_build = compiler._build
+
+    def slow_for_g(fn, *args):
+        if fn is g:
+            release.wait(10)
+        return real_build(fn, *args)
+
+    compiler._build = slow_for_g
+    x = torch.randn(4)
+    compiler.math(h, "a")(x)
+    compiler.math(h, "a")(x)  # the first compile: a thread is listed
+    compiler.wait()
+    compiler.math(f, "b")(x)
+    inside, go = threading.Event(), threading.Event()
+
+    def slow_is_alive():  # the other thread's look at the listed threads, before it lists its own
+        if threading.current_thread().name == "other":
+            inside.set()
+            go.wait(0.5)  # fixed: it holds the lock, so this thread's compile starts after
+        return False
+
+    compiler._threads[0].is_alive = slow_is_alive
+    other = threading.Thread(target=compiler.start_compiles, name="other")  # starts f's compile
+    other.start()
+    try:
+        assert inside.wait(10)
+        compiler.math(g, "c")(x)
+        compiler.start_compiles()  # this thread's step boundary starts g's
+        go.set()
+        other.join(10)
+        assert "omni_accel-compile-g" in {thread.name for thread in compiler._threads}  # ``wait`` joins it
+    finally:
+        release.set()
+    compiler.wait()
+    assert not compiler.compiling
+
+
 def test_every_input_shape_the_eager_steps_met_compiles_in_the_background():
     """A block function called with several shapes in a step (Z-Image's refiners and main layers) has each
     compiled by the worker before the switch, none left to compile in the call that meets it after."""

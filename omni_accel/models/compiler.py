@@ -160,7 +160,9 @@ class BlockCompiler:
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every compile started so far has finished (its code is used from the next step)."""
-        for thread in list(self._threads):
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join(timeout)
 
     def calls(self) -> dict[str, tuple[int, int]]:
@@ -260,20 +262,25 @@ class BlockCompiler:
             queued = [(fn, f, list(f.queued.values())) for fn, f in self._functions.items() if f.queued]
             for _, function, _ in queued:
                 function.queued, function.compiling = {}, True
-        for fn, function, calls in queued:
-            logger.warning(  # shown by default: says why the first steps are not yet compiled
-                "compiling %s in the background: its calls run eagerly until the code is ready (seconds; "
-                "cached on disk)",
-                fn.__qualname__,
-            )
-            context = calls[0][4]  # the first call's: what the compile runs in
-            thread = threading.Thread(
-                target=context.run,
-                args=(self._compile, fn, function, [call[:4] for call in calls]),
-                name=f"omni_accel-compile-{fn.__qualname__}",
-            )  # not a daemon: an interpreter exiting mid-compile waits for it instead of aborting
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            thread.start()
+            # started and listed under the lock: two threads listing at once each dropped the other's
+            # thread (``wait`` returned while it compiled), as would one not yet started (not alive)
+            for fn, function, calls in queued:
+                logger.warning(  # shown by default: says why the first steps are not yet compiled
+                    "compiling %s in the background: its calls run eagerly until the code is ready (seconds; "
+                    "cached on disk)",
+                    fn.__qualname__,
+                )
+                thread = self._worker(fn, function, calls)
+                thread.start()
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def _worker(self, fn: Callable, function: _Function, calls: list[tuple]) -> threading.Thread:
+        context = calls[0][4]  # the first call's: what the compile runs in
+        return threading.Thread(
+            target=context.run,
+            args=(self._compile, fn, function, [call[:4] for call in calls]),
+            name=f"omni_accel-compile-{fn.__qualname__}",
+        )  # not a daemon: an interpreter exiting mid-compile waits for it instead of aborting
 
     def _compile(self, fn: Callable, function: _Function, calls: list[tuple]) -> None:
         start = time.perf_counter()
