@@ -6,6 +6,7 @@ import torch
 from conftest import rel_err
 
 import omni_accel
+from omni_accel.attention.base import AttentionProvider, Capabilities
 
 # Wan and Qwen-Image have native blocks; routed with native=False (what a model without them gets).
 CASES = {
@@ -129,6 +130,49 @@ def test_calls_our_providers_do_not_model_are_left_to_diffusers_and_counted():
         routing.leave_selector(tokens[0])
         patches.revert("dispatch_attention", wan.__name__)
     assert wan.dispatch_attention_fn is original
+
+
+@torch.library.custom_op("omni_accel_tests::attention_without_backward", mutates_args=())
+def _attention_without_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    bhsd = (t.transpose(1, 2) for t in (query, key, value))
+    return torch.nn.functional.scaled_dot_product_attention(*bhsd).transpose(1, 2).contiguous()
+
+
+class WithoutBackward(AttentionProvider):
+    """A provider whose kernel, like FlashInfer's and SageAttention's custom ops, has no backward."""
+
+    name = "without_backward"
+    capabilities = Capabilities(dtypes=frozenset({torch.float32}), devices=frozenset({"cpu"}))
+
+    def forward(self, query, key, value, *, attn_mask=None, scale=None, return_lse=False):
+        return _attention_without_backward(query, key, value)
+
+
+def test_gradients_through_routed_attention_run_diffusers_kernel(monkeypatch):
+    """A training step of a routed model computes Diffusers' gradients whatever provider serves its
+    inference calls (one without a backward made ``backward()`` raise); calls without autograd stay ours."""
+    from conftest import flux_inputs, random_flux_transformer
+    from native_contract import _Holder
+
+    from omni_accel.attention import registry
+
+    monkeypatch.setitem(registry._TARGETS, "without_backward", f"{__name__}:WithoutBackward")
+    plain, routed = random_flux_transformer(), random_flux_transformer()
+    holder = omni_accel.accelerate(_Holder(routed), native=False, attention="without_backward")
+    inputs = flux_inputs(plain)
+    for model in (plain, routed):
+        model(**inputs).sample.square().mean().backward()
+    for name, param in plain.named_parameters():
+        assert rel_err(routed.get_parameter(name).grad, param.grad) <= 1e-5, name
+    selector = omni_accel.describe(holder).components[0].selector
+    assert {reason for _, reason in selector.unrouted} == {
+        "gradients flow through it (training or input gradients)"
+    }
+    with torch.no_grad():
+        assert rel_err(routed(**inputs).sample, plain(**inputs).sample) <= 1e-5
+    assert {row[2] for row in selector.decisions()} == {"without_backward"}
+    assert sum(selector.unrouted.values()) == 5  # the blocks of the training step only
+    omni_accel.restore(holder)
 
 
 def test_restore_leaves_a_users_patch_made_after_accelerate():

@@ -1,10 +1,11 @@
 """Routing Diffusers' own attention calls through our providers, for transformers without a native port.
 
 A patched call site (see ``omni_accel.patches``) asks ``route`` first. Outside an accelerated transformer's
-forward, or for a call our providers do not model (causal, dropout, GQA, a Diffusers backend set on the
-processor or context-parallel config, a process-wide Diffusers backend no provider runs), ``route`` returns
-None and the original function runs unchanged. A key-padding mask that a model passes to every block is
-served by dropping the padded keys (``key_padding``): those calls resolve as unmasked ones.
+forward, or for a call our providers do not model (causal, dropout, GQA, a gradient flowing through it, a
+Diffusers backend set on the processor or context-parallel config, a process-wide Diffusers backend no
+provider runs), ``route`` returns None and the original function runs unchanged. A key-padding mask that a
+model passes to every block is served by dropping the padded keys (``key_padding``): those calls resolve as
+unmasked ones.
 
 While Dynamo traces, the context variables cannot be read: an accelerated model's attention modules say
 at trace time which role the calls below them belong to (``trace_enter``, see
@@ -60,6 +61,15 @@ def unsupported_reason(*, is_causal: bool, dropout_p: float, enable_gqa: bool) -
         return "dropout"
     if enable_gqa:
         return "grouped-query attention"
+    return None
+
+
+def gradient_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why a call must run Diffusers' function because a gradient flows through it, or None: some providers'
+    kernels (FlashInfer's, SageAttention's) have no backward, and a native block runs Diffusers' forward
+    then too, so training gets what plain Diffusers computes whatever provider serves the inference calls."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return "gradients flow through it (training or input gradients)"
     return None
 
 
@@ -122,6 +132,7 @@ def route_with(
             return attend_as(q, k, v, attn_mask=mask, scale=scale, return_lse=need_lse)
 
         return attend_split(layout, attend, role, category, query, key, value, attn_mask, scale)
+    unsupported = unsupported or gradient_reason(query, key, value)
     if unsupported:
         selector.note_unrouted(role, unsupported)
         return None
