@@ -356,6 +356,60 @@ def _tensor_parallel() -> None:
         assert all(torch.equal(a, b) for a, b in zip(outputs(model, inputs), plain, strict=True)), name
 
 
+def _bitwise(model, plain, inputs: dict) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(outputs(model, inputs), outputs(plain, inputs), strict=True))
+
+
+def _fused_qkv_under_tensor_parallel() -> None:
+    """Diffusers' ``fuse_qkv_projections()`` under tp=2, on every family that declares a _tp_plan and fuses
+    (FLUX.1, FLUX.2, Qwen-Image 2.1): fused after ``accelerate`` (its fused linears built from this rank's
+    slices) or before (the whole ones, split at ``accelerate``), its outputs, its state_dict (full tensors,
+    before any forward too), unfuse and fuse again while accelerated, and ``restore``, each as plain Diffusers'
+    on one rank: after restore the fused linears are whole again and the model computes as the plain one."""
+    import copy
+
+    fusing = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImage21Transformer2DModel")
+    for name in fusing:
+        for before in (False, True):
+            model, inputs = build(name)
+            inputs, plain, what = _inputs(name, inputs), copy.deepcopy(model), f"{name} fused before={before}"
+            if before:
+                for twin in (plain, model):
+                    twin.fuse_qkv_projections()
+            holder = _generic(Holder(model), parallel=omni_accel.ParallelConfig(tp=2), native=False)
+            if not before:
+                for twin in (plain, model):
+                    twin.fuse_qkv_projections()
+            ours, theirs = model.state_dict(), plain.state_dict()
+            assert "transformer_blocks.0.attn.to_qkv.weight" in theirs, what
+            assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs), what
+            _agree(model, plain, inputs, what)
+            if before:  # unfused while accelerated, then fused again and restored before any forward
+                for twin in (plain, model):
+                    twin.unfuse_qkv_projections()
+                _agree(model, plain, inputs, f"{what} unfused")
+                for twin in (plain, model):
+                    twin.fuse_qkv_projections()
+            omni_accel.restore(holder)
+            ours, theirs = model.state_dict(), plain.state_dict()
+            assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs), what
+            assert _bitwise(model, plain, inputs), what
+            for twin in (plain, model):
+                twin.unfuse_qkv_projections()
+            assert _bitwise(model, plain, inputs), what
+    # an adapter peft sized by a fused linear's slices (added before anything split that linear) is refused
+    from peft import LoraConfig
+
+    model, inputs = build("FluxTransformer2DModel")
+    holder = _generic(Holder(model), parallel=omni_accel.ParallelConfig(tp=2), native=False)
+    model.fuse_qkv_projections()
+    model.add_adapter(LoraConfig(r=2, target_modules=["to_qkv"]), "x")
+    with pytest.raises(NotImplementedError, match="after fusing, then add the adapter"):
+        outputs(model, inputs)
+    model.delete_adapters("x")
+    omni_accel.restore(holder)
+
+
 # LoRA targets covering column- and row-split linears, packed ones included (FLUX.2's QKV+MLP and output).
 _LORA_TARGETS = {
     "QwenImageTransformer2DModel": ["to_q", "add_k_proj", "to_out.0", "to_add_out", "img_mlp.net.2"],
@@ -435,6 +489,7 @@ CHECKS = (
     _refusals,
     _guidance_over_two_ranks,
     _tensor_parallel,
+    _fused_qkv_under_tensor_parallel,
     _lora_under_tensor_parallel,
     _pipeline_lora_under_tensor_parallel,
     _adapted_under_cfg,

@@ -175,12 +175,16 @@ def apply_tensor_parallel(
     return functools.partial(run_all, [shard_linear(linear, shard) for _, linear, shard in shards])
 
 
-def shard_linear(linear: nn.Linear, shard: LinearShard) -> Callable[[], None]:
+def shard_linear(linear: nn.Linear, shard: LinearShard, sliced: bool = False) -> Callable[[], None]:
     """Shards ``linear`` in place as ``shard`` says (full tensors in its state_dict, full ones loaded into
-    it are sliced); returns the undo (a collective)."""
+    it are sliced); returns the undo (a collective). ``sliced``: it already holds this rank's slice (built
+    from split linears), so only its full sizes are recorded."""
     for name, dim in _sharded_params(linear, shard).items():
         param = getattr(linear, name)
-        param.data = shard.take(param.data, dim).contiguous().clone()
+        if not sliced:
+            param.data = shard.take(param.data, dim).contiguous().clone()
+    if sliced:  # a split linear keeps its full sizes: peft sizes its adapters by them
+        linear.out_features = sum(shard.parts)
     linear.omni_tp = shard
     handles = [
         linear.register_state_dict_post_hook(_full_state),
@@ -225,17 +229,19 @@ class AdaptersSplit(LayoutHook):
     the outputs; a row-split one's ``lora_A`` its slice of the inputs, its rank-r partial products summed
     over the TP ranks before ``lora_B`` (a sum of r values per token; ``B(sum A_i x_i)`` is ``B A x``).
     Merging (``fuse_lora``) then adds this rank's slice of the delta by itself. A check of each split
-    linear's place per call, not a walk of the model."""
+    linear's place per call, not a walk of the model. ``fused``: the fused linears Diffusers adds, split
+    (before the adapters' check) as they come and go."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, fused: FusedSplit) -> None:
         super().__init__()
+        self.fused = fused
         self.places = []  # (parent, name, split linear): where the linear, or a wrapper of it, sits
         for parent in module.modules():
             if hasattr(parent, "get_base_layer"):
                 continue  # a peft wrapper (adapters loaded before accelerate): its own parent holds it
             for name, child in parent._modules.items():
                 linear = None if child is None else _base(child)
-                if isinstance(getattr(linear, "omni_tp", None), LinearShard):
+                if isinstance(getattr(linear, "omni_tp", None), LinearShard) and not fused.holds(linear):
                     self.places.append((parent, name, linear))
         # (parent, name, adapter, its split linear, undo): where each split adapter sits
         self.split: list[tuple[nn.Module, str, str, nn.Linear, Callable[[], None]]] = []
@@ -243,7 +249,7 @@ class AdaptersSplit(LayoutHook):
     def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple, dict[str, Any]]:
         # Adapters deleted or unloaded since are dropped, not gathered back (the same on every rank).
         self.split = [entry for entry in self.split if _still_holds(*entry[:4])]
-        for parent, name, linear in self.places:
+        for parent, name, linear in (*self.places, *self.fused.places()):
             wrapper = parent._modules.get(name)
             if wrapper is not linear:
                 self._split_adapters(parent, wrapper, name, linear.omni_tp)
@@ -266,6 +272,12 @@ class AdaptersSplit(LayoutHook):
                     f"the DoRA adapter {adapter!r} on {name}, a linear tp splits, cannot be split with it (its "
                     "magnitude normalises the whole weight). Unload it, or use ulysses, ring or cfg."
                 )
+            if target.weight.shape[shard.dim] != sum(shard.parts):  # sized by a fused linear's slices
+                raise NotImplementedError(
+                    f"the adapter {adapter!r} on {name} was added to a linear fuse_qkv_projections() built from "
+                    "this rank's slices before it was split: run a call (or state_dict()) after fusing, then "
+                    "add the adapter."
+                )
             undo = shard_linear(target, shard)
             if shard.reduces:  # its rank-r partial products, summed before lora_B
                 undo = _then(register(target, SumRowSplit(), "omni_accel.tp_sum"), undo)
@@ -277,6 +289,104 @@ class AdaptersSplit(LayoutHook):
             if _still_holds(*where):
                 undo()
         self.split.clear()
+
+
+# Diffusers' fuse_projections(): the linear it adds to an attention module -> the linears it concatenates.
+_FUSIONS = {
+    "to_qkv": ("to_q", "to_k", "to_v"),
+    "to_kv": ("to_k", "to_v"),
+    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    "to_added_kv": ("add_k_proj", "add_v_proj"),
+}
+
+
+class FusedSplit:
+    """On a model without native blocks under tp: Diffusers' ``fuse_qkv_projections()`` concatenates an
+    attention's column-split Q/K/V linears into one new linear. Fused after ``accelerate`` it holds this
+    rank's slices (it computes right) but is no split linear of ours: its state_dict would give slices and
+    ``restore`` would leave them; fused before, it holds the full weights, which the split attention cannot
+    take. So each such linear is made a split one, packed as its parts are (sliced when whole, recorded when
+    built from slices): at ``accelerate``, before each forward, before its attention's ``state_dict`` and
+    ``load_state_dict``, and at ``restore``, which gathers it back. ``unfuse_qkv_projections()`` deletes it,
+    as in Diffusers."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.attentions = [
+            parent
+            for parent in module.modules()
+            if any(shard_of(child) for name, child in parent._modules.items() if _fused_from(name))
+        ]
+        self.handles = [
+            handle
+            for parent in self.attentions
+            for handle in (
+                parent.register_state_dict_pre_hook(functools.partial(_settle_fused, self)),
+                parent.register_load_state_dict_pre_hook(functools.partial(_settle_fused, self)),
+            )
+        ]
+        self.split: list[tuple[nn.Module, str, nn.Linear, Callable[[], None]]] = []
+        try:
+            self.settle()  # fused before accelerate: split now
+        except Exception:
+            self._gather()
+            raise
+
+    def places(self) -> list[tuple[nn.Module, str, nn.Linear]]:
+        """Where each fused linear in place sits, split (those fused since, split now)."""
+        self.settle()
+        return [(parent, name, linear) for parent, name, linear, _ in self.split]
+
+    def holds(self, linear: nn.Linear) -> bool:
+        return any(linear is split for _, _, split, _ in self.split)
+
+    def settle(self) -> None:
+        """Lets go of the fused linears unfused since (deleted: nothing to gather) and splits new ones."""
+        self.split = [entry for entry in self.split if _base(entry[0]._modules.get(entry[1])) is entry[2]]
+        for parent in self.attentions:
+            self.settle_one(parent)
+
+    def settle_one(self, parent: nn.Module) -> None:
+        """Splits the fused linears of ``parent`` that are not split yet."""
+        for fused_name, sources in _FUSIONS.items():
+            fused = parent._modules.get(fused_name)
+            if fused is None or shard_of(fused) is not None:
+                continue
+            shards = [shard_of(parent._modules[s]) if s in parent._modules else None for s in sources]
+            if not any(shards):
+                continue
+            if not all(shard is not None and shard.dim == 0 for shard in shards):
+                raise NotImplementedError(
+                    f"{fused_name} fuses {', '.join(sources)}, which tp splits only in part; "
+                    "unfuse_qkv_projections() before accelerate, or use ulysses, ring or cfg."
+                )
+            first, linear = shards[0], _base(fused)
+            parts = tuple(part for shard in shards for part in shard.parts)
+            shard = LinearShard(0, parts, first.group, first.rank, first.size)
+            sliced = linear.weight.shape[0] * first.size == sum(parts)
+            undo = shard_linear(linear, shard, sliced=sliced)
+            self.split.append((parent, fused_name, linear, undo))
+
+    def undo(self) -> None:
+        """Gives every fused linear in place its full weights back (a collective), those fused since the
+        last forward included."""
+        self.settle()
+        self._gather()
+
+    def _gather(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for *_, undo in reversed(self.split):
+            undo()
+        self.split.clear()
+
+
+def _fused_from(name: str) -> bool:
+    """Whether ``name`` is a linear Diffusers' fuse_projections() concatenates."""
+    return any(name in sources for sources in _FUSIONS.values())
+
+
+def _settle_fused(split: FusedSplit, module: nn.Module, *args: Any) -> None:
+    split.settle_one(module)
 
 
 def _still_holds(parent: nn.Module, name: str, adapter: str, linear: nn.Linear) -> bool:
@@ -293,14 +403,15 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[],
 
 
 def sum_row_splits(module: nn.Module) -> Callable[[], None]:
-    """``SumRowSplit`` on every row-split linear below ``module``, and ``AdaptersSplit`` on it; returns
-    the undo (which gives split adapters their full weights back)."""
-    undo = [
+    """``SumRowSplit`` on every row-split linear below ``module``, and ``AdaptersSplit`` and ``FusedSplit``
+    on it; returns the undo (which gives split adapters and fused linears their full weights back)."""
+    adapters = AdaptersSplit(module, FusedSplit(module))
+    undo = [adapters.fused.undo]
+    undo += [
         register(linear, SumRowSplit(), "omni_accel.tp_sum")
         for linear in module.modules()
         if isinstance(getattr(linear, "omni_tp", None), LinearShard) and linear.omni_tp.reduces
     ]
-    adapters = AdaptersSplit(module)
     undo.append(register(module, adapters, "omni_accel.tp_adapters"))
     undo.append(adapters.undo)
     return functools.partial(run_all, undo[::-1])
