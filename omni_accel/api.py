@@ -78,7 +78,7 @@ from .parallel.held_groups import refuse_pickle, share_groups
 from .parallel.mesh import ParallelState, init_parallel
 from .parallel.peer_memory import ranks_write_each_other
 from .parallel.routed_attention import LiveSplit
-from .parallel.tensor import sum_row_splits
+from .parallel.tensor import FusedSplit, sum_row_splits
 from .report import FP8_CLAIM, AccelerationReport, ComponentReport, step_cache_note
 from .utils import triton_builds, versions
 from .utils.copies import deepcopy_instance
@@ -1681,6 +1681,8 @@ def _parallelize(component: _Component) -> None:
     component.runtime.layout = layout
     component.report.cfg = layout.cfg
     component.undo.append(layout.revert)
+    if component.parallel.config.tp > 1:  # Diffusers' fused Q/K/V of split linears: full state, restored
+        component.undo.append(FusedSplit(component.original).undo)
     for block in native_blocks(component.original, model):  # the shards packed, as the whole weights were
         block.prepack()
     _agree_on_cache_hits(component)

@@ -205,8 +205,27 @@ def _deepcopy_and_pickle() -> None:
         assert type(pipe) is FluxPipeline and not any(_live(g) for g in groups), f"{layout}: groups left"
 
 
+def _fused_qkv_under_tp() -> None:
+    """Diffusers' ``fuse_qkv_projections()`` on native blocks under tp=2: a call is refused (Diffusers'
+    forward of a split block would be wrong), the fused linears (built from this rank's slices) give full
+    tensors in state_dict, and ``restore`` gives them their full weights back, computing as plain Diffusers'."""
+    plain, fast = omni_accel.tiny_flux_pipeline(seed=0), omni_accel.tiny_flux_pipeline(seed=0)
+    omni_accel.accelerate(fast, parallel=ParallelConfig(tp=2))
+    for pipe in (plain, fast):
+        pipe.transformer.fuse_qkv_projections()
+    with pytest.raises(RuntimeError, match=r"fuse_qkv_projections\(\) is active"):
+        _latents(fast)
+    ours, theirs = fast.transformer.state_dict(), plain.transformer.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    omni_accel.restore(fast)
+    ours = fast.transformer.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert torch.equal(_latents(fast), _latents(plain))
+
+
 def _body(rank: int, world: int, tmp_path: str) -> None:
     torch.set_num_threads(1)
+    _fused_qkv_under_tp()
     _deepcopy_and_pickle()
     _lora_under_tp(tmp_path)
     _compiled_layouts()

@@ -301,14 +301,15 @@ _FUSIONS = {
 
 
 class FusedSplit:
-    """On a model without native blocks under tp: Diffusers' ``fuse_qkv_projections()`` concatenates an
-    attention's column-split Q/K/V linears into one new linear. Fused after ``accelerate`` it holds this
-    rank's slices (it computes right) but is no split linear of ours: its state_dict would give slices and
+    """Under tp: Diffusers' ``fuse_qkv_projections()`` concatenates an attention's column-split Q/K/V
+    linears into one new linear. Fused after ``accelerate`` it holds this rank's slices (Diffusers' forward
+    computes right with them) but is no split linear of ours: its state_dict would give slices and
     ``restore`` would leave them; fused before, it holds the full weights, which the split attention cannot
     take. So each such linear is made a split one, packed as its parts are (sliced when whole, recorded when
-    built from slices): at ``accelerate``, before each forward, before its attention's ``state_dict`` and
-    ``load_state_dict``, and at ``restore``, which gathers it back. ``unfuse_qkv_projections()`` deletes it,
-    as in Diffusers."""
+    built from slices): at ``accelerate``, before each forward of a model without native blocks (through
+    ``AdaptersSplit``), before its attention's ``state_dict`` and ``load_state_dict``, and at ``restore``,
+    which gathers it back. ``unfuse_qkv_projections()`` deletes it, as in Diffusers. (Native blocks refuse
+    to run fused under tp.)"""
 
     def __init__(self, module: nn.Module) -> None:
         self.attentions = [
