@@ -70,6 +70,7 @@ from .models.registry import (
     registered_spec,
     spec_for,
 )
+from .moves import AfterMoves
 from .parallel import Parallelized, check_parallel, parallelize
 from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
@@ -1412,6 +1413,16 @@ def _install_fp8(component: _Component) -> None:
     component.undo += install_fp8_linears(component.original, blocks, component.generic.fp8)[1]
 
 
+def _drop_at_moves(component: _Component) -> None:
+    """What the component's stores made of its weights is let go of when the module moves
+    (``omni_accel.moves``)."""
+    stores = [store for store in (component.cache,) if store is not None]
+    if stores:
+        after = AfterMoves(component.original, stores)
+        after.install()
+        component.undo.append(after.uninstall)
+
+
 _NATIVE_STEPS = (
     _Step("native blocks", _always, _swap_native_blocks),
     _Step("runtime bound to each forward", _always, _bind_forward_runtime),
@@ -1419,6 +1430,7 @@ _NATIVE_STEPS = (
     _Step("projection cache sites", lambda c: c.cache is not None, _wrap_cache_sites),
     _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
     _Step("block graphs", lambda c: c.graphs is not None and c.parallel is None, _install_block_graphs),
+    _Step("stores let go at moves", _always, _drop_at_moves),
 )
 
 
@@ -1448,6 +1460,7 @@ _GENERIC_STEPS = (
     ),
     _Step("fp8 linears", lambda c: c.generic is not None and c.generic.fp8 is not None, _install_fp8),
     _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
+    _Step("stores let go at moves", _always, _drop_at_moves),
 )
 
 

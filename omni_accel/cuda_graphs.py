@@ -705,7 +705,13 @@ def _argument(leaf: Any) -> Hashable:
 
 # nn.Module's own bookkeeping (hooks are read by ``is_hooked``, tensors and children below) and ours (the
 # runtime's state is the step state; layout hooks say what they decide through ``replay_key``).
-_MODULE_INTERNALS = (frozenset(vars(nn.Module())) - {"training"}) | {"_diffusers_hook", "_hf_hook", "forward"}
+# An instance ``_apply`` (ours: ``omni_accel.moves``) runs at moves, never in a forward.
+_MODULE_INTERNALS = (frozenset(vars(nn.Module())) - {"training"}) | {
+    "_diffusers_hook",
+    "_hf_hook",
+    "forward",
+    "_apply",
+}
 _OURS = ("omni_", "_omni")
 
 

@@ -1,5 +1,8 @@
 """Pipelines with the projection cache on and off give bitwise-equal outputs; hits land where expected."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -238,3 +241,29 @@ def test_pipe_to_another_dtype_hits_as_a_pipeline_made_in_it():
     assert _cache(moved).hits == _cache(made).hits == 0
     assert torch.equal(_flux(moved), _flux(made))
     assert _cache(moved).hits == _cache(made).hits > 0
+
+
+def test_pipe_to_another_dtype_lets_go_of_the_outputs_at_once():
+    """``pipe.to`` another dtype or device frees what the cache stored under the old weights at the move,
+    as plain Diffusers frees everything there (they stayed, on the GPU they were made on, until the next
+    call); a call after it and one moved back give what plain Diffusers gives."""
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    fast = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    assert torch.equal(_flux(fast), _flux(plain))
+    cache = _cache(fast)
+    stored = [weakref.ref(entry.output) for entry in cache._entries.values()]
+    assert stored and cache.bytes_used > 0
+    fast.to("cpu")  # where the weights are: nothing is dropped
+    assert cache.bytes_used > 0 and all(ref() is not None for ref in stored)
+    for pipe in (plain, fast):
+        pipe.to(torch.float64)
+    gc.collect()
+    assert cache.bytes_used == 0 and cache.stats()["entries"] == 0
+    assert all(ref() is None for ref in stored)
+    want, got = _flux(plain), _flux(fast)
+    assert got.dtype == torch.float64 and ((got - want).abs().max() / want.abs().max()) < 1e-12
+    for pipe in (plain, fast):
+        pipe.to(torch.float32)
+    hits = cache.hits
+    assert torch.equal(_flux(fast), _flux(plain)) and cache.hits == hits  # nothing from before came back
+    assert torch.equal(_flux(fast), _flux(plain)) and cache.hits > hits

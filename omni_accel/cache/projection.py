@@ -31,8 +31,8 @@ LRU or FIFO evict each entry just before its reuse and hit nothing, while a froz
 part that fits. Invalid entries are dropped as soon as they are seen, which frees room for new ones; and
 those stored under weights that can never come back (freed, or written since: a dtype or device move, a
 ``load_state_dict``), whose conditioning may never be seen again (it is computed from those weights too),
-are dropped with their conditioning at the projection's next miss, so that they hold neither memory nor the
-budget that the new weights' outputs need.
+are dropped with their conditioning at the projection's next miss (at the move itself where the module
+moved: ``drop_moved``), so that they hold neither memory nor the budget that the new weights' outputs need.
 
 Under tensor or sequence parallelism a projection may be a collective (a row-split linear, the split AdaLN
 modulation): ``agree_over`` makes the ranks decide every hit together, so one rank's miss is every rank's.
@@ -399,6 +399,19 @@ class ExactProjectionCache:
         self._keys[key[1]].discard(key)
         self._cond_entries[key[0]] -= 1
 
+    def drop_moved(self) -> None:
+        """The module moved (``Module.to`` another dtype or device, ``omni_accel.moves``): drops every output
+        stored under weights that can never come back, and the conditionings left with none, now rather than
+        at each projection's next miss, so that a model moved off its GPU leaves nothing there."""
+        for name, stored_under in list(self._stored_under.items()):
+            if _outlived(stored_under):
+                self._drop_outlived_entries(name)
+                kept = [self._entries[key].module_state for key in self._keys[name]]
+                if kept:
+                    self._stored_under[name] = kept[-1]
+                else:
+                    del self._stored_under[name]
+
     def _drop_outlived(self, name: str, module_state: tuple) -> None:
         """A miss of projection ``name`` under ``module_state``: if the state it last stored under can never
         come back, drops its entries stored under such states, and the conditionings left with no entry
@@ -408,13 +421,18 @@ class ExactProjectionCache:
         stored_under = self._stored_under.get(name)
         if stored_under is None or not _outlived(stored_under):
             return
+        self._drop_outlived_entries(name)
+        self._stored_under[name] = module_state
+
+    def _drop_outlived_entries(self, name: str) -> None:
+        """Drops the entries of projection ``name`` stored under states that can never come back, and the
+        conditionings they leave with no entry (unless compared in this forward)."""
         emptied = set()
         for key in [k for k in self._keys[name] if _outlived(self._entries[k].module_state)]:
             self._drop(key)
             self.stale[WEIGHTS_CHANGED] += 1
             if not self._cond_entries[key[0]]:
                 emptied.add(key[0])
-        self._stored_under[name] = module_state
         emptied -= {p.cond_id for p in self._prepared.values() if p.tensor() is not None}
         for cond_id in emptied:
             del self._cond_entries[cond_id]
