@@ -70,7 +70,7 @@ from .models.registry import (
     registered_spec,
     spec_for,
 )
-from .moves import AfterMoves
+from .moves import AfterMoves, DropsMoved
 from .parallel import Parallelized, check_parallel, parallelize
 from .parallel import vae as vae_split
 from .parallel.auto import choose_layout
@@ -113,6 +113,8 @@ class _Component:
     generic: GenericRuntime | None = None  # the generic tier's compiled blocks
     undo: list[Callable[[], None]] = field(default_factory=list)
     shared: bool = False  # accelerated by another pipeline holding the same module (from_pipe), which owns it
+    # what else holds tensors made of the module's weights, let go of at its moves (``_drop_at_moves``)
+    stores: list[DropsMoved] = field(default_factory=list)
 
     def __deepcopy__(self, memo: dict) -> _Component:
         # The report names the layout's process groups (``describe`` reads them): a copy shares them. Here,
@@ -1410,13 +1412,16 @@ def _install_compiled_regions(component: _Component) -> None:
 
 def _install_fp8(component: _Component) -> None:
     blocks = repeated_blocks(component.original)
-    component.undo += install_fp8_linears(component.original, blocks, component.generic.fp8)[1]
+    copies, undo = install_fp8_linears(component.original, blocks, component.generic.fp8)
+    component.undo += undo
+    component.stores += [copies] if copies is not None else []
 
 
 def _drop_at_moves(component: _Component) -> None:
     """What the component's stores made of its weights is let go of when the module moves
     (``omni_accel.moves``)."""
-    stores = [store for store in (component.cache,) if store is not None]
+    fp8 = component.runtime.fp8 if component.runtime is not None else None  # native blocks' copies
+    stores = [store for store in (component.cache, fp8) if store is not None] + component.stores
     if stores:
         after = AfterMoves(component.original, stores)
         after.install()

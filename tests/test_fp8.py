@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -630,6 +631,27 @@ def test_fp8_copies_of_moved_weights_are_dropped_and_inference_mode_copies_can_b
         for m in (edited, fast):
             m.transformer_blocks[0].attn.to_q.weight.mul_(2)
     assert rel_err(_sample(fast, inputs), _oracle(edited, inputs)) < _ONE_FLIP
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_fp8_copies_are_let_go_of_when_the_model_moves(native):
+    """``.to`` another dtype or device frees the copies of the old weights at the move, as plain Diffusers
+    frees everything there (they stayed, on the GPU they were made on, until the next call); one where the
+    weights are keeps them; the next calls quantize the weights as they are then."""
+    model, inputs, fast, store = _after_a_call(native)
+    copies = [weakref.ref(entry.fp8.data) for entry in store._entries.values()]
+    assert copies and all(ref() is not None for ref in copies)
+    fast.to("cpu")  # where the weights are: nothing moved
+    assert all(ref() is not None for ref in copies)
+    fast.to(torch.float64)
+    gc.collect()
+    assert store.copies == 0 and all(ref() is None for ref in copies)
+    oracle = _oracle(model, inputs)
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    assert rel_err(_sample(fast, wide).float(), oracle) < _ONE_FLIP
+    fast.to(torch.float32)
+    assert store.copies == 0
+    assert rel_err(_sample(fast, inputs), oracle) < _TIGHT
 
 
 @pytest.mark.parametrize("kind", ["first_block", "mag", "taylorseer"])

@@ -4,7 +4,8 @@
   source of truth. ``Fp8Weights`` keeps the copies and makes one again, in place, whenever a version
   counter of a parameter it came from moves (an in-place edit, ``.data`` included, a LoRA fuse), so that a
   CUDA graph replaying the copy reads the new values; a parameter replaced by another tensor (a
-  ``load_state_dict(assign=True)``, a re-pack, ``.to()``) gets a new copy.
+  ``load_state_dict(assign=True)``, a re-pack, ``.to()``) gets a new copy, the old one dropped (at the
+  module's ``.to()`` itself: ``omni_accel.moves``).
 * Activations: e4m3 with one scale per row (token), quantized from the bf16 values the unquantized path
   would have multiplied; on CUDA by the kernel that produces them where it can (``norm_modulate``, the
   GELU of an MLP, ``quantize_rows`` otherwise: one read of the activations).
@@ -237,17 +238,26 @@ class Fp8Weights:
             self._snapshot = None
             for key, entry in list(self._entries.items()):
                 sources = [ref() for ref in entry.sources]
-                if any(s is None for s in sources):
+                if all(s is not None for s in sources) and entry.versions == tuple(
+                    weight_version(s) for s in sources
+                ):
+                    continue
+                weight = _in_place(key, sources)
+                if weight is None:
                     self._forget(key)
-                    continue
-                versions = tuple(weight_version(s) for s in sources)
-                if versions == entry.versions:
-                    continue
-                weight = contiguous_run(sources)
-                if weight is None or _key(weight) != key:
+                else:
+                    self._requantize(entry, weight)
+
+    def drop_moved(self) -> None:
+        """Forgets the copies whose weights moved (the module moved to another dtype or device:
+        ``omni_accel.moves``) now rather than at the next forward, so that a model moved off its GPU leaves
+        no copy there. Copies of weights written in place are re-made at the next forward, as ever."""
+        with self._lock:
+            if self._unchanged():
+                return
+            for key, entry in list(self._entries.items()):
+                if _in_place(key, [ref() for ref in entry.sources]) is None:
                     self._forget(key)
-                    continue
-                self._requantize(entry, weight)
 
     def drop(self, parameters: Iterable[torch.Tensor]) -> None:
         """Forgets the copies made of any of ``parameters``: their block or linear computes as Diffusers'
@@ -311,6 +321,15 @@ def _plain_quantized(weight: torch.Tensor) -> Fp8Weight:
     in a call there is re-made in place by a later call outside it."""
     with torch.inference_mode(False):
         return quantize_weight(weight)
+
+
+def _in_place(key: tuple, sources: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The weight that the parameters ``sources`` make, where the copy keyed ``key`` was made of it; None
+    where one is gone, or they moved."""
+    if any(source is None for source in sources):
+        return None
+    weight = contiguous_run(sources)
+    return weight if weight is not None and _key(weight) == key else None
 
 
 def _key(weight: torch.Tensor) -> tuple:

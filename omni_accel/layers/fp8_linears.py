@@ -144,12 +144,24 @@ class _RefreshCopies(OurHook):
         )
         store.refresh()
 
+    def drop_moved(self) -> None:
+        """The transformer moved (``omni_accel.moves``): the copies of weights that are no longer where they
+        were made of are let go of, by the store and by each linear."""
+        for forward in self.forwards:
+            made_of = forward._made_of
+            if made_of is not None and (
+                made_of[0]() is not forward.module.weight or made_of[1] != forward.module.weight.data_ptr()
+            ):
+                forward.weight8 = forward._made_of = None
+        self.forwards[0].store.drop_moved()
+
 
 def install_fp8_linears(
     transformer: nn.Module, blocks: list[tuple[str, nn.Module]], store: Fp8Weights
-) -> tuple[int, list[Callable[[], None]]]:
+) -> tuple[_RefreshCopies | None, list[Callable[[], None]]]:
     """Gives every plain linear of ``blocks`` an ``Fp8Linear`` forward (one a hook wraps too: it decides per
-    call, see the module docstring); returns how many and the undos."""
+    call, see the module docstring); returns the transformer's pre-hook that keeps their copies (None: no
+    linear) and the undos."""
     forwards = []
     for _, block in blocks:
         adapters = _adapter_linears(block)
@@ -160,12 +172,13 @@ def install_fp8_linears(
                 forward.decide()  # counted from the start: describe says what stays out before a call
                 forwards.append(forward)
     if not forwards:
-        return 0, []
+        return None, []
     store.linears += len(forwards)
-    handle = transformer.register_forward_pre_hook(_RefreshCopies(forwards))
+    copies = _RefreshCopies(forwards)
+    handle = transformer.register_forward_pre_hook(copies)
 
     # a partial of a module-level function, not a closure: the pipeline pickles with its undo
-    return len(forwards), [functools.partial(_uninstall, handle, forwards, store)]
+    return copies, [functools.partial(_uninstall, handle, forwards, store)]
 
 
 def _uninstall(handle: RemovableHandle, forwards: list[Fp8Linear], store: Fp8Weights) -> None:
