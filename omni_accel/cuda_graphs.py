@@ -304,9 +304,15 @@ class StepGraphs(InstanceForward):
         captured = _Graph(graph, inputs, output, key, reads, not seen.layouts, pinned, settled)
         self.graphs[key] = captured  # in place of one captured before kernels built since
         while len(self.graphs) > self.max_graphs:
-            _, evicted = self.graphs.popitem(last=False)
-            self.latest = {call: kept for call, kept in self.latest.items() if kept is not evicted}
+            self._forget_latest(self.graphs.popitem(last=False)[1])
         return captured
+
+    def _forget_latest(self, graph: _Graph) -> None:
+        """``graph`` is dropped: no call replays it early. In place: a Diffusers hook registered on the module
+        after us copied our attributes, this very dict among them (``functools.update_wrapper`` copies the
+        wrapped forward's ``__dict__``), so a new dict would leave the old, and each graph in it, alive."""
+        for call in [call for call, kept in self.latest.items() if kept is graph]:
+            del self.latest[call]
 
     def _record(self, forward, args: tuple, kwargs: dict, mode: contextlib.AbstractContextManager):
         graph = torch.cuda.CUDAGraph()

@@ -10,7 +10,9 @@ import contextlib
 import copy
 import dataclasses
 import faulthandler
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -397,6 +399,31 @@ def test_a_graph_never_reads_fp8_copies_dropped_since(monkeypatch):
     for _ in range(2):
         assert torch.equal(model(**inputs).sample, expected)
     assert graphs.stats()["captures"] == 2 and graphs.stats()["replays"] == replays + 2, graphs.stats()
+
+
+@torch.no_grad()
+def test_evicted_graphs_are_freed_under_a_hook_registered_since(monkeypatch):
+    """A Diffusers hook registered on a block after ``accelerate`` (a step cache's) copies the attributes of
+    the block's graphs into its wrapper (``functools.update_wrapper`` copies ``__dict__``), the dict of the
+    graphs last replayed among them: a graph evicted by later captures stayed alive there, with its static
+    inputs (and, on the GPU, its memory). Graphs played on the CPU (``_ReplayedOnTheCpu``)."""
+    _graphs_played_on_the_cpu(monkeypatch)
+    model = random_flux_transformer()
+    component = omni_accel.describe(omni_accel.accelerate(_bare(model), cuda_graphs=True)).components[0]
+    model.enable_cache(FirstBlockCacheConfig(threshold=-1.0))
+    first = []
+    for tokens in (12, 16, 20):  # a block keeps two graphs: the third shape evicts the first's
+        inputs = flux_inputs(model, image_tokens=tokens, text_tokens=8)
+        for _ in range(3):  # eager, captured, replayed
+            with model.cache_context(f"cond {tokens}"):
+                model(**inputs)
+        if not first:
+            first = [
+                weakref.ref(graph) for block in component.block_graphs for graph in block.graphs.values()
+            ]
+    gc.collect()
+    assert all(len(block.graphs) == 2 for block in component.block_graphs)
+    assert first and all(ref() is None for ref in first)
 
 
 def test_block_graphs_under_inference_mode(monkeypatch):
