@@ -1386,6 +1386,7 @@ def _wrap_cache_sites(component: _Component) -> None:
 def _install_step_graphs(component: _Component) -> None:
     component.graphs.install()
     component.undo.append(component.graphs.uninstall)
+    component.stores.append(component.graphs)
 
 
 def _install_block_graphs(component: _Component) -> None:
@@ -1395,6 +1396,7 @@ def _install_block_graphs(component: _Component) -> None:
     block_graphs = cuda_graphs.install_block_graphs(blocks, component.runtime)
     component.undo += [graphs.uninstall for graphs in block_graphs]
     component.report.block_graphs = block_graphs
+    component.stores += block_graphs
 
 
 def _adapt_model(component: _Component) -> None:

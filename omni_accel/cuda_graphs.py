@@ -15,7 +15,8 @@ on while no capture may run (a compile beside it) and is captured anew at the fi
 A new key runs eagerly once (lazy initialisation, compilation and weight
 packing happen there), is captured on its next call and replayed after that. Calls a graph cannot serve
 exactly run eagerly and are counted by reason: hooks that decide per call (step caches, offload),
-autograd, tensors off the GPU, capture errors.
+autograd, tensors off the GPU, capture errors. A move of the module to another device or dtype drops the
+graphs keyed on the old weights at the move, and their memory pool with the last (``drop_moved``).
 
 Under a parallel layout the step's collectives (NCCL all-reduces, all-to-alls, ring transfers) are captured
 with its kernels. Our layout hooks decide only from shapes, and say what they decided (``replay_key``):
@@ -161,6 +162,22 @@ class StepGraphs(InstanceForward):
             self.latest.clear()
             self.warmed.clear()
             self.memory.pool = None
+
+    def drop_moved(self) -> None:
+        """The module moved (``omni_accel.moves``): drops the graphs keyed on tensors no longer where they
+        were, which no call can replay again, with their static inputs and, once no graph is left, the
+        memory pool, so that a module moved off its GPU leaves nothing there (they stayed until evicted by
+        later captures, and the pool for good)."""
+        with self._lock:
+            moved = [key for key, graph in self.graphs.items() if not graph.in_place()]
+            if not moved:
+                return
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # a replay in flight may still read the memory freed here
+            for key in moved:
+                self._forget_latest(self.graphs.pop(key))
+            if not self.graphs:
+                self.memory.pool = None
 
     def __deepcopy__(self, memo: dict) -> StepGraphs:
         # Graphs hold this module's pointers: a copy starts empty and captures its own.

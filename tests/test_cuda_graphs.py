@@ -426,6 +426,45 @@ def test_evicted_graphs_are_freed_under_a_hook_registered_since(monkeypatch):
     assert first and all(ref() is None for ref in first)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("step_cache", [False, True])
+def test_graphs_of_weights_that_moved_are_dropped_at_the_move(monkeypatch, step_cache):
+    """``.to`` another dtype or device drops the graphs keyed on the old weights, which no call can replay
+    again, with their static inputs and memory pool (they stayed until later captures evicted them, the
+    pool for good: on the GPU, where plain Diffusers holds nothing once moved); a ``.to`` where the weights
+    are keeps them. Graphs played on the CPU (``_ReplayedOnTheCpu``); a step cache has each block captured."""
+    _graphs_played_on_the_cpu(monkeypatch)
+    model = random_flux_transformer()
+    inputs = flux_inputs(model, text_tokens=8)
+    plain = copy.deepcopy(model)
+    component = omni_accel.describe(omni_accel.accelerate(_bare(model), cuda_graphs=True)).components[0]
+    if step_cache:
+        for m in (plain, model):
+            m.enable_cache(FirstBlockCacheConfig(threshold=-1.0))
+    holders = [*component.block_graphs] if step_cache else [component.graphs]
+
+    def sample(m, x):
+        with m.cache_context("cond") if step_cache else contextlib.nullcontext():
+            return m(**x).sample
+
+    for _ in range(3):  # eager, captured, replayed
+        assert torch.equal(sample(model, inputs), sample(plain, inputs))
+    captured = [weakref.ref(graph) for graphs in holders for graph in graphs.graphs.values()]
+    assert captured and all(graphs.replays for graphs in holders)
+    model.to("cpu")  # where the weights are: nothing moved
+    assert sum(len(graphs.graphs) for graphs in holders) == len(captured)
+    model.to(torch.float64)
+    gc.collect()
+    assert not any(graphs.graphs or graphs.latest for graphs in holders)
+    assert all(ref() is None for ref in captured)
+    plain.to(torch.float64)
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    for _ in range(3):
+        want, got = sample(plain, wide), sample(model, wide)
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-12
+    assert all(len(graphs.graphs) == 1 and graphs.captures == 2 for graphs in holders)
+
+
 def test_block_graphs_under_inference_mode(monkeypatch):
     """A pipeline called under ``torch.inference_mode()``: the replays' copies have no version counter, so
     no block reads the one before's output in place (a write to it could not be seen); bitwise plain's."""
