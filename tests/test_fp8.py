@@ -562,9 +562,11 @@ def test_fp8_copies_nothing_reads_are_dropped_not_remade(native, hook):
     """Hooks added after a first call send native blocks (and the generic tier's hooked linears) to
     Diffusers' forward: their copies are dropped (layerwise casting left the AdaLN ones alive: 3.2 GB on
     FLUX.1-dev) and not re-made at each forward (each of leaf offload's loads re-made every copy in place),
-    each one dropped advancing the generation CUDA graphs key on."""
+    each one dropped advancing the generation CUDA graphs key on. Dropped, they are freed: the generic
+    tier's hooks on its linears had copied each linear's copy into their wrappers (``update_wrapper``)."""
     model, inputs, fast, store = _after_a_call(native)
     copies, generation = store.copies, store.generation
+    made_before = [weakref.ref(entry.fp8.data) for entry in store._entries.values()]
     for m in (model, fast):
         hook(m)
     outs = [_sample(fast, inputs) for _ in range(3)]
@@ -573,6 +575,8 @@ def test_fp8_copies_nothing_reads_are_dropped_not_remade(native, hook):
     assert store.quantized == made  # nothing re-made for no reader
     kept = 0 if native or hook is _leaf_offload else 7  # the generic tier's AdaLN linears: unhooked, FP8
     assert store.copies == kept and store.generation == generation + copies - kept
+    gc.collect()
+    assert sum(ref() is not None for ref in made_before) == kept
     if native:  # every block runs Diffusers' forward
         assert all(torch.equal(out, _sample(model, inputs)) for out in outs)
 

@@ -45,14 +45,26 @@ from .projection import quantized_or_absent, tensor_kind
 MIN_FP8_ROWS = 16  # fewer rows: an e4m3 GEMM does not pay, the weight-only GEMV does
 
 
+class _Held:
+    """The e4m3 copy a linear reads (None: none) and the weight it was made of (weak, with its address).
+    One object that the forward keeps and changes: a Diffusers hook registered on the linear after it copies
+    the forward's attributes into its wrapper (``functools.update_wrapper`` copies ``__dict__``), where a copy
+    the forward rebinds would stay alive for good."""
+
+    __slots__ = ("fp8", "made_of")
+
+    def __init__(self) -> None:
+        self.fp8: Fp8Weight | None = None
+        self.made_of: tuple[weakref.ref, int] | None = None
+
+
 class Fp8Linear(InstanceForward):
     """The instance ``forward`` of one ``nn.Linear``: its GEMM in FP8 (see the module docstring)."""
 
     def __init__(self, linear: nn.Linear, store: Fp8Weights) -> None:
         super().__init__(linear)
         self.store = store
-        self.weight8: Fp8Weight | None = None
-        self._made_of: tuple[weakref.ref, int] | None = None  # the weight ``weight8`` was made of, and where
+        self.held = _Held()
         self.kept: str | None = (
             None  # why the linear computes as Diffusers' does, as last decided (None: FP8)
         )
@@ -62,30 +74,30 @@ class Fp8Linear(InstanceForward):
         twin = memo[id(self)] = Fp8Linear.__new__(Fp8Linear)
         twin.module, twin.store = copy.deepcopy(self.module, memo), copy.deepcopy(self.store, memo)
         twin.inner, twin.enabled = copy.deepcopy(self.inner, memo), self.enabled
-        twin.weight8 = twin._made_of = None
+        twin.held = _Held()
         twin.kept = self.kept  # as the store's copy counts it
         return twin
 
     def __getstate__(self) -> dict:
         # the copy and the weak reference to the weight it was made of: made again after unpickling
-        return {**self.__dict__, "weight8": None, "_made_of": None}
+        return {**self.__dict__, "held": _Held()}
 
     def refresh(self) -> None:
         """The copy of the linear's weight as it is now (host-side; never inside a compiled region), after
         the store's ``refresh``: a weight still the same tensor at the same address keeps its copy, which
         that re-made in place if the weight was written. None where the linear computes as Diffusers' does
         (``decide``)."""
-        weight = self.module.weight
+        weight, held = self.module.weight, self.held
         if (
             self.kept is None
-            and self._made_of is not None
-            and self._made_of[0]() is weight
-            and self._made_of[1] == weight.data_ptr()
+            and held.made_of is not None
+            and held.made_of[0]() is weight
+            and held.made_of[1] == weight.data_ptr()
             and _wrapping_hooks(self) is None
         ):
             return
-        self.weight8 = self.store.of(weight, [weight]) if self.decide() is None else None
-        self._made_of = (weakref.ref(weight), weight.data_ptr())
+        held.fp8 = self.store.of(weight, [weight]) if self.decide() is None else None
+        held.made_of = (weakref.ref(weight), weight.data_ptr())
 
     def decide(self) -> str | None:
         """Why the linear as it stands computes as Diffusers' does, or None (FP8); counted in the store."""
@@ -112,11 +124,12 @@ class Fp8Linear(InstanceForward):
             # An offload hook (group offload of a block, model offload) may have loaded the weight since the
             # transformer's pre-hook copied what was there (the CPU's copy, or an empty disk-offloaded one).
             self.refresh()
-        if self.weight8 is None:
+        weight8 = self.held.fp8
+        if weight8 is None:
             return self._forward()(x)
         if x.numel() < MIN_FP8_ROWS * x.shape[-1]:
-            return weight_only_linear(x, self.weight8, self.module.bias)
-        return fp8_linear(x, self.weight8, self.module.bias)
+            return weight_only_linear(x, weight8, self.module.bias)
+        return fp8_linear(x, weight8, self.module.bias)
 
 
 class _RefreshCopies(OurHook):
@@ -138,7 +151,7 @@ class _RefreshCopies(OurHook):
         for forward in self.forwards:
             forward.refresh()
         # the copies of linears that compute as Diffusers' do (hooked...): dropped, not re-made at each write
-        read = {id(forward.module.weight) for forward in self.forwards if forward.weight8 is not None}
+        read = {id(forward.module.weight) for forward in self.forwards if forward.held.fp8 is not None}
         store.drop(
             forward.module.weight for forward in self.forwards if id(forward.module.weight) not in read
         )
@@ -148,11 +161,11 @@ class _RefreshCopies(OurHook):
         """The transformer moved (``omni_accel.moves``): the copies of weights that are no longer where they
         were made of are let go of, by the store and by each linear."""
         for forward in self.forwards:
-            made_of = forward._made_of
+            made_of = forward.held.made_of
             if made_of is not None and (
                 made_of[0]() is not forward.module.weight or made_of[1] != forward.module.weight.data_ptr()
             ):
-                forward.weight8 = forward._made_of = None
+                forward.held.fp8 = forward.held.made_of = None
         self.forwards[0].store.drop_moved()
 
 
