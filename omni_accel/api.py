@@ -1422,8 +1422,9 @@ def _install_fp8(component: _Component) -> None:
 def _drop_at_moves(component: _Component) -> None:
     """What the component's stores made of its weights is let go of when the module moves
     (``omni_accel.moves``)."""
+    runtime = component.runtime or component.generic  # its compiler's queued calls
     fp8 = component.runtime.fp8 if component.runtime is not None else None  # native blocks' copies
-    stores = [store for store in (component.cache, fp8) if store is not None] + component.stores
+    stores = [store for store in (component.cache, fp8, runtime) if store is not None] + component.stores
     if stores:
         after = AfterMoves(component.original, stores)
         after.install()

@@ -3,8 +3,10 @@ compile beside the running pipeline (eager steps until the code is ready, switch
 
 import contextlib
 import dataclasses
+import gc
 import re
 import threading
+import weakref
 
 import pytest
 import torch
@@ -766,6 +768,34 @@ def test_a_dtype_change_beside_the_background_compile_is_compiled_again_not_fail
         compiler.wait()
     assert "failed" not in str(omni_accel.describe(pipe))
     assert all(compiled for _, compiled in compiler.calls().values()), compiler.calls()
+
+
+@pytest.mark.parametrize("tier", ["native", "generic"])
+def test_a_move_drops_the_calls_queued_for_the_background_compile(tier):
+    """``pipe.to`` another dtype or device after the eager calls queued their arguments (a one-step call)
+    drops those calls at the move: they held the old activations and weights (on the GPU they were on)
+    until the next call, whose compile of them would stop as stale anyway. A ``to`` where the model is
+    keeps them. No compile runs here."""
+    build = omni_accel.tiny_flux_pipeline if tier == "native" else omni_accel.tiny_qwenimage_pipeline
+    options = {"native": False} if tier == "generic" else {}
+    pipe = omni_accel.accelerate(build(seed=0), compile=True, compile_in_background=True, **options)
+    compiler = _compiler(pipe)
+    _latents_of(pipe, steps=1)
+    queued = [function.queued for function in compiler._functions.values()]
+    held = [
+        weakref.ref(leaf)
+        for calls in queued
+        for call in calls.values()
+        for leaf in torch.utils._pytree.tree_leaves(call[:2])
+        if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32
+    ]
+    assert held and not compiler.compiling
+    pipe.to("cpu")  # where the model is
+    assert all(ref() is not None and ref().dtype == torch.float32 for ref in held)
+    pipe.to(torch.float64)
+    gc.collect()
+    # what stays alive is the model's own parameters (moved: the same objects)
+    assert not any(queued) and all(ref() is None or ref().dtype == torch.float64 for ref in held)
 
 
 def _latents_of(pipe, steps):

@@ -158,6 +158,17 @@ class BlockCompiler:
         if not _capturing() and not background.capture_waiting():
             self._start_queued()
 
+    def drop_moved(self) -> None:
+        """The model moved (``omni_accel.moves``): the queued calls whose tensors no longer have the layout
+        they had are dropped now (their compile would stop as stale: ``_build``), rather than keep the old
+        activations and weights alive, on the GPU they were on, until the next call starts the compiles.
+        The next eager calls queue the model's arguments as they are then."""
+        with self._lock:
+            for function in self._functions.values():
+                for signature, call in list(function.queued.items()):
+                    if _layout(call[:2]) != call[3]:
+                        del function.queued[signature]
+
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every compile started so far has finished (its code is used from the next step)."""
         with self._lock:
@@ -348,6 +359,11 @@ class CompiledSteps:
     def before_replay(self) -> None:
         if self.compiler is not None:
             self.compiler.start_compiles()
+
+    def drop_moved(self) -> None:
+        """The model moved (``omni_accel.moves``): see ``BlockCompiler.drop_moved``."""
+        if self.compiler is not None:
+            self.compiler.drop_moved()
 
 
 def _with_graph_passes(options: dict[str, Any]) -> dict[str, Any]:
