@@ -580,6 +580,21 @@ def _release_dropped(pipe: ModularPipeline, state: _State) -> None:
 
 def restore(pipe: Pipeline) -> Pipeline:
     """Puts the original Diffusers modules back (with the current weights, device and dtype)."""
+    if getattr(pipe, _STATE_ATTR, None) is None and (shared := _set_up_elsewhere(pipe)):
+        # Restoring a module another pipeline set up would undo that pipeline too (one module, one setup).
+        name, module = shared[0]
+        where = (
+            "a copy of a module another pipeline accelerated (a deep or unpickled copy), which no pipeline owns; "
+            "omni_accel.accelerate(pipe) takes it over, after which omni_accel.restore(pipe) gives it back its "
+            "Diffusers modules"
+            if _orphan_owner(module) is not None
+            else "shared with another pipeline (from_pipe) that accelerated it, and restoring it here would "
+            "undo that pipeline too; omni_accel.restore() that pipeline (this one then runs as plain Diffusers "
+            "as well)"
+        )
+        raise ValueError(
+            f"This pipeline was not accelerated itself: pipe.{name} ({type(module).__name__}) is {where}."
+        )
     state = _state(pipe)
     for component in state.components:
         _undo_component(component)
@@ -591,8 +606,19 @@ def restore(pipe: Pipeline) -> Pipeline:
 
 def describe(pipe: Pipeline) -> AccelerationReport:
     """What was swapped, which provider serves each attention role and why, cache use, and what was left:
-    as things are now (a shared transformer its owner restored, a component replaced since), not as planned."""
-    state = _state(pipe)
+    as things are now (a shared transformer its owner restored, a component replaced since), not as planned.
+    A pipeline not accelerated itself whose transformer another pipeline set up (a from_pipe sibling) runs
+    that setup: its report says so."""
+    state = getattr(pipe, _STATE_ATTR, None)
+    shared = _set_up_elsewhere(pipe) if state is None else []
+    if shared:  # nothing of its own: a state for this report only, which owns and undoes nothing
+        components = [
+            _Component(name, module, spec_for(module), _shared_report(name, module), shared=True)
+            for name, module in shared
+        ]
+        state = _State(AccelConfig(), components, [])
+    else:
+        state = _state(pipe)
     reports = []
     for component in state.components:
         report, held = _current_report(pipe, component, state.components)
@@ -627,6 +653,11 @@ def _holder_lines(pipe: Pipeline, state: _State, runtime: NativeRuntime) -> list
         line = f"pipe.{name} ({type(module).__name__}) holds {count} of these native blocks (Diffusers shares them)"
         if _binds(module, runtime):
             lines.append(f"{line}: they run natively in its forward too")
+        elif getattr(pipe, _STATE_ATTR, None) is None:  # a from_pipe sibling of the accelerated pipeline
+            lines.append(
+                f"{line}: they run Diffusers' forward in its forward (counted above), this pipeline not being "
+                "accelerated itself; omni_accel.accelerate(pipe) runs them natively there"
+            )
         else:
             lines.append(
                 f"{line}, put in the pipeline after accelerate: they run Diffusers' forward in its forward (counted "
@@ -770,6 +801,13 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
         )
     graphs = installed(module, cuda_graphs.StepGraphs)  # under the hooks registered on the module since
     detail = "already accelerated by another pipeline that shares this module; restore that pipeline to undo"
+    if (
+        _orphan_owner(module) is not None
+    ):  # a pipeline not accelerated itself holds a copy (adopted otherwise)
+        detail = (
+            "a copy of a module another pipeline accelerated (a deep or unpickled copy), which no pipeline owns: "
+            "it runs that setup; omni_accel.accelerate(pipe) takes it over (omni_accel.restore(pipe) then undoes it)"
+        )
     if isinstance(setup, _GenericSetup):  # the other pipeline's detail says its tier, lossy options too
         detail += f"; as that pipeline set it up ({setup.tier}): {setup.detail}"
         return ComponentReport(
@@ -795,6 +833,16 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
         runtime=setup,
         graphs=graphs,
     )
+
+
+def _set_up_elsewhere(pipe: Pipeline) -> list[tuple[str, nn.Module]]:
+    """The denoisers of ``pipe`` (name, module) that another pipeline accelerated: what a pipeline not
+    accelerated itself runs of ours (a from_pipe sibling of an accelerated pipeline, or a copy of one)."""
+    return [
+        (name, module)
+        for name, module in pipe.components.items()
+        if _is_denoiser(module) and _setup_of(module) is not None
+    ]
 
 
 def _state(pipe: Pipeline) -> _State:

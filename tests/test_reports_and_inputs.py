@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 from conftest import flux_inputs, rel_err
-from diffusers import FluxAutoBlocks, FluxImg2ImgPipeline
+from diffusers import FluxAutoBlocks, FluxImg2ImgPipeline, FluxPipeline
 
 import omni_accel
 from omni_accel import AccelConfig, ParallelConfig, cuda_graphs
@@ -59,6 +59,38 @@ def test_a_from_pipe_sibling_is_described_as_it_is_after_its_owner_restores():
     assert rel_err(got.images, expected.images) <= 1e-5
 
 
+def test_a_from_pipe_chain_of_a_pipeline_accelerated_by_hand_is_described_and_not_half_restored():
+    """``describe`` refused a sibling not accelerated itself ('This pipeline is not accelerated') though its
+    transformer runs the owner's native blocks; it says so now, and ``restore`` of such a sibling names the
+    pipeline to restore rather than claiming nothing runs accelerated. Steps as in plain Diffusers."""
+    plain = FluxPipeline.from_pipe(FluxPipeline.from_pipe(omni_accel.tiny_flux_pipeline(seed=0)))
+    owner = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    middle = FluxImg2ImgPipeline.from_pipe(owner)
+    last = FluxPipeline.from_pipe(middle)
+    for sibling in (middle, last):
+        component = omni_accel.describe(sibling).components[0]
+        assert component.mode == "native (shared)" and "restore that pipeline to undo" in component.detail
+        with pytest.raises(
+            ValueError, match=r"not accelerated itself: pipe.transformer .* omni_accel.restore\(\) that"
+        ):
+            omni_accel.restore(sibling)
+    twin = copy.deepcopy(
+        middle
+    )  # owns a copy of the module that no pipeline set up: accelerate takes it over
+    assert "which no pipeline owns" in omni_accel.describe(twin).components[0].detail
+    with pytest.raises(
+        ValueError, match=r"a deep or unpickled copy.*omni_accel.accelerate\(pipe\) takes it over"
+    ):
+        omni_accel.restore(twin)
+    assert type(owner.transformer.transformer_blocks[0]).__name__ == "NativeFluxTransformerBlock"
+    assert rel_err(_latents(last), _latents(plain)) <= 1e-5
+    omni_accel.restore(owner)
+    _untouched(last)
+    with pytest.raises(ValueError, match="not accelerated"):
+        omni_accel.describe(last)  # it runs plain Diffusers now
+    assert torch.equal(_latents(last), _latents(plain))
+
+
 def test_options_a_from_pipe_sibling_asks_that_its_shared_module_does_not_run_are_refused():
     """They were silently ignored (an invalid provider, quantize, compile...): the module runs its owner's
     setup. The same options, or none, share it; after the owner restores, the sibling sets it up itself."""
@@ -69,8 +101,7 @@ def test_options_a_from_pipe_sibling_asks_that_its_shared_module_does_not_run_ar
             ValueError, match=r"shared with another pipeline \(from_pipe\) that accelerated it"
         ):
             omni_accel.accelerate(sibling, **options)
-        with pytest.raises(ValueError, match="not accelerated"):
-            omni_accel.describe(sibling)
+        assert getattr(sibling, "_omni_accel_state", None) is None  # refused: the sibling is left as it was
     omni_accel.accelerate(sibling, attention="sdpa", components=("transformer",))
     assert omni_accel.describe(sibling).components[0].mode == "native (shared)"
     omni_accel.restore(sibling)
