@@ -16,6 +16,7 @@ import argparse
 import os
 import runpy
 import sys
+import zipfile
 from typing import Any
 
 from . import auto
@@ -78,11 +79,17 @@ def main(argv: list[str] | None = None) -> None:
         auto.enable(**options_from_args(args))
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
+    argv, path = sys.argv, list(sys.path)
     sys.argv = [args.script, *args.args]
+    if os.path.isfile(args.script) and not zipfile.is_zipfile(args.script):
+        # As `python script.py` does: the script imports the modules beside it (runpy puts a folder or zip
+        # on the path itself, not a file's folder).
+        sys.path.insert(0, os.path.dirname(os.path.realpath(args.script)))
     try:
         runpy.run_path(args.script, run_name="__main__")
     finally:
         auto.disable()
+        sys.argv, sys.path[:] = argv, path
 
 
 if __name__ == "__main__":

@@ -170,6 +170,25 @@ def test_a_wrong_run_option_is_a_usage_error(argv, message, capsys):
     assert not omni_accel.auto.enabled()
 
 
+def test_a_script_run_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """``python script.py`` finds the modules in the script's folder; ``omni-accel run script.py`` run from
+    another folder raised ModuleNotFoundError (runpy puts no file's folder on the path)."""
+    from omni_accel import run
+
+    (tmp_path / "omni_beside_helper.py").write_text("VALUE = 42\n")
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys\nfrom omni_beside_helper import VALUE\nsys.modules['omni_beside_result'] = (VALUE, sys.argv)\n"
+    )
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delitem(sys.modules, "omni_beside_helper", raising=False)
+    monkeypatch.delitem(sys.modules, "omni_beside_result", raising=False)
+    path, argv = list(sys.path), list(sys.argv)
+    run.main([str(script), "--flag"])
+    assert sys.modules.pop("omni_beside_result") == (42, [str(script), "--flag"])
+    assert (sys.path, sys.argv) == (path, argv)  # as they were: the next script (or test) starts afresh
+
+
 def test_ipython_extension_enables_and_disables():
     omni_accel.load_ipython_extension(None)
     try:
