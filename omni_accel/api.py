@@ -610,15 +610,7 @@ def describe(pipe: Pipeline) -> AccelerationReport:
     A pipeline not accelerated itself whose transformer another pipeline set up (a from_pipe sibling) runs
     that setup: its report says so."""
     state = getattr(pipe, _STATE_ATTR, None)
-    shared = _set_up_elsewhere(pipe) if state is None else []
-    if shared:  # nothing of its own: a state for this report only, which owns and undoes nothing
-        components = [
-            _Component(name, module, spec_for(module), _shared_report(name, module), shared=True)
-            for name, module in shared
-        ]
-        state = _State(AccelConfig(), components, [])
-    else:
-        state = _state(pipe)
+    state = _borrowed_state(pipe) if state is None and _set_up_elsewhere(pipe) else _state(pipe)
     reports = []
     for component in state.components:
         report, held = _current_report(pipe, component, state.components)
@@ -843,6 +835,29 @@ def _set_up_elsewhere(pipe: Pipeline) -> list[tuple[str, nn.Module]]:
         for name, module in pipe.components.items()
         if _is_denoiser(module) and _setup_of(module) is not None
     ]
+
+
+def _borrowed_state(pipe: Pipeline) -> _State:
+    """For ``describe`` of a pipeline not accelerated itself that runs modules another pipeline set up
+    (``_set_up_elsewhere``): its denoisers as they run, in a state that owns and undoes nothing."""
+    components = []
+    for name, module in pipe.components.items():
+        if not _is_denoiser(module):
+            continue
+        shared = _setup_of(module) is not None
+        report = (
+            _shared_report(name, module)
+            if shared
+            else ComponentReport(
+                name,
+                type(module).__name__,
+                "untouched",
+                "this pipeline was not accelerated itself: it runs as in Diffusers (omni_accel.accelerate(pipe) "
+                "accelerates its transformers and shares the modules set up above)",
+            )
+        )
+        components.append(_Component(name, module, spec_for(module), report, shared=shared))
+    return _State(AccelConfig(), components, [])
 
 
 def _state(pipe: Pipeline) -> _State:

@@ -91,6 +91,24 @@ def test_a_from_pipe_chain_of_a_pipeline_accelerated_by_hand_is_described_and_no
     assert torch.equal(_latents(last), _latents(plain))
 
 
+def test_a_sibling_not_accelerated_itself_is_described_with_its_own_transformer_as_plain():
+    """Wan 2.2's sibling with a second expert of its own: the shared expert runs the owner's setup, its own
+    runs as in Diffusers (the report named the shared one only, as if it were the whole pipeline)."""
+    from diffusers import WanPipeline
+
+    owner = omni_accel.accelerate(omni_accel.tiny_wan_pipeline(seed=0, two_experts=True))
+    other = omni_accel.tiny_wan_pipeline(seed=1, two_experts=True).transformer_2
+    sibling = WanPipeline.from_pipe(owner, transformer_2=other)
+    report = omni_accel.describe(sibling)
+    assert [(c.name, c.mode) for c in report.components] == [
+        ("transformer", "native (shared)"),
+        ("transformer_2", "untouched"),
+    ]
+    assert "not accelerated itself: it runs as in Diffusers" in report.components[1].detail
+    omni_accel.accelerate(sibling)
+    assert [c.mode for c in omni_accel.describe(sibling).components] == ["native (shared)", "native"]
+
+
 def test_options_a_from_pipe_sibling_asks_that_its_shared_module_does_not_run_are_refused():
     """They were silently ignored (an invalid provider, quantize, compile...): the module runs its owner's
     setup. The same options, or none, share it; after the owner restores, the sibling sets it up itself."""
