@@ -70,7 +70,17 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def script_args(argv: list[str], args: argparse.Namespace) -> list[str]:
+    """The script's arguments as given: argparse drops a ``--`` right after the script's name (taking it for
+    the end of our options), which ``python script.py -- ...`` hands to the script."""
+    tail = len(argv) - len(args.args)
+    if tail >= 2 and argv[tail - 1] == "--" and argv[tail - 2] == args.script:
+        return argv[tail - 1 :]
+    return args.args
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
     if not os.path.exists(args.script):  # a file, or a folder or zip with a __main__.py (as python runs)
@@ -79,8 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         auto.enable(**options_from_args(args))
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
-    argv, path = sys.argv, list(sys.path)
-    sys.argv = [args.script, *args.args]
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [args.script, *script_args(argv, args)]
     if os.path.isfile(args.script) and not zipfile.is_zipfile(args.script):
         # As `python script.py` does: the script imports the modules beside it (runpy puts a folder or zip
         # on the path itself, not a file's folder).
@@ -89,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         runpy.run_path(args.script, run_name="__main__")
     finally:
         auto.disable()
-        sys.argv, sys.path[:] = argv, path
+        sys.argv, sys.path[:] = saved_argv, saved_path
 
 
 if __name__ == "__main__":

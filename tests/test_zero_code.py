@@ -170,9 +170,14 @@ def test_a_wrong_run_option_is_a_usage_error(argv, message, capsys):
     assert not omni_accel.auto.enabled()
 
 
-def test_a_script_run_imports_the_modules_beside_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("ours", "given"),
+    [([], ["--flag"]), ([], ["--", "--flag"]), ([], ["--"]), (["--compile", "--"], ["--", "b"])],
+)
+def test_a_script_run_gets_the_path_and_arguments_python_gives_it(ours, given, tmp_path, monkeypatch):
     """``python script.py`` finds the modules in the script's folder; ``omni-accel run script.py`` run from
-    another folder raised ModuleNotFoundError (runpy puts no file's folder on the path)."""
+    another folder raised ModuleNotFoundError (runpy puts no file's folder on the path). The script gets its
+    arguments as given: a ``--`` after its name was dropped (argparse's end of options)."""
     from omni_accel import run
 
     (tmp_path / "omni_beside_helper.py").write_text("VALUE = 42\n")
@@ -184,8 +189,8 @@ def test_a_script_run_imports_the_modules_beside_it(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "omni_beside_helper", raising=False)
     monkeypatch.delitem(sys.modules, "omni_beside_result", raising=False)
     path, argv = list(sys.path), list(sys.argv)
-    run.main([str(script), "--flag"])
-    assert sys.modules.pop("omni_beside_result") == (42, [str(script), "--flag"])
+    run.main([*ours, str(script), *given])
+    assert sys.modules.pop("omni_beside_result") == (42, [str(script), *given])
     assert (sys.path, sys.argv) == (path, argv)  # as they were: the next script (or test) starts afresh
 
 
