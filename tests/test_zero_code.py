@@ -181,16 +181,16 @@ def test_a_script_run_gets_the_path_and_arguments_python_gives_it(ours, given, t
     from omni_accel import run
 
     (tmp_path / "omni_beside_helper.py").write_text("VALUE = 42\n")
-    script = tmp_path / "script.py"
-    script.write_text(
-        "import sys\nfrom omni_beside_helper import VALUE\nsys.modules['omni_beside_result'] = (VALUE, sys.argv)\n"
+    (tmp_path / "script.py").write_text(
+        "import sys\nfrom omni_beside_helper import VALUE\nsys.modules['omni_beside_result'] = (VALUE, list(sys.argv))\n"
     )
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(tmp_path.parent)
+    script = f"{tmp_path.name}/script.py"  # relative, as given: sys.argv[0] too
     monkeypatch.delitem(sys.modules, "omni_beside_helper", raising=False)
     monkeypatch.delitem(sys.modules, "omni_beside_result", raising=False)
     path, argv = list(sys.path), list(sys.argv)
-    run.main([*ours, str(script), *given])
-    assert sys.modules.pop("omni_beside_result") == (42, [str(script), *given])
+    run.main([*ours, script, *given])
+    assert sys.modules.pop("omni_beside_result") == (42, [script, *given])
     assert (sys.path, sys.argv) == (path, argv)  # as they were: the next script (or test) starts afresh
 
 
