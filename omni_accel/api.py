@@ -147,6 +147,8 @@ class _State:
     # Components a modular pipeline let go of (``unload_components``, ``update_components``): name -> the
     # class it held, restored and no longer referenced (``_release_dropped``).
     released: dict[str, str] = field(default_factory=dict)
+    # Accelerated by zero-code as the pipeline was built (``auto``): an explicit accelerate is told so.
+    zero_code: bool = False
 
     def __deepcopy__(self, memo: dict) -> _State:
         twin = deepcopy_instance(self, memo)
@@ -235,6 +237,12 @@ def accelerate(
         )
     state = getattr(pipe, _STATE_ATTR, None)
     if state is not None and not _holds_nothing(state):
+        if state.zero_code:
+            raise RuntimeError(
+                "This pipeline is already accelerated by zero-code acceleration as it was built (omni_accel.enable(), "
+                "omni-accel run or %load_ext omni_accel), with the options given there; call omni_accel.restore(pipe) "
+                "first to accelerate it with others."
+            )
         raise RuntimeError("This pipeline is already accelerated; call omni_accel.restore(pipe) first.")
     if config is not None and not isinstance(config, AccelConfig):
         raise TypeError(f"config must be an omni_accel.AccelConfig, got {type(config).__name__}.")

@@ -239,7 +239,7 @@ def _accelerate_or_warn(pipe: Any, config: AccelConfig) -> None:
     refuses) a warning, with the pipeline left plain Diffusers."""
     config = _sharing(pipe, config)
     try:
-        api.accelerate(pipe, config)
+        getattr(api.accelerate(pipe, config), api._STATE_ATTR).zero_code = True
     except Exception as exc:
         logger.warning(
             "zero-code acceleration left %s as plain Diffusers, because accelerate() refused it: %s: %s "

@@ -104,6 +104,23 @@ def test_a_sibling_of_a_pipeline_accelerated_by_hand_with_other_options_shares_i
     assert _mode(owner) == mode  # the sibling's restore leaves its owner's setup alone
 
 
+def test_accelerating_a_pipeline_zero_code_accelerated_says_who_did():
+    """It said 'already accelerated' to a script calling accelerate once (zero-code did it as it was built)."""
+    omni_accel.enable()
+    try:
+        pipe = omni_accel.tiny_flux_pipeline(seed=0)
+        with pytest.raises(
+            RuntimeError, match=r"already accelerated by zero-code acceleration as it was built"
+        ):
+            omni_accel.accelerate(pipe, attention="sdpa_math")
+    finally:
+        omni_accel.disable()
+    omni_accel.restore(pipe)
+    omni_accel.accelerate(pipe, attention="sdpa_math")
+    with pytest.raises(RuntimeError, match=r"already accelerated; call omni_accel.restore\(pipe\) first"):
+        omni_accel.accelerate(pipe)
+
+
 def test_enable_checks_options_at_once():
     with pytest.raises(TypeError):
         omni_accel.enable(no_such_option=1)
