@@ -801,9 +801,7 @@ def _shared_report(name: str, module: nn.Module) -> ComponentReport:
         )
     graphs = installed(module, cuda_graphs.StepGraphs)  # under the hooks registered on the module since
     detail = "already accelerated by another pipeline that shares this module; restore that pipeline to undo"
-    if (
-        _orphan_owner(module) is not None
-    ):  # a pipeline not accelerated itself holds a copy (adopted otherwise)
+    if _orphan_owner(module) is not None:  # a copy held by a pipeline not accelerated itself
         detail = (
             "a copy of a module another pipeline accelerated (a deep or unpickled copy), which no pipeline owns: "
             "it runs that setup; omni_accel.accelerate(pipe) takes it over (omni_accel.restore(pipe) then undoes it)"
