@@ -27,6 +27,8 @@ from diffusers import DiffusionPipeline, ModularPipeline
 from torch import nn
 
 from . import api
+from .api.entry import in_sync
+from .api.state import STATE_ATTR
 from .config import AccelConfig
 from .parallel.config import ParallelConfig
 from .parallel.mesh import is_main_process
@@ -199,9 +201,9 @@ def _wrap_modular() -> None:
 def _follow_components(pipe: ModularPipeline, options: dict[str, Any]) -> None:
     """After a modular pipeline's components changed: accelerate its transformer once one is loaded, and
     again (with the options it was accelerated with) when the one accelerated was replaced or removed."""
-    state = getattr(pipe, api._STATE_ATTR, None)
+    state = getattr(pipe, STATE_ATTR, None)
     if state is not None:
-        if api._in_sync(pipe):
+        if in_sync(pipe):
             return
         config = state.config
         api.restore(pipe)
@@ -239,7 +241,7 @@ def _accelerate_or_warn(pipe: Any, config: AccelConfig) -> None:
     refuses) a warning, with the pipeline left plain Diffusers."""
     config = _sharing(pipe, config)
     try:
-        getattr(api.accelerate(pipe, config), api._STATE_ATTR).zero_code = True
+        getattr(api.accelerate(pipe, config), STATE_ATTR).zero_code = True
     except Exception as exc:
         logger.warning(
             "zero-code acceleration left %s as plain Diffusers, because accelerate() refused it: %s: %s "

@@ -13,7 +13,7 @@ from .attention.selection import AttentionConfig, check_forms
 from .parallel.config import ParallelConfig
 
 # The pipeline attributes that hold denoisers in Diffusers' pipelines (Wan 2.2 has two experts); the
-# default skips an absent one, a name given explicitly must be there (see ``api._denoiser_names``).
+# default skips an absent one, a name given explicitly must be there (see ``api.entry.denoiser_names``).
 DEFAULT_COMPONENTS = ("transformer", "transformer_2", "transformer_ref")
 # The lossy modes ``quantize`` takes (None: none).
 QUANTIZATIONS = (None, "fp8")

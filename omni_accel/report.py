@@ -188,8 +188,13 @@ class ComponentReport:
         ]
 
 
-FP8_CLAIM = "LOSSY: quantize='fp8'"  # how a planned detail says FP8 was asked (api.py writes it)
-# How a planned detail says the repeated blocks compile (api.py writes it): "2 repeated blocks (A, B)
+def shared_mode(tier: str) -> str:
+    """The mode of a transformer another pipeline (or another name of this one) set up: its tier, shared."""
+    return f"{tier} (shared)"
+
+
+FP8_CLAIM = "LOSSY: quantize='fp8'"  # how a planned detail says FP8 was asked (``api.plan`` writes it)
+# How a planned detail says the repeated blocks compile (``api.plan`` writes it): "2 repeated blocks (A, B)
 # compiled ..." in the generic tier, "repeated blocks compiled ..." in the native one.
 COMPILE_CLAIM = re.compile(r"(\d+ )?repeated blocks (\([^)]*\) )?compiled\b")
 

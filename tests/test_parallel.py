@@ -793,21 +793,21 @@ def _a_failed_spread_is_undone() -> None:
     """An error in the layout's last steps (here the VAE's split) undoes the steps before it, the
     transformer's spread and the cond/uncond pairing included: the pipeline is Diffusers' again, and
     accelerates afterwards."""
-    from omni_accel import api
+    from omni_accel.api import spread
 
     pipe = omni_accel.tiny_flux_pipeline(seed=0)
     want = {name: p.clone() for name, p in pipe.transformer.state_dict().items()}
-    call, original = type(pipe).__call__, api._split_vae
+    call, original = type(pipe).__call__, spread.split_vae
 
     def failing(*args):
         raise RuntimeError("split refused")
 
-    api._split_vae = failing
+    spread.split_vae = failing
     try:
         with pytest.raises(RuntimeError, match="split refused"):
             omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2))
     finally:
-        api._split_vae = original
+        spread.split_vae = original
     assert type(pipe.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
     assert type(pipe).__call__ is call and not pipe.transformer._forward_hooks
     registry = getattr(pipe.transformer, "_diffusers_hook", None)
@@ -821,7 +821,7 @@ def _a_failed_spread_is_undone() -> None:
 def _a_failed_auto_spread_is_undone_and_retried() -> None:
     """``parallel="auto"`` spreads at the first call: an error there undoes the spread and the call raises;
     the next call tries again, and then runs as the layout it chose."""
-    from omni_accel import api
+    from omni_accel.api import spread
 
     groups = _live_groups()
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel="auto")
@@ -831,17 +831,17 @@ def _a_failed_auto_spread_is_undone_and_retried() -> None:
         return [name for r in registries if r is not None for name in r._hook_order]
 
     before = hooks()
-    original = api._split_vae
+    original = spread.split_vae
 
     def failing(*args):
         raise RuntimeError("split refused")
 
-    api._split_vae = failing
+    spread.split_vae = failing
     try:
         with pytest.raises(RuntimeError, match="split refused"):
             _latents(pipe, num_inference_steps=1)
     finally:
-        api._split_vae = original
+        spread.split_vae = original
     assert hooks() == before, "layout hooks left behind"
     assert _live_groups() == groups, "the failed layout's process groups left behind"
     assert "chosen at the first call" not in str(omni_accel.describe(pipe))
