@@ -301,6 +301,26 @@ def test_a_hunyuan_video15_key_mask_follows_a_users_attention_backend_and_deepco
     assert unrouted, "a backend set on the processors runs Diffusers' attention"
 
 
+def test_a_backend_set_or_reset_on_hunyuan_video15_while_accelerated_survives_restore():
+    """``restore`` gives the blocks Diffusers' processors back with the backend the user set (or reset) on
+    the model while it was accelerated, as plain Diffusers would have it."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+
+    _, accelerated, _ = _tiny_hunyuan_video15(layers=1)
+    accelerated.set_attention_backend("native")
+    pipe = omni_accel.accelerate(_Holder(accelerated), compile=False)
+    accelerated.reset_attention_backend()
+    omni_accel.restore(pipe)
+    processor = accelerated.transformer_blocks[0].attn.processor
+    assert type(processor) is HunyuanVideo15AttnProcessor2_0 and processor._attention_backend is None
+    pipe = omni_accel.accelerate(_Holder(accelerated), compile=False)
+    accelerated.set_attention_backend("_native_math")
+    omni_accel.restore(pipe)
+    processor = accelerated.transformer_blocks[0].attn.processor
+    assert type(processor) is HunyuanVideo15AttnProcessor2_0
+    assert processor._attention_backend == "_native_math"
+
+
 def test_the_hunyuan_video15_mask_hook_is_not_a_users_hook():
     """The pre-hook giving every block the same key mask changes no value a hook could observe, so CUDA
     graphs and the compiled blocks do not treat the blocks as hooked."""

@@ -159,6 +159,14 @@ def adapt(transformer: nn.Module) -> tuple[str, list[Callable[[], None]]]:
 
 
 def _undo(block: nn.Module, original: Any, handle: torch.utils.hooks.RemovableHandle) -> None:
+    """Gives the block Diffusers' processor back, with the backend and context-parallel config set on ours
+    since (``set_attention_backend``, ``reset_attention_backend`` while accelerated), as Diffusers' would have
+    them; a processor the user set since stays."""
     handle.remove()
-    if isinstance(block.attn.processor, KeyMaskJointAttention):  # unless the user set another since
-        block.attn.processor = original
+    ours = block.attn.processor
+    if not isinstance(ours, KeyMaskJointAttention):
+        return
+    for setting in ("_attention_backend", "_parallel_config"):
+        if getattr(original, setting) is not getattr(ours, setting):
+            setattr(original, setting, getattr(ours, setting))
+    block.attn.processor = original
