@@ -152,6 +152,28 @@ def test_fuse_and_unfuse_qkv_projections(family):
     assert runtime.fallbacks == before
 
 
+@torch.no_grad()
+def test_qkv_projections_fused_before_accelerate_then_unfused_run_native():
+    """A transformer fused before ``accelerate`` runs Diffusers' forward; unfused (the fused linears
+    deleted, the flag False where it was unset), the native math again, as after a fuse made later."""
+    from conftest import flux_inputs, random_flux_transformer
+    from diffusers import FluxPipeline
+
+    plain, fast = random_flux_transformer(), random_flux_transformer()
+    inputs = flux_inputs(plain)
+    for model in (plain, fast):
+        model.fuse_qkv_projections()
+    pipe = omni_accel.accelerate(FluxPipeline(None, None, None, None, None, None, fast))
+    runtime = omni_accel.describe(pipe).components[0].runtime
+    assert torch.equal(fast(**inputs)[0], plain(**inputs)[0])
+    assert runtime.fallbacks and all("fuse_qkv_projections() is active" in r for r in runtime.fallbacks)
+    for model in (plain, fast):
+        model.unfuse_qkv_projections()
+    before = dict(runtime.fallbacks)
+    assert rel_err(fast(**inputs)[0], plain(**inputs)[0]) <= 1e-5
+    assert runtime.fallbacks == before
+
+
 def test_state_dict_save_and_load_with_diffusers_names(tmp_path):
     from diffusers import FluxPipeline, FluxTransformer2DModel
 

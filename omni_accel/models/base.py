@@ -372,16 +372,11 @@ class NativeBlock:
         """Why the block's submodules are no longer what its math computes (``structure`` changed since
         ``accelerate``: an activation replaced, an eps changed), or None."""
         then = self.omni_structure
-        if _walk_structure(self, then.skip) == then.fingerprint:
+        fused: list[str] = []
+        if _walk_structure(self, then.skip, fused=fused) == then.fingerprint and not fused:
             return None
-        # fuse_qkv_projections() adds the fused linears: say so, rather than name one of them as changed
-        fused = next(
-            (name for name, m in self.named_modules() if getattr(m, "fused_projections", False)), None
-        )
-        if fused is not None:
-            return (
-                f"Diffusers' fuse_qkv_projections() is active on {fused} (its fused weights run in Diffusers)"
-            )
+        if fused:
+            return f"Diffusers' fuse_qkv_projections() is active on {fused[0]} (its fused weights run in Diffusers)"
         changed = then.changed_path(self)
         return f"{changed} was replaced or changed since accelerate (the native math computes what it was)"
 
@@ -496,9 +491,17 @@ class Structure:
         return (differ or [entry[0] for entry in (now[len(self.entries) :] or self.entries[len(now) :])])[0]
 
 
-def _walk_structure(root: nn.Module, skip: dict, paths: list[tuple[str, type, tuple]] | None = None) -> tuple:
+def _walk_structure(
+    root: nn.Module,
+    skip: dict,
+    paths: list[tuple[str, type, tuple]] | None = None,
+    fused: list[str] | None = None,
+) -> tuple:
     """The flat fingerprint of ``Structure``: for each submodule walked, its class, then its settings'
-    values. ``paths`` collects each one's (dotted path, class, settings' values)."""
+    values. ``paths`` collects each one's (dotted path, class, settings' values); ``fused`` the paths of
+    the attention modules fused by Diffusers' ``fuse_qkv_projections()`` now. That state is left out of
+    the fingerprint (the fused linears, the flag): fused now runs Diffusers' forward, and unfused again
+    (the linears deleted), before or after ``accelerate``, is the structure the native math computes."""
     found: list = []
     stack: list[tuple[nn.Module, dict, str]] = [(root, skip, "")]
     while stack:
@@ -507,6 +510,10 @@ def _walk_structure(root: nn.Module, skip: dict, paths: list[tuple[str, type, tu
             below = skip_here.get(name, _ALL)
             if child is None or below is None or name == "processor":  # processors: ``unsupported_reason``
                 continue
+            if name in _FUSED_LINEARS and hasattr(module, "fused_projections"):
+                continue
+            if fused is not None and child.__dict__.get("fused_projections"):
+                fused.append(prefix + name)
             values = settings(child)
             found.append(type(child))
             found.extend(values)
@@ -517,6 +524,8 @@ def _walk_structure(root: nn.Module, skip: dict, paths: list[tuple[str, type, tu
 
 
 _ALL: dict = {}  # walk everything below
+# The linears Diffusers' fuse_projections() adds to an attention module (and unfuse_projections() deletes)
+_FUSED_LINEARS = frozenset({"to_qkv", "to_kv", "to_added_qkv", "to_added_kv"})
 
 
 def diffusers_only_reason(block: nn.Module, inputs: Any, around: Sequence[nn.Module] = ()) -> str | None:

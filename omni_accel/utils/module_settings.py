@@ -8,7 +8,9 @@ from typing import Any
 from torch import nn
 
 _NAMES: dict[type, tuple[str, ...]] = {}  # per class: the attributes its instances are read for
-_SKIPPED = frozenset({"training"})
+# ``fused_projections``: Diffusers' fuse_qkv_projections() flag, which its code reads at every call where
+# it matters (``models.base`` checks it apart); a module unfused again holds False where it had none
+_SKIPPED = frozenset({"training", "fused_projections"})
 
 
 def setting_names(module: nn.Module) -> tuple[str, ...]:
