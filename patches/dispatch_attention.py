@@ -23,6 +23,7 @@ import torch
 
 from omni_accel.attention.diffusers_backend import explicit_choice
 from omni_accel.attention.routing import (
+    processor_backend_reason,
     register_call_site,
     route,
     traced_call,
@@ -43,11 +44,7 @@ def _unsupported(dropout_p, is_causal, enable_gqa, attention_kwargs, backend, pa
     reason = unsupported_reason(is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa)
     if reason is None and attention_kwargs:
         reason = f"backend-specific arguments {sorted(attention_kwargs)}"
-    if reason is None and backend is not None:
-        reason = f"Diffusers backend {backend!s} set on the processor"
-    if reason is None and parallel_config is not None:
-        reason = "Diffusers context parallelism"
-    return reason
+    return reason or processor_backend_reason(backend, parallel_config)
 
 
 def apply(module: ModuleType) -> None:

@@ -217,3 +217,14 @@ def _kernels_compile_in_the_call(request, monkeypatch):
         from omni_accel.utils import triton_builds
 
         monkeypatch.setattr(triton_builds, "_knobs", lambda: None)
+
+
+@pytest.fixture(autouse=True)
+def _diffusers_backend_left_as_found():
+    """``set_attention_backend`` on a model sets Diffusers' process-wide backend too (and
+    ``reset_attention_backend`` does not undo that): a test doing it leaves the next ones as it found them."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry._active_backend = active

@@ -374,3 +374,22 @@ def test_forwards_under_inference_mode_with_inputs_made_outside_it(family, optio
         assert rel_err(got, want) <= 1e-6
     with torch.no_grad():  # and a call outside inference mode after them
         assert rel_err(model(**inputs, return_dict=False)[0], want) <= 1e-6
+
+
+def test_a_backend_set_on_processors_of_compiled_blocks_is_described():
+    """``set_attention_backend`` after ``accelerate``: those calls run Diffusers' function, counted by the
+    eager path; compiled blocks trace that function in, where nothing counts, so ``describe`` names them
+    from the processors (and still equals plain Diffusers doing the same)."""
+    plain = omni_accel.tiny_qwenimage_pipeline(seed=0)
+    pipe = _compiled_qwenimage()
+    _latents(pipe, num_inference_steps=1)
+    for p in (plain, pipe):
+        p.transformer.set_attention_backend("_native_math")
+    assert torch.equal(_latents(pipe), _latents(plain))
+    text = str(omni_accel.describe(pipe))
+    assert "attention left to Diffusers: qwenimage." in text, text
+    assert (
+        "Diffusers backend _native_math set on the processor (2 attention modules; their calls inside" in text
+    )
+    pipe.transformer.reset_attention_backend()
+    assert "attention left to Diffusers" not in str(omni_accel.describe(pipe))

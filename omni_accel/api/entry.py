@@ -27,6 +27,7 @@ from .placement import native_sites, placement_of, resolve_rows
 from .plan import plan_component
 from .reports import (
     borrowed_state,
+    compiled_in_diffusers,
     current_report,
     current_vae_report,
     holder_lines,
@@ -383,6 +384,8 @@ def describe(pipe: Pipeline) -> AccelerationReport:
             report = dataclasses.replace(report, not_accelerated=[*report.not_accelerated, compiled])
         if held is not None:  # read now: enable_cache() and disable_cache() come before or after accelerate
             report = dataclasses.replace(report, step_cache=step_cache_note(held.original))
+            left = compiled_in_diffusers(held.original, report)
+            report = dataclasses.replace(report, not_accelerated=[*report.not_accelerated, *left])
         if isinstance(report.runtime, NativeRuntime):
             report = dataclasses.replace(report, holders=holder_lines(pipe, state, report.runtime))
         reports.append(report)

@@ -9,10 +9,14 @@ from typing import Any
 
 from torch import nn
 
+from omni_accel.patches import attention_roles
+
 from .. import cuda_graphs
+from ..attention.routing import processor_backend_reason
 from ..config import AccelConfig
 from ..forward_hooks import installed
 from ..models.base import NativeBlock, NativeRuntime
+from ..models.generic import GenericRuntime
 from ..models.registry import spec_for
 from ..parallel import vae as vae_split
 from ..report import FP8_CLAIM, ComponentReport, shared_mode
@@ -232,3 +236,28 @@ def borrowed_state(pipe: Pipeline) -> State:
         )
         components.append(Component(name, module, spec_for(module), report, shared=shared))
     return State(AccelConfig(), components, [])
+
+
+def compiled_in_diffusers(module: nn.Module, report: ComponentReport) -> list[str]:
+    """The routed attention modules of ``module`` whose processor carries a Diffusers backend or
+    context-parallel config (``set_attention_backend``), where compiled blocks trace Diffusers' function for
+    them: the eager path counts such calls ("attention left to Diffusers"), compiled code cannot, so the
+    report says it from the processors as they are now."""
+    runtime = report.runtime
+    if not isinstance(runtime, GenericRuntime) or runtime.compiler is None or report.selector is None:
+        return []
+    found: dict[tuple[str, str], int] = {}
+    for child in module.modules():
+        route = vars(child).get(attention_roles.ROUTE)
+        processor = getattr(child, "processor", None)
+        if route is None or processor is None:
+            continue
+        backend = getattr(processor, "_attention_backend", None)
+        reason = processor_backend_reason(backend, getattr(processor, "_parallel_config", None))
+        if reason is not None and (route[0], reason) not in report.selector.unrouted:
+            found[(route[0], reason)] = found.get((route[0], reason), 0) + 1
+    return [
+        f"attention left to Diffusers: {role}: {reason} ({count} attention modules; their calls inside compiled "
+        "blocks run Diffusers' function and are not counted)"
+        for (role, reason), count in sorted(found.items())
+    ]

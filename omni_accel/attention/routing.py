@@ -21,6 +21,7 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,6 +62,16 @@ def unsupported_reason(*, is_causal: bool, dropout_p: float, enable_gqa: bool) -
         return "dropout"
     if enable_gqa:
         return "grouped-query attention"
+    return None
+
+
+def processor_backend_reason(backend: Any, parallel_config: Any) -> str | None:
+    """Why a call whose processor carries a Diffusers backend (``set_attention_backend``) or a
+    context-parallel config runs Diffusers' own function, or None."""
+    if backend is not None:
+        return f"Diffusers backend {getattr(backend, 'value', backend)!s} set on the processor"
+    if parallel_config is not None:
+        return "Diffusers context parallelism"
     return None
 
 
