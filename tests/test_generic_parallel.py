@@ -245,7 +245,12 @@ def _refusals() -> None:
     _too_short_to_split(model, inputs)
     sd3, _ = build("SD3Transformer2DModel")
     cases = [
-        (sd3, dict(parallel=omni_accel.ParallelConfig(tp=2)), "and SD3Transformer2DModel has neither"),
+        # without a _cp_plan either, cfg is the one layout left to name
+        (
+            sd3,
+            dict(parallel=omni_accel.ParallelConfig(tp=2)),
+            "SD3Transformer2DModel has neither; use cfg for it.",
+        ),
     ]
     for module, options, message in cases:
         pipe = Holder(module)

@@ -200,19 +200,22 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
     ``_tp_plan`` says; its guidance branches by the arguments that carry the batch. Raises for what this
     tier cannot spread yet."""
     name = type(module).__name__
+    plan = cp_plan(module)
     tensor = {}
-    if config.tp > 1:
-        tensor = tensor_plan(name, getattr(type(module), "_tp_plan", None))
+    if config.tp > 1:  # the error names what else the model takes: without a _cp_plan, cfg alone
+        instead = "ulysses, ring or cfg" if plan is not None and routed else "cfg"
+        tensor = tensor_plan(name, getattr(type(module), "_tp_plan", None), instead)
     if config.sequence_parallel > 1 and not routed:
         raise ValueError(
             f"ulysses/ring split {name}'s attention over the ranks through our providers, and none of its "
-            "attention call sites can be routed; run it on one GPU."
+            "attention call sites can be routed; use cfg for it (its guidance branches on two ranks), or "
+            "run it on one GPU."
         )
-    plan = cp_plan(module)
     if config.sequence_parallel > 1 and plan is None:
         raise ValueError(
             f"ulysses/ring split a transformer's sequence as its native blocks or its Diffusers _cp_plan say, "
-            f"and {name} has neither; run it on one GPU (native blocks exist for {', '.join(registered_natives())})."
+            f"and {name} has neither; use cfg for it (its guidance branches on two ranks), or run it on one "
+            f"GPU (native blocks exist for {', '.join(registered_natives())})."
         )
     return ParallelPlan(
         name=name,

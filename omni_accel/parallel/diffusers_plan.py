@@ -103,15 +103,18 @@ def _has(module: nn.Module, path: str) -> bool:
     return True
 
 
-def tensor_plan(name: str, tp_plan: Mapping[str, Any] | None) -> dict[str, TensorPlan]:
+def tensor_plan(
+    name: str, tp_plan: Mapping[str, Any] | None, instead: str = "ulysses, ring or cfg"
+) -> dict[str, TensorPlan]:
     """Block list -> our TensorPlan of Diffusers' ``_tp_plan`` (``"<list>.*.<path>": "colwise" |
     "rowwise"``, or a packed projection: ``PackedColwiseParallel`` / ``PackedRowwiseParallel``), for a
     model whose processors Diffusers made indifferent to how many heads a rank holds (they take the head
-    size from the module, the head count from the tensors). Another style raises, naming the entry."""
+    size from the module, the head count from the tensors). Another style raises, naming the entry and
+    ``instead``: the layouts the model can take (without a _cp_plan, cfg alone)."""
     if not tp_plan:
         raise ValueError(
             f"tp splits the projections of native blocks or of a Diffusers _tp_plan, and {name} has neither; "
-            "use ulysses, ring or cfg for it."
+            f"use {instead} for it."
         )
     plans: dict[str, dict[str, Colwise | Rowwise]] = {}
     for pattern, style in tp_plan.items():
@@ -120,7 +123,7 @@ def tensor_plan(name: str, tp_plan: Mapping[str, Any] | None) -> dict[str, Tenso
         if not star or ours is None:
             raise ValueError(
                 f"{name}'s _tp_plan entry {pattern!r}: {style!r} is not a split the generic tier takes yet "
-                "(only colwise / rowwise linears of repeated blocks, packed or not); use ulysses, ring or cfg."
+                f"(only colwise / rowwise linears of repeated blocks, packed or not); use {instead}."
             )
         plans.setdefault(list_name, {})[path] = ours
     return plans
