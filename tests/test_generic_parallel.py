@@ -295,9 +295,9 @@ def _pipeline_images(pipe, **call) -> torch.Tensor:
 
 def _guidance_over_two_ranks() -> None:
     """cfg=2 on pipelines without native blocks: SD3 batches its two branches in one call (halved over the
-    ranks by the arguments that carry the batch); Qwen-Image's true CFG, FLUX's and Wan's (native=False)
-    call the transformer twice per step (paired over the ranks once the first step has shown the output's
-    shape)."""
+    ranks by the arguments that carry the batch; Z-Image's lists of samples are not split); Qwen-Image's
+    true CFG, FLUX's and Wan's (native=False) call the transformer twice per step (paired over the ranks
+    once the first step has shown the output's shape)."""
     true_cfg = {"negative_prompt": "a dog", "true_cfg_scale": 4.0}
     cases = (
         (omni_accel.tiny_sd3_pipeline, {"guidance_scale": 5.0}, "batch-split calls", {}),
@@ -313,6 +313,9 @@ def _guidance_over_two_ranks() -> None:
             "replicated",
             {"native": False},
         ),
+        # Z-Image (native=False) batches both branches as lists of one tensor per sample: not halved
+        # tensor by tensor (that failed in its blocks), the calls run whole on both ranks
+        (omni_accel.tiny_zimage_pipeline, {"num_images_per_prompt": 2}, "replicated", {"native": False}),
     )
     for build_pipeline, call, counted, options in cases:
         plain = _pipeline_images(build_pipeline(seed=0), **call)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..attention.selection import AttentionSelector
@@ -233,7 +234,9 @@ def batch_dim_arguments(arguments: dict[str, Any]) -> tuple[str, ...] | None:
     first dimension is the batch of its ``hidden_states``. A model declares no batch dimensions, so this
     is read from the call; the token ids and RoPE tables that lack one are as long as the sequence. None
     where that cannot be told: a tensor of fewer than three dimensions whose first one is the batch while a
-    sequence is as long (FLUX's text ids [2, 3] beside two prompts of two tokens)."""
+    sequence is as long (FLUX's text ids [2, 3] beside two prompts of two tokens), or a list of tensors
+    that are not each batched (Z-Image's latents and captions: one tensor per sample), which halving each
+    tensor would cut wrong. A list of batched tensors (ControlNet residuals) is halved tensor by tensor."""
     first = arguments.get("hidden_states")
     if not isinstance(first, torch.Tensor):
         first = next((v for v in arguments.values() if isinstance(v, torch.Tensor) and v.ndim), None)
@@ -244,7 +247,16 @@ def batch_dim_arguments(arguments: dict[str, Any]) -> tuple[str, ...] | None:
     lengths = {v.shape[1] for _, v in tensors if v.ndim >= 3}
     if batch in lengths and any(v.ndim < 3 and v.shape[0] == batch for _, v in tensors):
         return None
-    return tuple(name for name, v in tensors if v.shape[0] == batch)
+    lists = []
+    for name, value in arguments.items():
+        if not isinstance(value, list | tuple):
+            continue
+        leaves = [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+        if any(not leaf.ndim or leaf.shape[0] != batch for leaf in leaves):
+            return None
+        if leaves:
+            lists.append(name)
+    return tuple(name for name, v in tensors if v.shape[0] == batch) + tuple(lists)
 
 
 class LearnedOutputs:
