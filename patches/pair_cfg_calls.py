@@ -32,7 +32,11 @@ def apply(pipe: Any, pairs: Callable[[dict[str, Any]], bool], cfgs: list) -> Non
 
     def __call__(self, *args, **kwargs):
         rule, branches = vars(self)[_STATE]
-        arguments = signature.bind_partial(self, *args, **kwargs).arguments
+        # with the call's defaults: a rule judging a call that leaves one out by a default of its own would
+        # misjudge it (Qwen-Image's true_cfg_scale is 4.0 in its signature)
+        bound = signature.bind_partial(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
         for cfg in branches:
             cfg.pairing = rule(arguments)
         try:

@@ -109,6 +109,21 @@ def test_first_call_hook_sees_the_arguments_and_retries_after_an_error():
     undo()  # a no-op once the first call happened
 
 
+def test_auto_refusals_name_the_cause_and_the_layouts_left(monkeypatch):
+    """Over several ranks: a native model with native=False is refused for that option (not for lacking
+    native blocks, which it has), and a model without any names the layouts it can still take."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flux = omni_accel.tiny_flux_pipeline(seed=0)
+    with pytest.raises(ValueError, match="native blocks, and native=False turns them off; drop native=False"):
+        omni_accel.accelerate(flux, parallel="auto", native=False)
+    assert not hasattr(flux, "_omni_accel_state")
+    with pytest.raises(
+        ValueError,
+        match=r"StableDiffusion3Pipeline has none: run it on one rank, or pass parallel=ParallelConfig",
+    ):
+        omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel="auto")
+
+
 def test_a_deep_copy_made_before_the_first_call_lays_out_itself_and_restores_itself(monkeypatch):
     """Over several ranks ``parallel="auto"`` waits for the first call. A deep copy made before it spread
     the original at its own first call (the action held the original), and ``restore`` of the copy removed
@@ -116,13 +131,13 @@ def test_a_deep_copy_made_before_the_first_call_lays_out_itself_and_restores_its
     recorded, not run."""
     import copy
 
-    from omni_accel import api
+    from omni_accel.api import spread
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel="auto")
     hooked = type(pipe)
     seen = []
-    monkeypatch.setattr(api, "_apply_auto_layout", lambda called, arguments: seen.append(called))
+    monkeypatch.setattr(spread, "_apply_auto_layout", lambda called, arguments: seen.append(called))
     twin = copy.deepcopy(pipe)
     twin(prompt="a cat", height=32, width=32, num_inference_steps=1, output_type="latent")
     assert seen == [twin] and type(pipe) is hooked

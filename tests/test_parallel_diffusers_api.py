@@ -223,8 +223,26 @@ def _fused_qkv_under_tp() -> None:
     assert torch.equal(_latents(fast), _latents(plain))
 
 
+def _default_true_cfg_pairs() -> None:
+    """Qwen-Image runs true CFG at its default scale (4.0) once a negative prompt is given: cfg=2 pairs those
+    calls over the ranks and ulysses stacks them, as when the scale is passed (not every call on both)."""
+    call = dict(prompt="a cat", negative_prompt="dark", height=32, width=32, num_inference_steps=2)
+    call.update(output_type="latent")
+    expected = omni_accel.tiny_qwenimage_pipeline(seed=0)(**call, generator=torch.Generator().manual_seed(0))
+    for layout, counter in (
+        (ParallelConfig(cfg=2), "paired_calls"),
+        (ParallelConfig(ulysses=2), "stacked_calls"),
+    ):
+        pipe = omni_accel.accelerate(omni_accel.tiny_qwenimage_pipeline(seed=0), parallel=layout)
+        got = pipe(**call, generator=torch.Generator().manual_seed(0)).images
+        assert rel_err(got, expected.images) <= 1e-5, f"{layout}: {rel_err(got, expected.images):.2e}"
+        count = getattr(omni_accel.describe(pipe).components[0].cfg, counter)
+        assert count == 2, f"{layout}: {count} {counter} of the 2 steps' cond/uncond pairs"
+
+
 def _body(rank: int, world: int, tmp_path: str) -> None:
     torch.set_num_threads(1)
+    _default_true_cfg_pairs()
     _fused_qkv_under_tp()
     _deepcopy_and_pickle()
     _lora_under_tp(tmp_path)

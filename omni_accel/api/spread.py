@@ -52,10 +52,17 @@ def parallel_config(
     natives = [n for n in names if (spec := spec_for(getattr(pipe, n))) is not None and spec.native]
     if world == 1:
         return None, "one rank: nothing to spread"
-    if not natives or not config.native:
+    if natives and not config.native:
+        raise ValueError(
+            f"parallel='auto' over {world} ranks chooses a layout for native blocks, and native=False turns "
+            "them off; drop native=False, or pass parallel=ParallelConfig(...) with the layout to use."
+        )
+    if not natives:
         raise ValueError(
             f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
-            f"none; natives exist for {', '.join(registered_natives())}. Run it on one rank."
+            "none: run it on one rank, or pass parallel=ParallelConfig(...) with a layout its generic tier "
+            "takes (cfg=2 for guidance; ulysses or ring where the model has a Diffusers _cp_plan). Natives "
+            f"exist for {', '.join(registered_natives())}."
         )
     return AT_FIRST_CALL, "decided at the first pipeline call"
 
