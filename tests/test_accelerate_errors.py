@@ -125,6 +125,16 @@ def test_restore_and_describe_need_an_accelerated_pipeline(pipe):
         omni_accel.describe(pipe)
 
 
+@pytest.mark.parametrize("function", ["restore", "describe"])
+def test_restore_and_describe_of_a_module_name_the_pipeline_they_take(pipe, function):
+    """They raised AttributeError ("'FluxTransformer2DModel' object has no attribute 'components'")."""
+    omni_accel.accelerate(pipe)
+    for wrong in (pipe.transformer, None):
+        with pytest.raises(TypeError, match=rf"{function}\(\) takes a Diffusers pipeline, got .*pass a Diff"):
+            getattr(omni_accel, function)(wrong)
+    assert omni_accel.describe(pipe).components[0].mode == "native"
+
+
 def test_pipeline_without_transformer_is_left_as_is_with_a_report(pipe):
     pipe.transformer = None
     assert omni_accel.accelerate(pipe) is pipe

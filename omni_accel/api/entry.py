@@ -114,11 +114,7 @@ def accelerate(
         quantize=quantize,
     )
     overrides = {name: value for name, value in given.items() if value is not _UNSET}
-    if not isinstance(pipe, Pipeline):
-        raise TypeError(
-            f"accelerate() takes a Diffusers pipeline, got {type(pipe).__name__} (pass a DiffusionPipeline or a "
-            "ModularPipeline; its transformer is accelerated in place)."
-        )
+    _check_pipeline(pipe, "accelerate", "its transformer is accelerated in place")
     state = getattr(pipe, STATE_ATTR, None)
     if state is not None and not _holds_nothing(state):
         if state.zero_code:
@@ -176,6 +172,16 @@ def accelerate(
     triton_builds.set_up_in_background()  # while the first call encodes its prompt
     log_summary(pipe, components)
     return pipe
+
+
+def _check_pipeline(pipe: object, function: str, then: str) -> None:
+    """``accelerate``, ``restore`` and ``describe`` take the pipeline, not a module of it (or anything else):
+    a TypeError that says so, rather than an AttributeError from deep inside."""
+    if not isinstance(pipe, Pipeline):
+        raise TypeError(
+            f"{function}() takes a Diffusers pipeline, got {type(pipe).__name__} (pass a DiffusionPipeline or a "
+            f"ModularPipeline; {then})."
+        )
 
 
 def _plan_and_commit(
@@ -340,6 +346,7 @@ def _release_dropped(pipe: ModularPipeline, state: State) -> None:
 
 def restore(pipe: Pipeline) -> Pipeline:
     """Puts the original Diffusers modules back (with the current weights, device and dtype)."""
+    _check_pipeline(pipe, "restore", "the pipeline omni_accel.accelerate() was given gets its modules back")
     if getattr(pipe, STATE_ATTR, None) is None and (shared := set_up_elsewhere(pipe)):
         # Restoring a module another pipeline set up would undo that pipeline too (one module, one setup).
         name, module = shared[0]
@@ -369,6 +376,7 @@ def describe(pipe: Pipeline) -> AccelerationReport:
     as things are now (a shared transformer its owner restored, a component replaced since), not as planned.
     A pipeline not accelerated itself whose transformer another pipeline set up (a from_pipe sibling) runs
     that setup: its report says so."""
+    _check_pipeline(pipe, "describe", "the pipeline omni_accel.accelerate() was given is described")
     state = getattr(pipe, STATE_ATTR, None)
     state = borrowed_state(pipe) if state is None and set_up_elsewhere(pipe) else state_of(pipe)
     reports = []
