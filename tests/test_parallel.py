@@ -14,7 +14,7 @@ from diffusers import AutoencoderKLWan
 from multirank import run_multirank
 
 import omni_accel
-from omni_accel import LayoutTuning, ParallelConfig
+from omni_accel import AttentionProviderError, LayoutTuning, ParallelConfig
 from omni_accel.parallel.peer_exchange import PeerRing
 from omni_accel.parallel.sequence import SequenceParallel
 
@@ -885,6 +885,40 @@ def _true_cfg_without_cache_context() -> None:
         omni_accel.restore(pipe)
 
 
+def _ring_needs_the_lse() -> None:
+    """A provider that does not return the log-sum-exp, chosen for a site whose calls a ring merges through
+    it, was accepted and failed at the first call (on one rank first, leaving the others in a collective):
+    refused at accelerate now, nothing swapped, no groups left. Cross attention (over K/V every rank holds)
+    may take it."""
+    groups = _live_groups()
+    for build, role in (
+        (omni_accel.tiny_flux_pipeline, "flux.joint"),
+        (omni_accel.tiny_wan_pipeline, "wan.self"),
+    ):
+        pipe = build(seed=0)
+        blocks = dict(pipe.transformer.named_children())
+        with pytest.raises(
+            AttentionProviderError, match=rf"'{role}'.*Under a ring layout the calls of {role} merge"
+        ):
+            omni_accel.accelerate(pipe, attention="sdpa", parallel=ParallelConfig(ring=2))
+        assert (
+            getattr(pipe, "_omni_accel_state", None) is None
+            and dict(pipe.transformer.named_children()) == blocks
+        )
+        assert _live_groups() == groups
+    wan = omni_accel.accelerate(
+        omni_accel.tiny_wan_pipeline(seed=0),
+        attention={"per_role": {"cross": "sdpa"}},
+        parallel=ParallelConfig(ring=2),
+    )
+    assert "wan.self [float32, cpu, head_dim=16, lse] -> sdpa_math" in str(omni_accel.describe(wan))
+    video = dict(
+        prompt="a cat", height=16, width=16, num_frames=5, num_inference_steps=1, output_type="latent"
+    )
+    wan(**video)
+    omni_accel.restore(wan)
+
+
 def _two_ranks(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     _layouts_by_peer_writes()
@@ -947,6 +981,7 @@ def _two_ranks(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="spans 4 ranks, but 2 were started"):
         omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2, ulysses=2))
     assert _live_groups() == groups
+    _ring_needs_the_lse()
     # the Wan pipeline over ulysses=2 (its video tokens split inside the model) gives the one-rank video
     video = dict(
         prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="latent"

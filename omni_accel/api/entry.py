@@ -383,7 +383,8 @@ def describe(pipe: Pipeline) -> AccelerationReport:
     for component in state.components:
         report, held = current_report(pipe, component, state.components)
         if held is not None and held.runtime is not None and report.runtime is not None:
-            sites = native_sites(held.original, held.spec.native_model())
+            ring = held.parallel is not None and held.parallel.config.ring > 1
+            sites = native_sites(held.original, held.spec.native_model(), ring)
             report.planned_attention = resolve_rows(
                 sites, placement_of(held.original), report.selector, strict=False
             )

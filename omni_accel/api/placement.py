@@ -20,18 +20,22 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-def native_sites(module: nn.Module, model) -> list[tuple[str, str, int]]:
-    """(role, category, head size) of every attention site of the native blocks, once per role."""
+def native_sites(module: nn.Module, model, ring: bool = False) -> list[tuple[str, str, int, bool]]:
+    """(role, category, head size, whether its calls need the log-sum-exp) of every attention site of the
+    native blocks, once per role; under a ``ring`` layout a site that merges K/V blocks needs it
+    (``AttentionSite.ring_merges``)."""
     rows = {}
     for list_name, native_cls in model.blocks.items():
         for block in module.get_submodule(list_name):
             for site in native_cls.sites:
-                rows.setdefault(site.role, (site.role, site.category, native_cls.head_dim(block)))
+                row = (site.role, site.category, native_cls.head_dim(block), ring and site.ring_merges)
+                rows.setdefault(site.role, row)
     return list(rows.values())
 
 
-def routed_sites(module: nn.Module, spec: ModelSpec) -> list[tuple[str, str, int | None]]:
-    """(role, category, head size if the module says) of every routed attention module, once per role."""
+def routed_sites(module: nn.Module, spec: ModelSpec) -> list[tuple[str, str, int | None, bool]]:
+    """(role, category, head size if the module says, False) of every routed attention module, once per role
+    (whether a call needs the log-sum-exp is known at the call: see ``parallel.routed_attention``)."""
     rows = {}
     for name, child in module.named_modules():
         if hasattr(child, "processor"):
@@ -39,25 +43,35 @@ def routed_sites(module: nn.Module, spec: ModelSpec) -> list[tuple[str, str, int
             head_dim = getattr(child, "head_dim", None)
             if head_dim is None and hasattr(child, "inner_dim") and getattr(child, "heads", 0):
                 head_dim = child.inner_dim // child.heads
-            rows.setdefault(role, (role, category, head_dim))
+            rows.setdefault(role, (role, category, head_dim, False))
     return list(rows.values())
 
 
 def check_attention(name: str, module: nn.Module, sites, selector: AttentionSelector) -> None:
     """Every ``per_role`` key names a role or category of this model, and every explicit choice can serve
-    the model's compute dtype, device and head size: both fail at accelerate, not at the first call (the
-    second waits for the first call where the dtype or device is not known before it)."""
+    the model's compute dtype, device and head size, and the log-sum-exp where a ring layout merges with it:
+    both fail at accelerate, not at the first call (the second waits for the first call where the dtype or
+    device is not known before it)."""
     # The generic categories are valid everywhere: one config may serve pipelines with and without them.
-    known = {role for role, _, _ in sites} | {category for _, category, _ in sites} | {"self", "cross"}
+    known = {site[0] for site in sites} | {site[1] for site in sites} | {"self", "cross"}
     unknown = sorted(set(selector.config.per_role) - known)
     if unknown:
         raise ValueError(
             f"AttentionConfig.per_role names {unknown}, which pipe.{name} ({type(module).__name__}) does not "
-            f"have; its roles are {sorted({r for r, _, _ in sites})} and categories "
-            f"{sorted({c for _, c, _ in sites})}."
+            f"have; its roles are {sorted({site[0] for site in sites})} and categories "
+            f"{sorted({site[1] for site in sites})}."
         )
     placement = placement_of(module)
-    resolve_rows([site for site in sites if site[2] is not None], placement, selector, strict=True)
+    try:
+        resolve_rows([site for site in sites if site[2] is not None], placement, selector, strict=True)
+    except AttentionProviderError as exc:
+        merging = [site[0] for site in sites if site[3]]
+        if not merging:
+            raise
+        raise AttentionProviderError(
+            f"{exc} (Under a ring layout the calls of {', '.join(merging)} merge the K/V blocks of the ranks "
+            "through the log-sum-exp, which their provider must return.)"
+        ) from None
     if placement.unknown is not None:
         logger.info("pipe.%s: attention providers are checked at the first call: %s", name, placement.unknown)
 
@@ -131,13 +145,15 @@ def resolve_rows(
     """(role, request, provider, reason) per site; an error row (or, ``strict``, the error) where a choice
     cannot serve, and a deferred row where the placement is not known before the first call."""
     if placement.unknown is not None:
-        return [(role, "known at the first call", "deferred", placement.unknown) for role, _, _ in sites]
+        return [(site[0], "known at the first call", "deferred", placement.unknown) for site in sites]
     device = placement.device
     on_gpu = device.type == "cuda" and torch.cuda.is_available()  # a hook may name CUDA before it exists here
     capability = torch.cuda.get_device_capability(device) if on_gpu else None
     rows = []
-    for role, category, head_dim in sites:
-        request = AttentionRequest(placement.dtype, device.type, head_dim, compute_capability=capability)
+    for role, category, head_dim, needs_lse in sites:
+        request = AttentionRequest(
+            placement.dtype, device.type, head_dim, needs_lse=needs_lse, compute_capability=capability
+        )
         try:
             found = resolve(selector.config, role, category, request)
             rows.append((role, request.describe(), found.name, found.reason))

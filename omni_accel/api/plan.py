@@ -64,7 +64,8 @@ def _plan_swap(
     the ranks (everything checked here, applied at commit)."""
     model = spec.native_model()
     patches.check_applicable("hook_chains")
-    check_attention(name, module, native_sites(module, model), selector)
+    ring = parallel is not None and parallel.config.ring > 1  # its merges take the log-sum-exp
+    check_attention(name, module, native_sites(module, model, ring), selector)
     graphs_on = config.cuda_graphs
     if graphs_on is None:  # auto: on wherever the steps run on CUDA
         graphs_on = torch.cuda.is_available() and (parallel is None or parallel.device.type == "cuda")

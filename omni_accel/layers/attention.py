@@ -174,11 +174,17 @@ def _(query, key, value, split, role, category, scale, attn_mask):
 @dataclass(frozen=True)
 class AttentionSite:
     """One attention call site of a native block: ``role`` names it (users target it in
-    ``AttentionConfig.per_role``), ``category`` ("self" or "cross") is the fallback key."""
+    ``AttentionConfig.per_role``), ``category`` ("self" or "cross") is the fallback key. ``ring_merges``:
+    under a ring layout its calls attend over the K/V blocks of the split sequence one after the other and
+    merge them through the log-sum-exp, so its provider must return the LSE (checked at accelerate); False
+    for a site over K/V every rank holds whole (cross attention, a refiner ahead of the split), or one whose
+    calls may run one kernel over the gathered sequence (work beside it, on a ring of peer writes): its
+    provider is checked at the call."""
 
     role: str
     category: str
     scale: float | None = None  # None: 1 / sqrt(head size)
+    ring_merges: bool = True
 
 
 def attention(

@@ -255,7 +255,7 @@ class NativeFluxSingleTransformerBlock(_FluxNative, FluxSingleTransformerBlock):
     }
     modulations = ("mod",)
     attention_modules = ("attn",)
-    site = AttentionSite("flux.single", "self")
+    site = AttentionSite("flux.single", "self", ring_merges=False)  # beside its MLP: attention_beside
     sites = (site,)
     math = staticmethod(single_block)
 

@@ -180,7 +180,7 @@ class NativeMiniMaxH3TransformerBlock(_MiniMaxNative, MiniMaxH3TransformerBlock)
 class NativeMiniMaxH3TokenRefinerBlock(_MiniMaxNative, MiniMaxH3TokenRefinerBlock):
     """A block of the text token refiner (text rows only, before they are packed)."""
 
-    site = AttentionSite("minimax_h3.refiner", "self")
+    site = AttentionSite("minimax_h3.refiner", "self", ring_merges=False)  # ahead of the split
     sites = (site,)
     math = staticmethod(refiner_block)
 

@@ -40,7 +40,7 @@ from .base import NativeBlock, NativeModel, processor_reason
 _TEXT_TOKENS = 512  # Diffusers' WanAttnProcessor: the text context is the last 512 tokens (I2V: image first)
 
 SELF = AttentionSite("wan.self", "self")
-CROSS = AttentionSite("wan.cross", "cross")
+CROSS = AttentionSite("wan.cross", "cross", ring_merges=False)  # over the text every rank holds
 
 
 @dataclass(frozen=True)
