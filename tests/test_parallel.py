@@ -1208,6 +1208,11 @@ def test_parallel_config_errors():
         ParallelConfig(tp=3).check_world_size(2)
     with pytest.raises(TypeError, match="ParallelConfig"):
         omni_accel.AccelConfig(parallel={"tp": 2})
+    # "60", None: a TypeError of the comparison; True: a 1 s timeout; inf: an OverflowError at the launch
+    for timeout in ("60", None, True, float("inf"), float("nan"), 0):
+        with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds > 0, got"):
+            ParallelConfig(timeout_s=timeout)
+    assert ParallelConfig(timeout_s=30).timeout_s == 30
 
 
 def test_parallel_without_torchrun_says_how_to_launch(monkeypatch):

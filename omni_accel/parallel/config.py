@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -73,8 +74,11 @@ class ParallelConfig:
                 raise ValueError(f"ParallelConfig.{name} must be a positive int, got {value!r}.")
         if self.cfg > 2:
             raise ValueError(f"cfg={self.cfg}: classifier-free guidance has two branches, so cfg is 1 or 2.")
-        if not self.timeout_s > 0:
-            raise ValueError(f"ParallelConfig.timeout_s must be > 0, got {self.timeout_s!r}.")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise ValueError(
+                f"ParallelConfig.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}."
+            )
         if not isinstance(self.batch_guidance, bool):
             raise ValueError(
                 f"ParallelConfig.batch_guidance must be True or False, got {self.batch_guidance!r}."
