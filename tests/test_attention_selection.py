@@ -14,6 +14,7 @@ from omni_accel.attention import (
     provider_names,
     resolve,
 )
+from omni_accel.attention.selection import current_scope
 
 CPU_FP32 = AttentionRequest(torch.float32, "cpu", 64)
 H200_BF16 = AttentionRequest(torch.bfloat16, "cuda", 128, compute_capability=(9, 0))
@@ -128,6 +129,18 @@ def test_scope_overrides_the_pipeline_choice_and_is_restored():
             assert selector.resolve("r", "self", CPU_FP32).name == "sdpa"
         assert selector.resolve("r", "self", CPU_FP32).name == "sdpa_math"
     assert selector.resolve("r", "self", CPU_FP32).name == "sdpa"
+
+
+def test_scope_of_a_provider_name_says_where_it_goes():
+    """attention_scope("sdpa_math") was taken, and every call in the block then failed with "'str' object has
+    no attribute 'per_role'"."""
+    with pytest.raises(
+        TypeError, match=r"must be an AttentionConfig, got str .*attention_scope\(default='sdpa_math'\)"
+    ):
+        attention_scope("sdpa_math").__enter__()
+    with pytest.raises(TypeError, match=r"must be an AttentionConfig, got dict"):
+        attention_scope({"default": "sdpa"}).__enter__()
+    assert current_scope() is None
 
 
 def test_scope_is_restored_after_an_exception():

@@ -129,6 +129,16 @@ def attention_scope(
         config = AttentionConfig(default=default or "auto", per_role=per_role or {})
     elif default is not None or per_role is not None:
         raise TypeError("attention_scope takes either a config or default/per_role, not both.")
+    elif not isinstance(config, AttentionConfig):  # checked here: every call in the block would fail on it
+        hint = (
+            f" (one provider everywhere: attention_scope(default={config!r}))"
+            if isinstance(config, str)
+            else ""
+        )
+        raise TypeError(
+            f"attention_scope's config must be an AttentionConfig, got {type(config).__name__} {config!r}; "
+            f"or pass default='NAME' and/or per_role={{...}}{hint}."
+        )
     token = _SCOPED_CONFIG.set(config)
     try:
         yield config
