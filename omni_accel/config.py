@@ -101,6 +101,9 @@ class AccelConfig:
         if names is None or not all(isinstance(c, str) for c in names):
             raise TypeError(f"components must be a tuple of attribute names, got {components!r}.")
         object.__setattr__(self, "components", names)
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:  # the report listed the component twice, the second as moved to where it was
+            raise ValueError(f"components names {repeated} more than once; name each denoiser once.")
         if not self.components:
             raise ValueError(
                 f"components=() names no denoiser, so accelerate would do nothing; name the pipeline's "

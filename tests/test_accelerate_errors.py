@@ -50,6 +50,10 @@ def test_config_of_the_wrong_type(pipe):
     with pytest.raises(TypeError, match="components must be a tuple of attribute names, got 5"):
         AccelConfig(components=5)
     assert AccelConfig(components=iter(["transformer"])).components == ("transformer",)
+    # a name given twice was described as two components, the second "set up as pipe.transformer"
+    with pytest.raises(ValueError, match=r"components names \['transformer'\] more than once"):
+        omni_accel.accelerate(pipe, components=("transformer", "transformer"))
+    _untouched(pipe)
 
 
 def test_no_components_is_refused_not_reported_as_a_pipeline_without_transformer(pipe):
