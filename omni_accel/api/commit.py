@@ -224,33 +224,9 @@ def _drop_generic_setup(module: nn.Module, setup: GenericSetup) -> None:
         object.__delattr__(module, GENERIC_SETUP)
 
 
-_GENERIC_STEPS = (
-    _Step("setup kept on the module", lambda c: c.report.mode != "untouched", _keep_generic_setup),
-    _Step("attention routed", _always, lambda c: _route_attention(c)),
-    _Step("forwards marked", _always, _mark_forwards),
-    _Step("model adaptation", _always, _adapt_model),
-    _Step("projection cache sites", lambda c: c.cache is not None, _wrap_cache_sites),
-    _Step(
-        "compiled regions",
-        lambda c: c.generic is not None and c.generic.compiler is not None,
-        _install_compiled_regions,
-    ),
-    _Step("fp8 linears", lambda c: c.generic is not None and c.generic.fp8 is not None, _install_fp8),
-    _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
-    _Step("stores let go at moves", _always, _drop_at_moves),
-)
-
-
-def commit_component(component: Component) -> None:
-    """Runs the component's steps in order (a module another pipeline accelerated is that one's)."""
-    if component.shared:
-        return
-    for step in _NATIVE_STEPS if component.runtime is not None else _GENERIC_STEPS:
-        if step.applies(component):
-            step.apply(component)
-
-
 def _route_attention(component: Component) -> None:
+    """Diffusers' attention calls below the module go through our providers: each attention module tagged
+    with its role, the call sites' patches held."""
     if not component.spec or not component.spec.attention_routes:
         return
     selector = component.report.selector
@@ -276,6 +252,32 @@ def _route_attention(component: Component) -> None:
         component.undo.append(HeldPatch(name, target))
 
 
-def _unroute(module: nn.Module, route: tuple[str, str, str]) -> None:
+def _unroute(module: nn.Module, route: tuple[str, str]) -> None:
     if vars(module).get(attention_roles.ROUTE) == route:
         object.__delattr__(module, attention_roles.ROUTE)
+
+
+_GENERIC_STEPS = (
+    _Step("setup kept on the module", lambda c: c.report.mode != "untouched", _keep_generic_setup),
+    _Step("attention routed", _always, _route_attention),
+    _Step("forwards marked", _always, _mark_forwards),
+    _Step("model adaptation", _always, _adapt_model),
+    _Step("projection cache sites", lambda c: c.cache is not None, _wrap_cache_sites),
+    _Step(
+        "compiled regions",
+        lambda c: c.generic is not None and c.generic.compiler is not None,
+        _install_compiled_regions,
+    ),
+    _Step("fp8 linears", lambda c: c.generic is not None and c.generic.fp8 is not None, _install_fp8),
+    _Step("step graphs", lambda c: c.graphs is not None, _install_step_graphs),
+    _Step("stores let go at moves", _always, _drop_at_moves),
+)
+
+
+def commit_component(component: Component) -> None:
+    """Runs the component's steps in order (a module another pipeline accelerated is that one's)."""
+    if component.shared:
+        return
+    for step in _NATIVE_STEPS if component.runtime is not None else _GENERIC_STEPS:
+        if step.applies(component):
+            step.apply(component)
