@@ -198,3 +198,70 @@ def test_a_mask_written_in_place_under_inference_mode_is_read_again():
         mask[1, 3:] = False
         got = fast(**inputs, encoder_hidden_states_mask=mask)[0]
         assert rel_err(got, plain(**inputs, encoder_hidden_states_mask=mask)[0]) <= 1e-6
+
+
+def test_the_blocks_memos_hold_nothing_of_a_forward_that_ended(monkeypatch):
+    """The joint RoPE tables and key mask every block of a forward shares (class attributes, per thread)
+    are let go of when the forward's tensors die: they pin no device memory after ``pipe.to("cpu")``, and
+    nothing of a pipeline the user dropped."""
+    import gc
+    import weakref
+
+    from omni_accel.models.qwenimage import NativeQwenImageTransformerBlock as Block
+
+    made = []
+    for memo in (Block._ropes, Block._masks):
+        get = memo.get
+
+        def spy(key, extra, make, get=get):
+            value = get(key, extra, make)
+            made.extend(weakref.ref(t) for t in torch.utils._pytree.tree_leaves(value))
+            return value
+
+        monkeypatch.setattr(memo, "get", spy)
+    module = random_qwenimage_transformer()
+    omni_accel.accelerate(_holder(module))
+    with torch.no_grad():
+        module(**qwen_inputs(module), return_dict=False)
+    gc.collect()
+    assert len(made) > 2  # the RoPE tables and the mask, at every block
+    assert all(ref() is None for ref in made)
+
+
+def test_the_blocks_memos_let_go_at_moves_and_restore():
+    """What a memo made of tensors a caller still holds (each thread its own) is let go of when the
+    transformer moves or is restored; a value is kept while its keys live, even as older keys die."""
+    import gc
+    import threading
+    import weakref
+
+    from omni_accel.models.qwenimage import NativeQwenImageTransformerBlock as Block
+
+    module = random_qwenimage_transformer()
+    pipe = omni_accel.accelerate(_holder(module))
+    memo = Block._ropes
+    keys = [torch.ones(2), torch.ones(2)]
+    values = []
+
+    def fill() -> None:
+        for key in keys:
+            value = torch.zeros(3)
+            assert memo.get((key,), None, lambda value=value: value) is value
+            values.append(weakref.ref(value))
+
+    for move in (lambda: module.to(torch.float64), lambda: omni_accel.restore(pipe)):
+        values.clear()
+        fill()
+        thread = threading.Thread(target=fill)
+        thread.start()
+        thread.join()
+        gc.collect()
+        assert [ref() is None for ref in values] == [True, False, True, True]  # the thread's died with it
+        del keys[0]  # an older state's key dies: the newer value stays
+        gc.collect()
+        assert values[1]() is not None
+        assert memo.get((keys[-1],), None, lambda: torch.ones(3)) is values[1]()
+        move()
+        gc.collect()
+        assert values[1]() is None
+        keys.insert(0, torch.ones(2))

@@ -50,7 +50,9 @@ def _always(component: Component) -> bool:
 
 def _swap_native_blocks(component: Component) -> None:
     model = component.spec.native_model()
-    component.undo.append(swap_blocks(component.original, model, component.runtime).undo)
+    swapped = swap_blocks(component.original, model, component.runtime)
+    component.undo.append(swapped.undo)
+    component.stores.append(swapped)  # the blocks' memos
 
 
 def _add_scope(component: Component, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:

@@ -64,6 +64,7 @@ from ..utils.logging import get_logger
 from ..utils.module_settings import settings
 from .code_watch import CodeWatch
 from .compiler import BlockCompiler, CompiledSteps
+from .forward_memo import ForwardMemo
 
 logger = get_logger(__name__)
 
@@ -193,6 +194,8 @@ class NativeBlock:
     # another ``approximate`` sends the block to Diffusers' forward.
     tanh_gelus: ClassVar[tuple[str, ...]] = ()
     math: ClassVar[Callable[..., Any]]  # the block's pure math over tensors, weights and constants
+    # What every block of one forward shares (``forward_memo``): let go of at moves and at restore.
+    memos: ClassVar[tuple[ForwardMemo, ...]] = ()
     omni_runtime: NativeRuntime
     omni_name: str  # the block's name in the transformer, naming its projection-cache entries
     omni_structure: Structure  # ``structure()`` at ``accelerate``
@@ -592,6 +595,12 @@ class SwappedBlocks:
             for name in ("omni_runtime", "omni_name", "omni_structure"):  # a swap stopped halfway set fewer
                 vars(block).pop(name, None)
         vars(self.transformer).pop("_repeated_blocks", None)
+        self.drop_moved()
+
+    def drop_moved(self) -> None:
+        """The transformer moved (``omni_accel.moves``) or is restored: its block classes' memos let go."""
+        for memo in {memo for _, _, native_cls in self.blocks for memo in native_cls.memos}:
+            memo.drop()
 
 
 def native_blocks(transformer: nn.Module, model: NativeModel) -> list[nn.Module]:

@@ -117,6 +117,7 @@ class NativeQwenImageTransformerBlock(NativeBlock, QwenImageTransformerBlock):
     sites = (site,)
     math = staticmethod(qwen_block)
     _ropes, _masks = ForwardMemo(), ForwardMemo()  # per thread, the last forward's
+    memos = (_ropes, _masks)
 
     def head_dim(self) -> int:
         return self.attention_head_dim

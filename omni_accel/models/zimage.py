@@ -103,6 +103,7 @@ class NativeZImageTransformerBlock(NativeBlock, ZImageTransformerBlock):
     sites = (site,)
     math = staticmethod(zimage_block)
     _ropes, _masks = ForwardMemo(), ForwardMemo()  # per thread, the last forward's
+    memos = (_ropes, _masks)
 
     @staticmethod
     def modulation_input(conditioning: torch.Tensor) -> torch.Tensor:
