@@ -75,6 +75,7 @@ from .forward_hooks import (
 )
 from .utils.logging import get_logger
 from .utils.precision import float32_precision
+from .utils.reason_counts import ReasonCounts
 from .utils.values import PLAIN_VALUES
 
 logger = get_logger(__name__)
@@ -151,7 +152,7 @@ class StepGraphs(InstanceForward):
         self.captures = self.replays = self.early_replays = self.early_misses = 0
         self.inputs_in_place = 0  # arguments a replay read where a graph before wrote them (``GraphMemory``)
         self.latest: dict[tuple, _Graph] = {}  # the graph last replayed per key without the module state
-        self.eager: Counter = Counter()
+        self.eager = ReasonCounts()
         self._lock = threading.Lock()
         _LIVE.add(self)
 
@@ -285,8 +286,7 @@ class StepGraphs(InstanceForward):
             return graph, self._replay(graph, leaves)
 
     def _eager(self, reason: str, forward, args, kwargs) -> Any:
-        self.eager[reason] += 1
-        if self.eager[reason] == 1:
+        if self.eager.count(reason):
             logger.info("CUDA graphs: a call runs eagerly: %s (counted in describe)", reason)
         return forward(*args, **kwargs)
 

@@ -1,3 +1,7 @@
+import collections
+import contextlib
+import threading
+
 import pytest
 import torch
 
@@ -9,6 +13,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def first_counts_meet(monkeypatch, counts: collections.Counter) -> None:
+    """A first count in ``counts`` waits for another thread's first count (``Counter``'s ``counts[r] += 1``
+    runs ``__missing__`` there) before it stores: two threads count a new reason at the same time."""
+    barrier = threading.Barrier(2, timeout=2)
+    missing = collections.Counter.__missing__
+
+    def meeting(self, key):
+        if self is counts:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
+        return missing(self, key)
+
+    monkeypatch.setattr(collections.Counter, "__missing__", meeting)
 
 
 def random_flux_transformer(seed: int = 0, **overrides):

@@ -10,7 +10,7 @@ import threading
 import omni_accel.patches as patches
 import pytest
 import torch
-from conftest import random_lora, rel_err
+from conftest import first_counts_meet, random_lora, rel_err
 from diffusers import ConfigMixin, ModelMixin
 from tiny_transformers import Holder
 
@@ -393,3 +393,22 @@ def test_a_backend_set_on_processors_of_compiled_blocks_is_described():
     )
     pipe.transformer.reset_attention_backend()
     assert "attention left to Diffusers" not in str(omni_accel.describe(pipe))
+
+
+def test_two_threads_counting_a_new_reason_count_twice_and_log_it_once(monkeypatch):
+    """Blocks that run their own forward, counted by reason from two threads at once (a pipeline called
+    from several): neither count is lost, and the reason is logged once."""
+    from omni_accel.models import generic
+    from omni_accel.models.generic import GenericRuntime
+
+    runtime = GenericRuntime(None, None)
+    logged = []
+    monkeypatch.setattr(generic.logger, "info", lambda *args: logged.append(args))
+    first_counts_meet(monkeypatch, runtime.fallbacks)
+    threads = [threading.Thread(target=runtime.note_eager, args=("a hook",)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert runtime.fallbacks == {"a hook": 2}
+    assert len(logged) == 1

@@ -4,7 +4,7 @@ the class."""
 
 import pytest
 import torch
-from conftest import random_lora, random_qwenimage_transformer, rel_err
+from conftest import first_counts_meet, random_lora, random_qwenimage_transformer, rel_err
 from native_contract import NativeContract
 
 import omni_accel
@@ -265,3 +265,32 @@ def test_the_blocks_memos_let_go_at_moves_and_restore():
         gc.collect()
         assert values[1]() is None
         keys.insert(0, torch.ones(2))
+
+
+def test_blocks_falling_back_in_two_threads_at_once_are_all_counted_and_logged_once(monkeypatch):
+    """Two threads whose blocks run Diffusers' forward for a reason not counted before (an attention
+    argument only Diffusers' processor takes), at the same time: every call is counted, the reason logged
+    once."""
+    import threading
+
+    from omni_accel.models import base
+
+    module = random_qwenimage_transformer()
+    pipe = omni_accel.accelerate(_holder(module))
+    fallbacks = omni_accel.describe(pipe).components[0].runtime.fallbacks
+    warned = []
+    monkeypatch.setattr(base.logger, "warning", lambda *args: warned.append(args))
+    first_counts_meet(monkeypatch, fallbacks)
+    inputs = qwen_inputs(module)
+
+    def call() -> None:
+        with torch.no_grad():
+            module(**inputs, attention_kwargs={"attention_mask": None})
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(fallbacks.values()) == 2 * len(module.transformer_blocks)
+    assert len(warned) == 1

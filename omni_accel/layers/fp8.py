@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils.kernels import HAS_TRITON, kernels_can_run
+from ..utils.reason_counts import ReasonCounts
 from ..utils.storage import contiguous_run
 from ..utils.watched import Watcher, weight_version
 
@@ -177,7 +178,7 @@ class Fp8Weights:
         self._lock = threading.Lock()
         self.quantized = 0  # copies made, in place or new
         self.generation = 0  # advances whenever a copy is forgotten (its memory freed)
-        self.declined: Counter = Counter()  # projections whose GEMM stays bf16, by reason (calls)
+        self.declined = ReasonCounts()  # projections whose GEMM stays bf16, by reason (calls)
         # the generic tier's linears (``layers.fp8_linears``): how many, and those that compute as Diffusers'
         # do, by reason (as each last decided)
         self.linears = 0

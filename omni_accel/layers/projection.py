@@ -263,7 +263,7 @@ def with_fp8(weights: LinearWeights, store: Fp8Weights, weight_only: bool = Fals
     (the AdaLN modulation), its few rows multiplied unquantized (``layers.fp8.weight_only_linear``)."""
     reason = fp8_reason(weights.weight)
     if reason is not None:
-        store.declined[reason] += 1
+        store.declined.count(reason)
         return weights
     return replace(weights, fp8=store.of(weights.weight, weights.sources), weight_only=weight_only)
 

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import inspect
 import threading
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -62,6 +61,7 @@ from ..parallel.tensor import TensorPlan
 from ..parallel.token_rows import Rows
 from ..utils.logging import get_logger
 from ..utils.module_settings import settings
+from ..utils.reason_counts import ReasonCounts
 from .code_watch import CodeWatch
 from .compiler import BlockCompiler, CompiledSteps
 from .forward_memo import ForwardMemo
@@ -117,7 +117,7 @@ class NativeRuntime(CompiledSteps):
     compile_options: Mapping[str, Any] | None = None
     cache: ExactProjectionCache | None = None
     compile_in_background: bool = True
-    fallbacks: Counter = field(default_factory=Counter)
+    fallbacks: ReasonCounts = field(default_factory=ReasonCounts)
     layout: Parallelized | None = None
     modulation: SplitModulation | None = None  # under a layout: every block's modulation at once
     fp8: Fp8Weights | None = None
@@ -290,9 +290,7 @@ class NativeBlock:
             raise NotDecidedAhead  # itself: the call is made again undecided (and counted then)
         if self.omni_runtime.fp8 is not None:  # nothing reads its copies now; a native call makes them again
             self.omni_runtime.fp8.drop(self.parameters())
-        fallbacks = self.omni_runtime.fallbacks
-        fallbacks[reason] += 1
-        if fallbacks[reason] == 1:
+        if self.omni_runtime.fallbacks.count(reason):
             logger.warning("%s runs Diffusers' forward: %s (counted in describe)", self.omni_name, reason)
         return None
 

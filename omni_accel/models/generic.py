@@ -20,7 +20,6 @@ plain Diffusers and calls the compiled code when it runs the block.
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +35,7 @@ from ..parallel.config import ParallelConfig
 from ..parallel.diffusers_plan import sequence_plan, tensor_plan
 from ..parallel.shares import signature
 from ..utils.logging import get_logger
+from ..utils.reason_counts import ReasonCounts
 from .base import diffusers_only_reason
 from .compiler import BlockCompiler, CompiledSteps
 from .registry import cp_plan, registered_natives
@@ -92,7 +92,7 @@ class GenericRuntime(CompiledSteps):
         self.compile_in_background = compile_in_background
         self.devices = devices
         self.raise_failures = raise_failures
-        self.fallbacks: Counter = Counter()
+        self.fallbacks = ReasonCounts()
         self.compiler = (
             None
             if compile_options is None
@@ -130,8 +130,7 @@ class GenericRuntime(CompiledSteps):
         return None
 
     def note_eager(self, reason: str) -> None:
-        self.fallbacks[reason] += 1
-        if self.fallbacks[reason] == 1:
+        if self.fallbacks.count(reason):
             logger.info("a repeated block runs its own forward: %s (counted in describe)", reason)
 
 
