@@ -3,7 +3,7 @@
 However a script builds its pipelines (``from_pretrained``, ``from_pipe``, a constructor,
 ``AutoPipelineFor*``), each ends in the ``__init__`` of a ``DiffusionPipeline`` subclass; ``enable`` wraps
 those (the classes loaded now, and through ``__init_subclass__`` the ones Diffusers imports later) so that
-when the outermost ``__init__`` returns, ``accelerate(pipe, **options)`` runs. A modular pipeline
+when the outermost ``__init__`` returns, ``accelerate(pipe, config, **options)`` runs. A modular pipeline
 (``diffusers.modular_pipelines``) gets its components after it is built (``load_components``,
 ``update_components``): both end in ``ModularPipeline.register_components``, after which its transformer is
 accelerated (again, with the same options, when it was replaced). ``disable`` unwraps them; pipelines
@@ -38,18 +38,21 @@ logger = get_logger(__name__)
 
 _LOCK = threading.Lock()
 _LOCAL = threading.local()  # the depth of nested pipeline __init__ calls on this thread
-_options: dict[str, Any] | None = None
+_config: AccelConfig | None = None  # what enable() was given, keyword options over its ``config``
 _wrapped: dict[type, Any] = {}  # class -> its original __init__
 _modular_register: Any = None  # ModularPipeline.register_components before we wrapped it
 _hooked_subclasses = False  # DiffusionPipeline.__init_subclass__ is ours (it defines none of its own)
 
 
-def enable(**options: Any) -> None:
-    """Accelerates every pipeline built from now on with ``accelerate(pipe, **options)``."""
-    AccelConfig().with_overrides(**options)  # a bad option fails here, not at the first pipeline
-    global _options, _hooked_subclasses
+def enable(config: AccelConfig | None = None, **options: Any) -> None:
+    """Accelerates every pipeline built from now on with ``accelerate(pipe, config, **options)``: an option
+    given here overrides ``config``'s."""
+    if config is not None and not isinstance(config, AccelConfig):
+        raise TypeError(f"config must be an omni_accel.AccelConfig, got {type(config).__name__}.")
+    resolved = (config or AccelConfig()).with_overrides(**options)  # a bad option fails here, not later
+    global _config, _hooked_subclasses
     with _LOCK:
-        _options = dict(options)
+        _config = resolved
         if not _hooked_subclasses:
             if "__init_subclass__" in vars(DiffusionPipeline):
                 raise RuntimeError(
@@ -61,16 +64,14 @@ def enable(**options: Any) -> None:
         for cls in _subclasses(DiffusionPipeline):
             _wrap(cls)
         _wrap_modular()
-    logger.info(
-        "zero-code acceleration on for pipelines built from now on (options %s)", options or "default"
-    )
+    logger.info("zero-code acceleration on for pipelines built from now on (%s)", resolved)
 
 
 def disable() -> None:
     """Stops accelerating new pipelines (the ones already accelerated stay so)."""
-    global _options, _hooked_subclasses, _modular_register
+    global _config, _hooked_subclasses, _modular_register
     with _LOCK:
-        _options = None
+        _config = None
         for cls, original in _wrapped.items():
             cls.__init__ = original
         _wrapped.clear()
@@ -83,7 +84,7 @@ def disable() -> None:
 
 
 def enabled() -> bool:
-    return _options is not None
+    return _config is not None
 
 
 _YES, _NO = ("1", "true", "yes"), ("0", "false", "no")
@@ -154,7 +155,7 @@ def _subclasses(cls: type) -> list[type]:
 def _init_subclass(cls, **kwargs: Any) -> None:
     super(DiffusionPipeline, cls).__init_subclass__(**kwargs)
     with _LOCK:
-        if _options is not None:
+        if _config is not None:
             _wrap(cls)
 
 
@@ -171,9 +172,9 @@ def _wrap(cls: type) -> None:
             original(self, *args, **kwargs)
         finally:
             _LOCAL.depth = depth
-        options = _options
-        if depth == 0 and options is not None:
-            _accelerate_or_warn(self, AccelConfig().with_overrides(**options))
+        config = _config
+        if depth == 0 and config is not None:
+            _accelerate_or_warn(self, config)
 
     _wrapped[cls] = original
     cls.__init__ = __init__
@@ -190,15 +191,15 @@ def _wrap_modular() -> None:
     @functools.wraps(original)
     def register_components(self, **kwargs: Any) -> None:
         original(self, **kwargs)
-        options = _options
-        if options is not None:
-            _follow_components(self, options)
+        config = _config
+        if config is not None:
+            _follow_components(self, config)
 
     _modular_register = original
     ModularPipeline.register_components = register_components
 
 
-def _follow_components(pipe: ModularPipeline, options: dict[str, Any]) -> None:
+def _follow_components(pipe: ModularPipeline, config: AccelConfig) -> None:
     """After a modular pipeline's components changed: accelerate its transformer once one is loaded, and
     again (with the options it was accelerated with) when the one accelerated was replaced or removed."""
     state = getattr(pipe, STATE_ATTR, None)
@@ -207,8 +208,6 @@ def _follow_components(pipe: ModularPipeline, options: dict[str, Any]) -> None:
             return
         config = state.config
         api.restore(pipe)
-    else:
-        config = AccelConfig().with_overrides(**options)
     if any(isinstance(getattr(pipe, name, None), nn.Module) for name in config.components):
         _accelerate_or_warn(pipe, config)
 

@@ -127,6 +127,22 @@ def test_enable_checks_options_at_once():
     assert not omni_accel.auto.enabled()
 
 
+def test_enable_takes_a_config_as_accelerate_does():
+    """``enable(config=AccelConfig(...))`` was refused as an unknown option, though enable takes the options
+    of accelerate: each pipeline built gets the config, with the keyword options over it."""
+    config = omni_accel.AccelConfig(cuda_graphs=False, projection_cache_bytes=0)
+    omni_accel.enable(config=config, projection_cache_bytes=1 << 20)
+    try:
+        pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    finally:
+        omni_accel.disable()
+    expected = omni_accel.AccelConfig(cuda_graphs=False, projection_cache_bytes=1 << 20)
+    assert pipe._omni_accel_state.config == expected
+    with pytest.raises(TypeError, match="config must be an omni_accel.AccelConfig"):
+        omni_accel.enable({"native": False})
+    assert not omni_accel.auto.enabled()
+
+
 def test_options_from_the_environment():
     env = {
         "OMNI_ACCEL_ATTENTION": "sdpa_math",
