@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         # As `python script.py` does: the script imports the modules beside it (runpy puts a folder or zip
         # on the path itself, not a file's folder).
         sys.path.insert(0, os.path.dirname(os.path.realpath(args.script)))
+    # Absolute, as Python makes a script's __file__ and the folder or zip it puts on the path (runpy makes
+    # sys.argv[0] the path it runs, so that is absolute too, where Python keeps it as given).
     try:
-        runpy.run_path(args.script, run_name="__main__")
+        runpy.run_path(os.path.abspath(args.script), run_name="__main__")
     finally:
         auto.disable()
         sys.argv, sys.path[:] = saved_argv, saved_path
