@@ -214,9 +214,10 @@ def _follow_components(pipe: ModularPipeline, config: AccelConfig) -> None:
 
 def _sharing(pipe: Any, config: AccelConfig) -> AccelConfig:
     """``config`` for a pipeline holding a transformer another pipeline accelerated with other options (a
-    ``from_pipe`` sibling of one accelerated by hand): one module runs one setup, so the pipeline shares that
-    one, as ``accelerate(sibling)`` without options does, and a warning names the options that do not apply.
-    Zero-code asked them of every pipeline, not of this module."""
+    ``from_pipe`` sibling of one accelerated by hand, or by zero-code under an earlier ``enable()`` with other
+    options): one module runs one setup, so the pipeline shares that one, as ``accelerate(sibling)`` without
+    options does, and a warning names the options that do not apply. Zero-code asked them of every pipeline,
+    not of this module."""
     for name in config.components:
         module = getattr(pipe, name, None)
         owner, differ = api.differing_options(module, config) if isinstance(module, nn.Module) else (None, [])

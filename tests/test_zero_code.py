@@ -104,6 +104,27 @@ def test_a_sibling_of_a_pipeline_accelerated_by_hand_with_other_options_shares_i
     assert _mode(owner) == mode  # the sibling's restore leaves its owner's setup alone
 
 
+def test_a_sibling_built_under_an_enable_with_other_options_shares_its_setup(caplog):
+    """The owner accelerated by zero-code under an earlier ``enable()`` given other options (not by hand):
+    the sibling shares its setup, the warning names the options, and its remedy (restore the owner, then
+    accelerate the sibling with them) works."""
+    omni_accel.enable(cuda_graphs=False)
+    try:
+        owner = omni_accel.tiny_flux_pipeline(seed=0)
+        omni_accel.enable(projection_cache_bytes=0)
+        with caplog.at_level(logging.WARNING, logger="omni_accel"):
+            sibling = FluxImg2ImgPipeline.from_pipe(owner)
+    finally:
+        omni_accel.disable()
+    warning = " ".join(record.getMessage() for record in caplog.records)
+    assert "accelerated with projection_cache_bytes=None, cuda_graphs=False" in warning
+    assert "the options projection_cache_bytes=0, cuda_graphs=None it was to be" in warning
+    assert _mode(sibling) == "native (shared)"
+    omni_accel.restore(owner)
+    omni_accel.accelerate(sibling, projection_cache_bytes=0)
+    assert _mode(sibling) == "native"
+
+
 def test_accelerating_a_pipeline_zero_code_accelerated_says_who_did():
     """It said 'already accelerated' to a script calling accelerate once (zero-code did it as it was built)."""
     omni_accel.enable()
