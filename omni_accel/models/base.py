@@ -596,7 +596,8 @@ class SwappedBlocks:
         self.drop_moved()
 
     def drop_moved(self) -> None:
-        """The transformer moved (``omni_accel.moves``) or is restored: its block classes' memos let go."""
+        """The transformer moved (``omni_accel.moves``) or is restored: its block classes' memos let go
+        (made of a forward's inputs, not of the weights: at every move, the next forward makes them again)."""
         for memo in {memo for _, _, native_cls in self.blocks for memo in native_cls.memos}:
             memo.drop()
 
