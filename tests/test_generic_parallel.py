@@ -337,6 +337,48 @@ def _guidance_over_two_ranks() -> None:
         omni_accel.restore(pipe)
 
 
+def _auto(cases: tuple = ()) -> None:
+    """``parallel="auto"`` for pipelines without native blocks, chosen at the first call from its arguments:
+    SD3 with guidance takes cfg=2 (no _cp_plan; its branches batched in one call, halved), FLUX with
+    native=False and no true CFG ulysses=2 (its _cp_plan); each within 1e-5 of plain Diffusers on one rank,
+    the ranks bitwise equal, and ``describe`` says what was chosen and why. SD3's first call without
+    guidance is refused on every rank alike (nothing to spread it by), and its next, guided, call lays it
+    out."""
+    cases = cases or (
+        (
+            omni_accel.tiny_sd3_pipeline,
+            {"guidance_scale": 5.0},
+            {},
+            "cfg=2) on 2 ranks, the guidance branches over",
+        ),
+        (
+            omni_accel.tiny_flux_pipeline,
+            {},
+            {"native": False},
+            "ulysses=2, ring=1, cfg=1) on 2 ranks, the seq",
+        ),
+    )
+    for build_pipeline, call, options, chosen in cases:
+        plain = _pipeline_images(build_pipeline(seed=0), **call)
+        pipe = omni_accel.accelerate(build_pipeline(seed=0), parallel="auto", **options)
+        got = _pipeline_images(pipe, **call)
+        err = _close([got], [plain])
+        assert err <= 1e-5, f"{build_pipeline.__name__}: rel err {err:.2e}"
+        assert _same_on_every_rank([got]), build_pipeline.__name__
+        report = str(omni_accel.describe(pipe))
+        assert chosen in report and "chosen at the first call: " in report, report
+        omni_accel.restore(pipe)
+    if dist.get_world_size() != 2:
+        return
+    sd3 = omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel="auto")
+    with pytest.raises(ValueError, match="this first pipeline call runs no classifier-free guidance"):
+        _pipeline_images(sd3, guidance_scale=1.0)
+    assert "decided at the first pipeline call" in str(omni_accel.describe(sd3))
+    got = _pipeline_images(sd3, guidance_scale=5.0)
+    assert omni_accel.describe(sd3).components[0].cfg.split_calls == 3 and _same_on_every_rank([got])
+    omni_accel.restore(sd3)
+
+
 def _tensor_parallel() -> None:
     """tp=2 by the Diffusers _tp_plan of every family that declares one and builds tiny (Qwen-Image, FLUX.2,
     FLUX.1 with native=False): Q/K/V and MLP-up linears split by outputs, attention out and MLP-down by
@@ -496,6 +538,7 @@ CHECKS = (
     _compiled_tensor_parallel,
     _refusals,
     _guidance_over_two_ranks,
+    _auto,
     _tensor_parallel,
     _fused_qkv_under_tensor_parallel,
     _lora_under_tensor_parallel,
@@ -531,6 +574,12 @@ def _hybrid(rank: int, world: int) -> None:
         assert _same_on_every_rank(got), name
     _masked_and_uneven(({"ulysses": 2, "ring": 2},))
     _tensor_and_sequence_parallel()
+    # parallel="auto": Qwen-Image's true CFG (native=False) on a branch per pair of ranks, its sequence
+    # split over each pair
+    true_cfg = {"negative_prompt": "a dog", "true_cfg_scale": 4.0}
+    _auto(
+        ((omni_accel.tiny_qwenimage_pipeline, true_cfg, {"native": False}, "ulysses=2, ring=1, cfg=2) on 4"),)
+    )
 
 
 def _four_heads(name: str):

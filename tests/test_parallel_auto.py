@@ -1,10 +1,12 @@
 """``parallel="auto"``: the layout rules, and the one-rank case (the multi-rank runs are in test_parallel.py)."""
 
+import re
+
 import pytest
 
 import omni_accel
 from omni_accel import ParallelConfig
-from omni_accel.parallel.auto import choose_layout
+from omni_accel.parallel.auto import choose_generic_layout, choose_layout
 
 
 @pytest.mark.parametrize(
@@ -109,19 +111,76 @@ def test_first_call_hook_sees_the_arguments_and_retries_after_an_error():
     undo()  # a no-op once the first call happened
 
 
-def test_auto_refusals_name_the_cause_and_the_layouts_left(monkeypatch):
-    """Over several ranks: a native model with native=False is refused for that option (not for lacking
-    native blocks, which it has), and a model without any names the layouts it can still take."""
+def test_auto_takes_the_generic_tier_where_a_layout_fits_and_refuses_where_none_can(monkeypatch):
+    """Over several ranks a model without native blocks (or with native=False) waits for the first call
+    where its Diffusers _cp_plan or its pipelines' guidance rule can lay it out: FLUX with native=False (a
+    _cp_plan), SD3 (its guidance batched, cfg=2 on two ranks). Refused at accelerate, nothing swapped: SD3
+    over four ranks (cfg=2 alone takes two) and Z-Image with native=False (neither)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    flux = omni_accel.tiny_flux_pipeline(seed=0)
-    with pytest.raises(ValueError, match="native blocks, and native=False turns them off; drop native=False"):
-        omni_accel.accelerate(flux, parallel="auto", native=False)
-    assert not hasattr(flux, "_omni_accel_state")
-    with pytest.raises(
-        ValueError,
-        match=r"StableDiffusion3Pipeline has none: run it on one rank, or pass parallel=ParallelConfig",
+    for pipe, options in (
+        (omni_accel.tiny_flux_pipeline(seed=0), {"native": False}),
+        (omni_accel.tiny_sd3_pipeline(seed=0), {}),
     ):
-        omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), parallel="auto")
+        omni_accel.accelerate(pipe, parallel="auto", **options)
+        assert "parallel='auto': decided at the first pipeline call" in str(omni_accel.describe(pipe))
+        omni_accel.restore(pipe)
+    refused = (
+        (
+            "4",
+            omni_accel.tiny_sd3_pipeline(seed=0),
+            {},
+            "pipe.transformer (SD3Transformer2DModel) by its guidance branches alone, one per rank (cfg=2: it "
+            "has no native blocks and no Diffusers _cp_plan to split its sequence), which takes 2 ranks, and 4 "
+            "were started; launch 2",
+        ),
+        (
+            "2",
+            omni_accel.tiny_zimage_pipeline(seed=0),
+            {"native": False},
+            "cannot choose a layout for pipe.transformer (ZImageTransformer2DModel): it has no native blocks, "
+            "no Diffusers _cp_plan to split its sequence, and no rule telling whether its pipeline's calls run "
+            "both guidance branches. Run it on one rank, or pass parallel=ParallelConfig(cfg=2)",
+        ),
+    )
+    for world, pipe, options, message in refused:
+        monkeypatch.setenv("WORLD_SIZE", world)
+        blocks = list(pipe.transformer.modules())
+        with pytest.raises(ValueError, match=re.escape(message)):
+            omni_accel.accelerate(pipe, parallel="auto", **options)
+        assert not hasattr(pipe, "_omni_accel_state") and list(pipe.transformer.modules()) == blocks
+
+
+@pytest.mark.parametrize(
+    "world, guidance, sequence, expected",
+    [
+        (2, True, False, ParallelConfig(cfg=2)),  # SD3 with guidance: one branch per rank
+        (2, True, True, ParallelConfig(cfg=2)),  # Qwen-Image (native=False) with true CFG
+        (2, False, True, ParallelConfig(ulysses=2)),  # FLUX (native=False) without: its _cp_plan
+        (4, True, True, ParallelConfig(ulysses=2, cfg=2)),
+        (8, False, True, ParallelConfig(ulysses=2, ring=4)),  # Ulysses as far as the 2 heads allow
+    ],
+)
+def test_generic_layout_rules(world, guidance, sequence, expected):
+    chosen = choose_generic_layout(world, 2, "pipe.transformer (X)", guidance, sequence_plan=sequence)
+    assert chosen.config == expected, chosen
+    assert chosen.reason
+
+
+@pytest.mark.parametrize(
+    "world, guidance, message",
+    [
+        (
+            2,
+            False,
+            "and this first pipeline call runs no classifier-free guidance; make the first call a guided",
+        ),
+        (4, True, "which takes 2 ranks, and 4 were started; launch 2 (torchrun --nproc-per-node 2)"),
+        (3, False, "which takes 2 ranks, and 3 were started"),
+    ],
+)
+def test_generic_layout_refusals_without_a_cp_plan(world, guidance, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        choose_generic_layout(world, 2, "pipe.transformer (X)", guidance, sequence_plan=False)
 
 
 def test_a_deep_copy_made_before_the_first_call_lays_out_itself_and_restores_itself(monkeypatch):

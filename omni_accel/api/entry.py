@@ -36,7 +36,14 @@ from .reports import (
     set_up_elsewhere,
     users_compile,
 )
-from .spread import AT_FIRST_CALL, apply_auto_layout_at_call, parallel_config, spread_layout
+from .spread import (
+    AT_FIRST_CALL,
+    apply_auto_layout_at_call,
+    auto_components,
+    native_auto,
+    parallel_config,
+    spread_layout,
+)
 from .state import (
     SET_UP_WITH,
     STATE_ATTR,
@@ -157,7 +164,9 @@ def accelerate(
     deferred = layout is AT_FIRST_CALL
     parallel = init_parallel(layout) if layout is not None and not deferred else None
     try:
-        components, others, undo = _plan_and_commit(pipe, names, config, parallel, auto_reason, asked)
+        components, others, undo = _plan_and_commit(
+            pipe, names, config, parallel, auto_reason, asked, spread_later=deferred
+        )
     except BaseException:
         if parallel is not None:
             parallel.close()  # a refused layout leaves no process groups behind either
@@ -191,25 +200,26 @@ def _plan_and_commit(
     parallel: ParallelState | None,
     auto_reason: str | None,
     asked: frozenset[str],
+    spread_later: bool = False,
 ) -> tuple[list[Component], list[ComponentReport], list[Callable[[], None]]]:
     """``accelerate``'s plan and commit under ``parallel`` (None: one device, or a layout chosen at the first
-    call): the components, the other reports (the VAE's split) and the pipeline-level undos (the mesh's
-    groups destroyed last)."""
+    call, ``spread_later``): the components, the other reports (the VAE's split) and the pipeline-level
+    undos (the mesh's groups destroyed last)."""
+    generic_later = spread_later and not native_auto([getattr(pipe, name) for name in names], config)
     components: list[Component] = []
     for name in names:
         module = getattr(pipe, name)
         first = next((c for c in components if c.original is module), None)
         components.append(
-            plan_component(name, module, config, parallel, asked)
+            plan_component(name, module, config, parallel, asked, spread_later=generic_later)
             if first is None
             else held_twice(name, first)
         )
     distributed = parallel is not None and parallel.mesh is not None
     vae_coders, others = plan_vae(pipe, config, distributed)
     if auto_reason is not None:
-        for component in components:
-            if component.runtime is not None:
-                component.report.layout = f"parallel='auto': {auto_reason}"
+        for component in auto_components(config, components):
+            component.report.layout = f"parallel='auto': {auto_reason}"
     undo = _commit_all(pipe, components, vae_coders, parallel if distributed else None)
     for component in components:
         if not component.shared:  # what a pipeline sharing the module (from_pipe) is compared with

@@ -19,22 +19,26 @@ from ..config import AccelConfig
 from ..layers.fp8 import Fp8Weights
 from ..layers.fp8_linears import MIN_FP8_ROWS
 from ..models.base import NativeModel, NativeRuntime
-from ..models.generic import GenericRuntime, generic_parallel_plan, repeated_blocks
+from ..models.generic import GenericRuntime, repeated_blocks
 from ..models.registry import ModelSpec, spec_for
-from ..parallel import check_parallel
-from ..parallel.config import ParallelConfig
 from ..parallel.mesh import ParallelState
 from ..report import FP8_CLAIM, ComponentReport
 from .placement import check_attention, compute_dtype, native_sites, routed_sites
 from .reports import shared_report
-from .spread import check_layout, generic_pairing, layout_patches
+from .spread import check_generic_layout, check_layout, generic_layout_note, report_layout
 from .state import Component, check_shared_options, setup_of
 
 
 def plan_component(
-    name: str, module: nn.Module, config: AccelConfig, parallel: ParallelState | None, asked: frozenset[str]
+    name: str,
+    module: nn.Module,
+    config: AccelConfig,
+    parallel: ParallelState | None,
+    asked: frozenset[str],
+    spread_later: bool = False,
 ) -> Component:
-    """Decides what to do with one component and builds it, touching nothing in the pipeline."""
+    """Decides what to do with one component and builds it, touching nothing in the pipeline.
+    ``spread_later``: ``parallel="auto"`` lays the generic tier's transformers out at the first call."""
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError(
             f"pipe.{name} is a torch.compile'd module; accelerate the module itself "
@@ -49,7 +53,9 @@ def plan_component(
     selector = AttentionSelector(config.attention)
     if native_ok:
         return _plan_swap(name, module, spec, config, selector, parallel if distributed else None)
-    return _plan_generic(name, module, spec, config, selector, parallel if distributed else None)
+    return _plan_generic(
+        name, module, spec, config, selector, parallel if distributed else None, spread_later
+    )
 
 
 def _plan_swap(
@@ -108,7 +114,7 @@ def _plan_swap(
     )
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     report.graphs = graphs
-    _report_layout(report, parallel, tp_tokens=model.parallel.sequence is not None)
+    report_layout(report, parallel, tp_tokens=model.parallel.sequence is not None)
     if parallel is not None:
         report.layout = f"{parallel.config} on {dist.get_world_size()} ranks"
     return Component(name, module, spec, report, cache, runtime=runtime, parallel=parallel, graphs=graphs)
@@ -172,11 +178,13 @@ def _plan_generic(
     config: AccelConfig,
     selector: AttentionSelector,
     parallel: ParallelState | None,
+    spread_later: bool = False,
 ) -> Component:
     """A transformer with no native blocks (or ``native=False``): the Diffusers module stays, its attention
     routed through our providers where its module's call sites can be, its repeated blocks compiled and its
     steps replayed from CUDA graphs (``models.generic``; on CUDA unless ``compile`` / ``cuda_graphs`` say).
-    With ``parallel``, its sequence split as the model's ``_cp_plan`` declares (``models.generic``)."""
+    With ``parallel``, its sequence split as the model's ``_cp_plan`` declares (``models.generic``); with
+    ``spread_later``, by the layout ``parallel="auto"`` chooses at the first call."""
     cls_name = type(module).__name__
     routes = spec.attention_routes if spec is not None else ()
     blocks = repeated_blocks(module)
@@ -185,7 +193,8 @@ def _plan_generic(
     on_cuda = torch.cuda.is_available()
     compile_on = bool(blocks) and (on_cuda if config.compile is None else config.compile_asked)
     graphs_on = on_cuda if config.cuda_graphs is None else config.cuda_graphs
-    if not (routes or compile_on or graphs_on or parallel is not None):
+    spread = parallel is not None or spread_later
+    if not (routes or compile_on or graphs_on or spread):
         report = ComponentReport(
             name,
             cls_name,
@@ -206,10 +215,10 @@ def _plan_generic(
         parts.append("its attention routed through our providers")
     not_accelerated = [] if routes else ["attention: Diffusers' own (no call site of this module we route)"]
     options = None
-    background = config.compile_in_background and parallel is None  # the ranks run the same code each step
+    background = config.compile_in_background and not spread  # the ranks run the same code each step
     if compile_on:
         options = {} if not isinstance(config.compile, Mapping) else dict(config.compile)
-    compiled, not_compiled = _generic_compile_notes(config, blocks, compile_on, background, parallel)
+    compiled, not_compiled = _generic_compile_notes(config, blocks, compile_on, background, spread)
     parts += [compiled] if compiled else []
     not_accelerated += [not_compiled] if not_compiled else []
     if graphs_on:
@@ -243,7 +252,7 @@ def _plan_generic(
     graphs = cuda_graphs.StepGraphs(module, hooks=runtime) if graphs_on else None
     tier = "generic" if compile_on or graphs_on or fp8 is not None else "routed"
     if parallel is not None:
-        parts.append(_generic_layout_note(parallel.config))
+        parts.append(generic_layout_note(parallel.config))
     report = ComponentReport(
         name,
         cls_name,
@@ -255,7 +264,7 @@ def _plan_generic(
         graphs=graphs,
         not_accelerated=not_accelerated,
     )
-    _report_layout(report, parallel)
+    report_layout(report, parallel)
     generic = runtime if compile_on or fp8 is not None else None
     return Component(name, module, spec, report, cache, parallel=parallel, graphs=graphs, generic=generic)
 
@@ -268,18 +277,6 @@ def _graphs_note(on_cuda: bool) -> str:
         "cuda_graphs=True, but no step can run on CUDA here (this machine has no CUDA device): every step "
         "runs eagerly, none is captured"
     )
-
-
-def _generic_layout_note(config: ParallelConfig) -> str:
-    """How a layout spreads a model without native blocks: by the plans Diffusers declares for it."""
-    note = f"{config} on {dist.get_world_size()} ranks"
-    if config.sequence_parallel > 1:
-        note += ", the sequence split as its _cp_plan declares"
-    if config.cfg > 1:
-        note += ", the guidance branches over the cfg ranks"
-    if config.tp > 1:
-        note += ", its linears split as its _tp_plan declares"
-    return note
 
 
 def _check_generic(
@@ -298,11 +295,7 @@ def _check_generic(
     for patch_name in {name for name, _ in routes} | ({"attention_roles"} if routes else set()):
         patches.check_applicable(patch_name)
     if parallel is not None:
-        check_parallel(module, generic_parallel_plan(module, parallel.config, routed=bool(routes)), parallel)
-        if generic_pairing(spec, parallel) is not None:
-            patches.check_applicable("pair_cfg_calls")
-        for patch in layout_patches(parallel.config, graphs=False, splits_sequence=False):
-            patches.check_applicable(patch.name)
+        check_generic_layout(module, spec, parallel)
     if config.quantize is not None and not blocks:
         raise ValueError(
             f"quantize={config.quantize!r} quantizes a transformer's repeated blocks, and pipe.{name} ({cls_name}) "
@@ -316,7 +309,7 @@ def _check_generic(
 
 
 def _generic_compile_notes(
-    config: AccelConfig, blocks: list, compile_on: bool, background: bool, parallel: ParallelState | None
+    config: AccelConfig, blocks: list, compile_on: bool, background: bool, spread: bool
 ) -> tuple[str | None, str | None]:
     """What the report says of the repeated blocks' compilation: what was done, or why not."""
     if compile_on:
@@ -325,7 +318,7 @@ def _generic_compile_notes(
             " in the background (eager blocks serve until the code is ready)"
             if background
             else " at the first call per input shape"
-            + (" (every rank alike: never in the background under a layout)" if parallel else "")
+            + (" (every rank alike: never in the background under a layout)" if spread else "")
         )
         on_cuda = ", on CUDA" if config.compile is None else ""
         return f"{len(blocks)} repeated blocks ({', '.join(listed)}) compiled{when}{on_cuda}", None
@@ -345,17 +338,3 @@ def _why_native_eager(compiled_by_default: bool) -> str:
     if compiled_by_default:
         return "no CUDA device here; compile=True compiles on CPU"
     return "native blocks run eager, their fused kernels being the fast path; compile=True compiles them"
-
-
-def _report_layout(report: ComponentReport, parallel: ParallelState | None, tp_tokens: bool = False) -> None:
-    """The layout a component's report describes: its tuning and the groups whose exchanges it lists
-    (``tp_tokens``: the TP group's, where the model's tokens may be split over it)."""
-    if parallel is None:
-        return
-    report.tuning = parallel.config.tuning
-    if parallel.config.ulysses > 1:
-        report.ulysses_group = parallel.group("ulysses")
-    if parallel.config.ring > 1:
-        report.ring_group = parallel.group("ring")
-    if tp_tokens and parallel.config.tp > 1:
-        report.tp_group = parallel.group("tp")

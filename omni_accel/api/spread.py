@@ -23,14 +23,15 @@ from ..config import AccelConfig
 from ..layers.split_modulation import SplitModulation
 from ..models.base import modulation_sites, native_blocks
 from ..models.generic import generic_parallel_plan
-from ..models.registry import ModelSpec, output_class, registered_natives, spec_for
+from ..models.registry import ModelSpec, cp_plan, output_class, registered_natives, spec_for
 from ..parallel import Parallelized, check_parallel, parallelize
-from ..parallel.auto import choose_layout
+from ..parallel.auto import AutoLayout, choose_generic_layout, choose_layout
 from ..parallel.config import LayoutTuning, ParallelConfig
 from ..parallel.mesh import ParallelState, init_parallel
 from ..parallel.peer_memory import ranks_write_each_other
 from ..parallel.routed_attention import LiveSplit
 from ..parallel.tensor import FusedSplit, sum_row_splits
+from ..report import ComponentReport
 from ..utils.logging import get_logger
 from .state import Component, HeldPatch, Pipeline, state_of
 from .vae import plan_vae, split_vae
@@ -45,30 +46,66 @@ def parallel_config(
     pipe: Pipeline, names: list[str], config: AccelConfig
 ) -> tuple[ParallelConfig | object | None, str | None]:
     """The layout to apply now, or ``AT_FIRST_CALL`` when ``parallel="auto"`` waits for the first pipeline
-    call's arguments (whether it runs both guidance branches); and a note for the report."""
+    call's arguments (whether it runs both guidance branches); and a note for the report. A transformer
+    that no first call could lay out is refused here."""
     if config.parallel != "auto":
         return config.parallel, None
     world = _world_size()
-    natives = [n for n in names if (spec := spec_for(getattr(pipe, n))) is not None and spec.native]
     if world == 1:
         return None, "one rank: nothing to spread"
-    if natives and not config.native:
-        raise ValueError(
-            f"parallel='auto' over {world} ranks chooses a layout for native blocks, and native=False turns "
-            "them off; drop native=False, or pass parallel=ParallelConfig(...) with the layout to use."
-        )
-    if not natives:
-        raise ValueError(
-            f"parallel='auto' over {world} ranks needs a native transformer, and {type(pipe).__name__} has "
-            "none: run it on one rank, or pass parallel=ParallelConfig(...) with a layout its generic tier "
-            "takes (cfg=2 for guidance; ulysses or ring where the model has a Diffusers _cp_plan). Natives "
-            f"exist for {', '.join(registered_natives())}."
-        )
+    modules = [getattr(pipe, name) for name in names]
+    if not native_auto(modules, config):
+        for name, module in zip(names, modules, strict=True):
+            _check_generic_auto(name, module, world)
     return AT_FIRST_CALL, "decided at the first pipeline call"
+
+
+def native_auto(modules: list[nn.Module], config: AccelConfig) -> bool:
+    """Whether ``parallel="auto"`` lays out native blocks (the pipeline has some, and ``native`` is on; a
+    transformer without them beside those runs whole on every rank), rather than the generic tier's
+    transformers by what they declare to Diffusers."""
+    return config.native and any((spec := spec_for(m)) is not None and spec.native for m in modules)
+
+
+def _check_generic_auto(name: str, module: nn.Module, world: int) -> None:
+    """Raises where ``parallel="auto"`` could choose no layout for ``module`` (a transformer without native
+    blocks, or with ``native=False``) over ``world`` ranks, whatever the first call's arguments."""
+    spec, cls_name = spec_for(module), type(module).__name__
+    if _splits_sequence(module, spec):
+        return
+    if guidance_rule(spec) is not None:  # cfg=2 alone, for a guided call: raises unless the ranks are two
+        choose_generic_layout(world, 1, f"pipe.{name} ({cls_name})", guidance=True, sequence_plan=False)
+        return
+    no_split = (
+        "a Diffusers _cp_plan none of whose attention call sites can be routed"
+        if cp_plan(module) is not None
+        else "no Diffusers _cp_plan"
+    )
+    raise ValueError(
+        f"parallel='auto' over {world} ranks cannot choose a layout for pipe.{name} ({cls_name}): it has no "
+        f"native blocks, {no_split} to split its sequence, and no rule telling whether its pipeline's calls "
+        "run both guidance branches. Run it on one rank, or pass parallel=ParallelConfig(cfg=2) if each "
+        f"transformer call holds both guidance branches in its batch (native blocks exist for "
+        f"{', '.join(registered_natives())})."
+    )
+
+
+def _splits_sequence(module: nn.Module, spec: ModelSpec | None) -> bool:
+    """Whether ulysses and ring apply to a transformer without native blocks: its ``_cp_plan`` splits the
+    sequence, and its attention runs through our providers (``generic_parallel_plan``)."""
+    return cp_plan(module) is not None and spec is not None and bool(spec.attention_routes)
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def auto_components(config: AccelConfig, components: list[Component]) -> list[Component]:
+    """The components ``parallel="auto"`` lays out at the first call: the native ones (``native_auto``), else
+    every transformer of the generic tier this pipeline set up itself."""
+    if native_auto([c.original for c in components], config):
+        return [c for c in components if c.runtime is not None and c.report.mode == "native"]
+    return [c for c in components if not c.shared and c.runtime is None and c.report.mode != "untouched"]
 
 
 def apply_auto_layout_at_call(arguments: dict[str, Any]) -> None:
@@ -79,14 +116,49 @@ def apply_auto_layout_at_call(arguments: dict[str, Any]) -> None:
 
 def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> None:
     """``parallel="auto"`` at the first pipeline call: the layout for these arguments, checked on every
-    native component, then spread as ``accelerate`` spreads a layout it was given."""
+    component it spreads, then spread as ``accelerate`` spreads a layout it was given."""
     state = state_of(pipe)
-    natives = [c for c in state.components if c.runtime is not None and c.report.mode == "native"]
-    if not natives:  # the transformers belong to another accelerated pipeline (from_pipe)
+    spread = auto_components(state.config, state.components)
+    if not spread:  # the transformers belong to another accelerated pipeline (from_pipe)
         return
-    model, module = natives[0].spec.native_model(), natives[0].original
+    chosen = (
+        _native_choice(spread[0], arguments)
+        if spread[0].runtime is not None
+        else _generic_choice(spread, arguments)
+    )
+    parallel = init_parallel(chosen.config)
+    try:
+        for component in spread:
+            if component.runtime is not None:
+                check_layout(
+                    component.original, component.spec.native_model(), parallel, component.graphs is not None
+                )
+            else:
+                check_generic_layout(component.original, component.spec, parallel)
+        vae_coders, others = plan_vae(pipe, state.config, distributed=True)
+        for component in spread:
+            component.parallel = parallel
+        state.undo += [parallel.close, *spread_layout(pipe, spread, vae_coders, parallel)]
+    except BaseException:
+        for component in spread:
+            component.parallel = None
+        parallel.close()
+        raise
+    state.others, state.vae = others, getattr(pipe, "vae", None)
+    for component in spread:
+        where = f"{chosen.config} on {dist.get_world_size()} ranks"
+        if component.runtime is None:  # as the generic tier's report says of a layout it was given
+            where = generic_layout_note(chosen.config)
+            report_layout(component.report, parallel)
+        component.report.layout = f"parallel='auto': {where}, chosen at the first call: {chosen.reason}"
+    logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
+
+
+def _native_choice(component: Component, arguments: dict[str, Any]) -> AutoLayout:
+    """The layout for a native component, by its plan and the call's arguments (``choose_layout``)."""
+    model, module = component.spec.native_model(), component.original
     sequence = model.parallel.sequence
-    chosen = choose_layout(
+    return choose_layout(
         _world_size(),
         module.config[model.parallel.attention_heads],
         cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(arguments),
@@ -98,26 +170,21 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
             and ranks_write_each_other()
         ),
     )
-    parallel = init_parallel(chosen.config)
-    try:
-        for component in natives:
-            check_layout(
-                component.original, component.spec.native_model(), parallel, component.graphs is not None
-            )
-        vae_coders, others = plan_vae(pipe, state.config, distributed=True)
-        for component in natives:
-            component.parallel = parallel
-        state.undo += [parallel.close, *spread_layout(pipe, natives, vae_coders, parallel)]
-    except BaseException:
-        for component in natives:
-            component.parallel = None
-        parallel.close()
-        raise
-    state.others, state.vae = others, getattr(pipe, "vae", None)
-    where = f"{chosen.config} on {dist.get_world_size()} ranks"
-    for component in natives:
-        component.report.layout = f"parallel='auto': {where}, chosen at the first call: {chosen.reason}"
-    logger.info("parallel='auto' chose %s: %s", chosen.config, chosen.reason)
+
+
+def _generic_choice(components: list[Component], arguments: dict[str, Any]) -> AutoLayout:
+    """The layout for the generic tier's transformers (``choose_generic_layout``), by what the first
+    declares to Diffusers and its pipelines' guidance rule read on the call's arguments; the sequence split
+    only where every one has a ``_cp_plan``."""
+    module, spec = components[0].original, components[0].spec
+    rule = guidance_rule(spec)
+    return choose_generic_layout(
+        _world_size(),
+        module.config.get("num_attention_heads") or 1,  # unknown: no head split, the ring
+        f"pipe.{components[0].name} ({type(module).__name__})",
+        guidance=rule is not None and bool(rule(arguments)),
+        sequence_plan=all(_splits_sequence(c.original, c.spec) for c in components),
+    )
 
 
 def check_layout(module: nn.Module, model, parallel: ParallelState, graphs: bool) -> None:
@@ -239,10 +306,34 @@ def generic_pairing(spec: ModelSpec | None, parallel: ParallelState) -> Callable
     """The rule by which a model without native blocks pairs its cond/uncond calls: only over cfg=2's ranks
     (stacking them in one batch would need to know which arguments carry the batch; ``batch_dim_arguments``
     guesses that well enough to halve a batch, not to stack two calls whose other arguments may differ)."""
-    if spec is None or parallel.config.cfg == 1:
+    if parallel.config.cfg == 1:
+        return None
+    return _pairing_rule(spec)
+
+
+def _pairing_rule(spec: ModelSpec | None) -> Callable | None:
+    if spec is None:
         return None
     native = spec.native_model()  # native=False: how the pipeline calls the model is the same
     return spec.cfg_pairing or (native.cfg_pairing if native is not None else None)
+
+
+def guidance_rule(spec: ModelSpec | None) -> Callable[[dict[str, Any]], Any] | None:
+    """How a pipeline call's arguments tell whether it runs both guidance branches of a model without native
+    blocks: its pipelines' pairing rule (two calls a step), else their batched one (one call holding both);
+    None where neither is known."""
+    return _pairing_rule(spec) or (spec.batched_guidance if spec is not None else None)
+
+
+def check_generic_layout(module: nn.Module, spec: ModelSpec | None, parallel: ParallelState) -> None:
+    """Raises, before anything changes, when ``parallel``'s layout cannot apply to ``module``, a transformer
+    of the generic tier (by its Diffusers plans, and the patches the layout needs)."""
+    routes = spec.attention_routes if spec is not None else ()
+    check_parallel(module, generic_parallel_plan(module, parallel.config, routed=bool(routes)), parallel)
+    if generic_pairing(spec, parallel) is not None:
+        patches.check_applicable("pair_cfg_calls")
+    for patch in layout_patches(parallel.config, graphs=False, splits_sequence=False):
+        patches.check_applicable(patch.name)
 
 
 def _pair_cfg_calls(pipe: DiffusionPipeline, components: list[Component]) -> list[Callable[[], None]]:
@@ -294,3 +385,29 @@ def spread_layout(
             del component.undo[before:]
         raise
     return undo
+
+
+def generic_layout_note(config: ParallelConfig) -> str:
+    """How a layout spreads a model without native blocks: by the plans Diffusers declares for it."""
+    note = f"{config} on {dist.get_world_size()} ranks"
+    if config.sequence_parallel > 1:
+        note += ", the sequence split as its _cp_plan declares"
+    if config.cfg > 1:
+        note += ", the guidance branches over the cfg ranks"
+    if config.tp > 1:
+        note += ", its linears split as its _tp_plan declares"
+    return note
+
+
+def report_layout(report: ComponentReport, parallel: ParallelState | None, tp_tokens: bool = False) -> None:
+    """The layout a component's report describes: its tuning and the groups whose exchanges it lists
+    (``tp_tokens``: the TP group's, where the model's tokens may be split over it)."""
+    if parallel is None:
+        return
+    report.tuning = parallel.config.tuning
+    if parallel.config.ulysses > 1:
+        report.ulysses_group = parallel.group("ulysses")
+    if parallel.config.ring > 1:
+        report.ring_group = parallel.group("ring")
+    if tp_tokens and parallel.config.tp > 1:
+        report.tp_group = parallel.group("tp")

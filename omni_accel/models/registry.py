@@ -39,6 +39,9 @@ class ModelSpec:
     # without native blocks: tells from a pipeline call's arguments whether it calls the transformer twice
     # per step (cond, then uncond), as a native model's ``cfg_pairing`` does
     cfg_pairing: Callable[[dict[str, Any]], Pairing] | None = None
+    # without native blocks: tells from a pipeline call's arguments whether each transformer call holds both
+    # guidance branches in its batch (what cfg=2 halves over the ranks); read by ``parallel="auto"``
+    batched_guidance: Callable[[dict[str, Any]], bool] | None = None
     output_class: str = "diffusers.models.modeling_outputs:Transformer2DModelOutput"
     attention_routes: tuple[tuple[str, str], ...] = ()
     attention_roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
@@ -58,6 +61,12 @@ def _qwenimage_true_cfg_pairs(arguments: dict[str, Any]) -> bool:
     """Qwen-Image's rule, imported when asked; a named function, so that a pipeline holding the spec
     pickles."""
     return _import("omni_accel.models.qwenimage:true_cfg_pairs")(arguments)
+
+
+def _guidance_scale_above_one(arguments: dict[str, Any]) -> bool:
+    """The Stable Diffusion 3 pipelines (text-to-image, img2img, inpaint, ControlNet, PAG) batch both guidance
+    branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``)."""
+    return arguments.get("guidance_scale", 7.0) > 1
 
 
 _TRANSFORMERS = "diffusers.models.transformers"
@@ -124,6 +133,7 @@ _SPECS: dict[str, ModelSpec] = {
     ),
     "SD3Transformer2DModel": ModelSpec(
         family="sd3",
+        batched_guidance=_guidance_scale_above_one,
         attention_routes=(("functional_sdpa", "diffusers.models.attention_processor"),),
         attention_roles={r".*\.attn": ("sd3.joint", "self"), r".*\.attn2": ("sd3.self", "self")},
     ),

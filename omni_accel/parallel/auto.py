@@ -12,6 +12,11 @@ The rules are the measured ones (docs/PARALLELISM.md, docs/archive/performance-h
    the rule is not measured yet.
 3. A model without a sequence plan takes tensor parallelism, when its heads split.
 
+A model without native blocks (or with ``native=False``) is spread by what it declares to Diffusers
+(``choose_generic_layout``): rules 1 and 2 where its ``_cp_plan`` splits its sequence; without one, its
+guidance branches alone (cfg=2 on two ranks). Whether a call runs both branches is its pipelines' rule
+(``ModelSpec.cfg_pairing``: two calls a step; ``ModelSpec.batched_guidance``: one call holding both).
+
 ``accelerate`` makes the native swap at once and decides the layout at the pipeline's first call, from that
 call's arguments (FLUX with ``true_cfg_scale`` and a negative prompt runs both branches; Wan does by
 default); later calls keep it, and run correctly on it whatever their arguments. Transformer calls made
@@ -65,3 +70,32 @@ def choose_layout(
         f"ring for the rest ({measured})"
     )
     return AutoLayout(ParallelConfig(ulysses=ulysses, ring=ring, cfg=cfg), "; ".join(why))
+
+
+def choose_generic_layout(
+    world_size: int, heads: int, name: str, guidance: bool, sequence_plan: bool
+) -> AutoLayout:
+    """The layout for ``name``, a model without native blocks, over ``world_size`` (> 1) ranks: rules 1 and 2
+    where its ``_cp_plan`` splits its sequence (``sequence_plan``); without one, one guidance branch per
+    rank, which takes two ranks and a call that runs both (``guidance``). Never tp: every Diffusers
+    ``_tp_plan`` comes with a ``_cp_plan``, and the generic tier's tp is not measured."""
+    if sequence_plan:
+        return choose_layout(world_size, heads, cfg_by_default=guidance, sequence_plan=True)
+    alone = (
+        f"parallel='auto' spreads {name} by its guidance branches alone, one per rank (cfg=2: it has no native "
+        "blocks and no Diffusers _cp_plan to split its sequence)"
+    )
+    if world_size != 2:
+        raise ValueError(
+            f"{alone}, which takes 2 ranks, and {world_size} were started; launch 2 "
+            "(torchrun --nproc-per-node 2), or run it on one rank."
+        )
+    if not guidance:
+        raise ValueError(
+            f"{alone}, and this first pipeline call runs no classifier-free guidance; make the first call a "
+            "guided one (the layout is chosen there and kept), or run the pipeline on one rank."
+        )
+    return AutoLayout(
+        ParallelConfig(cfg=2),
+        "cfg=2: the call runs both guidance branches (no _cp_plan: its sequence cannot be split)",
+    )
