@@ -1155,6 +1155,26 @@ def _eight_ranks(rank: int, world: int) -> None:
     _check("auto", oracle, heads=8, expect="ParallelConfig(tp=1, ulysses=8, ring=1, cfg=1) on 8 ranks")
 
 
+def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
+    """The split VAE against plain Diffusers' VAE doing the same calls: a float64 VAE keeps float64's
+    precision (the GroupNorm statistics too)."""
+    torch.set_num_threads(1)
+    layout = ParallelConfig(ulysses=world)
+    plain = omni_accel.tiny_flux_pipeline(seed=0).vae.double()
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=layout)
+    pipe.vae.double()
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 16, 5, 6, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 3, 8, 6, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        decoded = (pipe.vae.decode(z).sample, plain.decode(z).sample)
+        encoded = (pipe.vae.encode(x).latent_dist.parameters, plain.encode(x).latent_dist.parameters)
+    for got, want in (decoded, encoded):
+        assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-12
+    assert pipe.vae.decoder.forward.calls == 1 and pipe.vae.encoder.forward.calls == 1
+    omni_accel.restore(pipe)
+
+
 def _dead_peer(rank: int, world: int, done: str) -> None:
     """accelerate() starts the group from torchrun's environment with the configured timeout; a rank that
     stops taking part makes the others fail with an error after that timeout instead of hanging."""
@@ -1232,3 +1252,8 @@ def test_the_layout_device_follows_the_groups_backend():
     assert device_type_of("nccl") == "cuda"
     assert device_type_of("cpu:gloo,cuda:nccl") == "cuda"
     assert device_type_of("gloo") == "cpu"
+
+
+@pytest.mark.multirank
+def test_vae_split_as_plain_diffusers():
+    run_multirank(_vae_split_as_plain_diffusers, 2)

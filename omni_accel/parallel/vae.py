@@ -10,7 +10,7 @@ layers each need only:
   given bands of an even number of rows at every level (the encoder's bands are multiples of its whole
   downsampling factor);
 * a GroupNorm: its statistics over the whole image, from the bands' sums (two all-reduces: mean, then the
-  squared deviations around it, in float32), applied as PyTorch applies them;
+  squared deviations around it, in float32, or float64 for a float64 VAE), applied as PyTorch applies them;
 * an attention over the positions: its input is gathered and it runs whole (a small part of the work);
 * upsampling, per-position norms and elementwise steps: nothing.
 
@@ -279,20 +279,22 @@ def _downsample(module: nn.Module, bands: Bands, x: torch.Tensor, *args: Any, **
 
 
 def _group_norm(module: nn.GroupNorm, bands: Bands, x: torch.Tensor) -> torch.Tensor:
-    """GroupNorm with the statistics of the whole image (float32 mean, then the squared deviations around
-    it), applied as PyTorch's kernel applies them: ``x * scale + shift`` per channel."""
+    """GroupNorm with the statistics of the whole image (the mean, then the squared deviations around it),
+    applied as PyTorch's kernel applies them: ``x * scale + shift`` per channel, in float32, or in float64
+    for a float64 VAE (as PyTorch computes it: float32 statistics would cost a float64 run its precision)."""
     batch, channels, groups = x.shape[0], x.shape[1], module.num_groups
-    grouped = x.reshape(batch, groups, -1).float()
-    count = bands.sum(torch.tensor([float(grouped.shape[-1])], device=x.device))
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    grouped = x.reshape(batch, groups, -1).to(dtype)
+    count = bands.sum(torch.tensor([float(grouped.shape[-1])], dtype=dtype, device=x.device))
     mean = bands.sum(grouped.sum(-1)) / count
     variance = bands.sum((grouped - mean[..., None]).pow(2).sum(-1)) / count
     per_channel = channels // groups
     scale = torch.rsqrt(variance + module.eps).repeat_interleave(per_channel, dim=1)
     mean = mean.repeat_interleave(per_channel, dim=1)
     if module.affine:
-        scale = scale * module.weight.float()
-    shift = -mean * scale + (module.bias.float() if module.affine else 0.0)
-    return (x.float() * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype)
+        scale = scale * module.weight.to(dtype)
+    shift = -mean * scale + (module.bias.to(dtype) if module.affine else 0.0)
+    return (x.to(dtype) * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype)
 
 
 def whole_attention(module: nn.Module, bands: Bands, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
