@@ -1157,7 +1157,7 @@ def _eight_ranks(rank: int, world: int) -> None:
 
 def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     """The split VAE against plain Diffusers' VAE doing the same calls: a float64 VAE keeps float64's
-    precision (the GroupNorm statistics too)."""
+    precision (the GroupNorm statistics too); a layer replaced after accelerate."""
     torch.set_num_threads(1)
     layout = ParallelConfig(ulysses=world)
     plain = omni_accel.tiny_flux_pipeline(seed=0).vae.double()
@@ -1172,6 +1172,21 @@ def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     for got, want in (decoded, encoded):
         assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-12
     assert pipe.vae.decoder.forward.calls == 1 and pipe.vae.encoder.forward.calls == 1
+    # A layer the split does not handle, put in after accelerate, makes the calls run whole (on its band
+    # alone, a 5x5 convolution would miss its second halo row), and describe says why.
+    pipe.vae.float()
+    plain = omni_accel.tiny_flux_pipeline(seed=0).vae
+    for vae in (plain, pipe.vae):
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            vae.decoder.conv_in = torch.nn.Conv2d(16, 32, 5, padding=2)
+    with torch.no_grad():
+        assert torch.equal(pipe.vae.decode(z.float()).sample, plain.decode(z.float()).sample)
+    assert pipe.vae.decoder.forward.calls == 1
+    assert (
+        "vae decoder: 1 calls ran whole on every rank (conv_in: a convolution the row split does not"
+        in str(omni_accel.describe(pipe))
+    )
     omni_accel.restore(pipe)
 
 

@@ -128,7 +128,7 @@ class RowSplit(InstanceForward):
     A call runs whole where a split would change what a hook sees or does: a hook on the coder installed
     before us (``inner``), or any hook on its layers (Diffusers' layerwise casting and group offload, a
     user's ``ModelHook`` or torch hook), which the band-aware layers would skip or see a band of; and where
-    it cannot split (too few rows, gradients on). ``whole`` counts those calls by reason, ``calls`` the
+    it cannot split (too few rows, gradients on, a layer the split does not handle put in since). ``whole`` counts those calls by reason, ``calls`` the
     split ones (``describe`` says both)."""
 
     def __init__(self, coder: nn.Module, group: dist.ProcessGroup, unit: int | None = None) -> None:
@@ -169,7 +169,11 @@ class RowSplit(InstanceForward):
             )
         if torch.is_grad_enabled():
             return "gradients on: the split runs under no_grad or inference_mode only"
-        return self._hooked()
+        hooked = self._hooked()
+        if hooked is not None:
+            return hooked
+        # A layer put in or changed since accelerate (a 5x5 convolution) would run on a band alone.
+        return supports(self.module)
 
     def describe(self, name: str) -> list[str]:
         """What the split did so far (``name``: the VAE's attribute holding the coder)."""
