@@ -1157,7 +1157,8 @@ def _eight_ranks(rank: int, world: int) -> None:
 
 def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     """The split VAE against plain Diffusers' VAE doing the same calls: a float64 VAE keeps float64's
-    precision (the GroupNorm statistics too); a layer replaced after accelerate."""
+    precision (the GroupNorm statistics too); a torch.compile of the VAE or a coder; a layer replaced after
+    accelerate."""
     torch.set_num_threads(1)
     layout = ParallelConfig(ulysses=world)
     plain = omni_accel.tiny_flux_pipeline(seed=0).vae.double()
@@ -1172,10 +1173,20 @@ def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     for got, want in (decoded, encoded):
         assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-12
     assert pipe.vae.decoder.forward.calls == 1 and pipe.vae.encoder.forward.calls == 1
-    # A layer the split does not handle, put in after accelerate, makes the calls run whole (on its band
-    # alone, a 5x5 convolution would miss its second halo row), and describe says why.
     pipe.vae.float()
     plain = omni_accel.tiny_flux_pipeline(seed=0).vae
+    # A torch.compile of the VAE or of a coder, put in their place, runs them split (the forward it compiles):
+    # describe says so (not "replaced after accelerate, runs as in Diffusers", nor "split by another
+    # pipeline's layout").
+    vae, decoder = pipe.vae, pipe.vae.decoder
+    pipe.vae.decoder = torch.compile(decoder)
+    assert "vae decoder: 1 calls split" in str(omni_accel.describe(pipe))
+    pipe.vae, vae.decoder = torch.compile(vae), decoder
+    line = next(c for c in omni_accel.describe(pipe).components if c.name == "vae")
+    assert line.mode == "patch-parallel" and "vae decoder: 1 calls split" in "\n".join(line.lines())
+    pipe.vae = vae
+    # A layer the split does not handle, put in after accelerate, makes the calls run whole (on its band
+    # alone, a 5x5 convolution would miss its second halo row), and describe says why.
     for vae in (plain, pipe.vae):
         with torch.random.fork_rng():
             torch.manual_seed(1)

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from omni_accel.patches import attention_roles
 
@@ -116,7 +117,7 @@ def current_vae_report(pipe: Pipeline, report: ComponentReport, vae: nn.Module |
     """The VAE's ``report`` as things are now: a VAE put in ``pipe.vae`` after ``accelerate`` is not the
     one ``vae`` it split (or left whole), so its line says so rather than the old VAE's split and counts."""
     module = getattr(pipe, "vae", None)
-    if module is vae:
+    if _uncompiled(module) is vae:
         return _current_coders(report, vae)
     coders = [getattr(module, name, None) for name in ("decoder", "encoder")]
     detail = f"pipe.vae was replaced after accelerate (it held a {type(vae).__name__}); what it holds now "
@@ -127,7 +128,9 @@ def current_vae_report(pipe: Pipeline, report: ComponentReport, vae: nn.Module |
 def _current_coders(report: ComponentReport, vae: nn.Module) -> ComponentReport:
     """The VAE's ``report`` with the coders split at ``accelerate`` and replaced since (``pipe.vae.decoder =
     ...``) said as they run now, rather than as the split ones they replaced (and those splits' counts)."""
-    replaced = [name for name, coder in report.row_split.items() if getattr(vae, name, None) is not coder]
+    replaced = [
+        name for name, coder in report.row_split.items() if _uncompiled(getattr(vae, name, None)) is not coder
+    ]
     split = {name: coder for name, coder in report.row_split.items() if name not in replaced}
     if report.mode == shared_mode("patch-parallel") and not any(
         installed(coder, vae_split.RowSplit) is not None for coder in split.values()
@@ -148,6 +151,11 @@ def _current_coders(report: ComponentReport, vae: nn.Module) -> ComponentReport:
         )
     mode = report.mode if split else "replaced"
     return dataclasses.replace(report, mode=mode, detail="; ".join(notes), row_split=split)
+
+
+def _uncompiled(module: Any) -> Any:
+    """The module a ``torch.compile(module)`` wrapper put in its place runs (split as it was, or not)."""
+    return module._orig_mod if isinstance(module, OptimizedModule) else module
 
 
 def _how_coders_run(coders: list[Any], remedy: str) -> str:
