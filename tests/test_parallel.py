@@ -1158,7 +1158,7 @@ def _eight_ranks(rank: int, world: int) -> None:
 def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     """The split VAE against plain Diffusers' VAE doing the same calls: a float64 VAE keeps float64's
     precision (the GroupNorm statistics too); a torch.compile of the VAE or a coder; a layer replaced after
-    accelerate."""
+    accelerate; a hook on one rank only."""
     torch.set_num_threads(1)
     layout = ParallelConfig(ulysses=world)
     plain = omni_accel.tiny_flux_pipeline(seed=0).vae.double()
@@ -1187,6 +1187,8 @@ def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     pipe.vae = vae
     # A layer the split does not handle, put in after accelerate, makes the calls run whole (on its band
     # alone, a 5x5 convolution would miss its second halo row), and describe says why.
+    with torch.no_grad():
+        conv_in, want = decoder.conv_in, plain.decode(z.float()).sample
     for vae in (plain, pipe.vae):
         with torch.random.fork_rng():
             torch.manual_seed(1)
@@ -1197,6 +1199,17 @@ def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     assert (
         "vae decoder: 1 calls ran whole on every rank (conv_in: a convolution the row split does not"
         in str(omni_accel.describe(pipe))
+    )
+    # A hook on one rank's decoder only (a logger on rank 0): every rank runs the call whole, rather than
+    # the others waiting for halo rows from a rank that runs it whole.
+    decoder.conv_in, seen = conv_in, []
+    if rank == 0:
+        decoder.mid_block.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        assert torch.equal(pipe.vae.decode(z.float()).sample, want)
+    assert len(seen) == (rank == 0) and decoder.forward.calls == 1
+    assert rank == 0 or "vae decoder: 1 calls ran whole on every rank (another rank runs it whole" in str(
+        omni_accel.describe(pipe)
     )
     omni_accel.restore(pipe)
 

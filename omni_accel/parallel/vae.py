@@ -128,7 +128,8 @@ class RowSplit(InstanceForward):
     A call runs whole where a split would change what a hook sees or does: a hook on the coder installed
     before us (``inner``), or any hook on its layers (Diffusers' layerwise casting and group offload, a
     user's ``ModelHook`` or torch hook), which the band-aware layers would skip or see a band of; and where
-    it cannot split (too few rows, gradients on, a layer the split does not handle put in since). ``whole`` counts those calls by reason, ``calls`` the
+    it cannot split (too few rows, gradients on, a layer the split does not handle put in since). The ranks
+    agree on it: where one runs a call whole, they all do. ``whole`` counts those calls by reason, ``calls`` the
     split ones (``describe`` says both)."""
 
     def __init__(self, coder: nn.Module, group: dist.ProcessGroup, unit: int | None = None) -> None:
@@ -175,6 +176,15 @@ class RowSplit(InstanceForward):
         # A layer put in or changed since accelerate (a 5x5 convolution) would run on a band alone.
         return supports(self.module)
 
+    def _agreed(self, reason: str | None, device: torch.device) -> str | None:
+        """``reason``, or one for every rank where another rank runs the call whole: a hook on one rank's VAE
+        only (a logger on rank 0) would leave the other ranks waiting for its halo rows."""
+        verdict = torch.tensor([int(reason is not None)], dtype=torch.int32, device=device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self.group)
+        if reason is None and verdict.item():
+            return "another rank runs it whole (a hook or a layer on that rank's VAE only): every rank does"
+        return reason
+
     def describe(self, name: str) -> list[str]:
         """What the split did so far (``name``: the VAE's attribute holding the coder)."""
         lines = [f"vae {name}: {self.calls} calls split over the ranks by rows"]
@@ -189,7 +199,7 @@ class RowSplit(InstanceForward):
         if not self.enabled:
             return forward(sample, *args, **kwargs)
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        reason = self._runs_whole(sample, world)
+        reason = self._agreed(self._runs_whole(sample, world), sample.device)
         if reason is not None:
             if not self.whole[reason]:
                 logger.info("VAE %s runs whole on every rank: %s", type(self.module).__name__, reason)
