@@ -1173,6 +1173,12 @@ def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     for got, want in (decoded, encoded):
         assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-12
     assert pipe.vae.decoder.forward.calls == 1 and pipe.vae.encoder.forward.calls == 1
+    with torch.no_grad():  # fewer latent rows than ranks: whole, said without "a multiple of 1 rows"
+        pipe.vae.decode(z[:, :, :1])
+    assert (
+        f"1 calls ran whole on every rank (1 rows: the split takes one row or more per rank, {world} in all)"
+        in str(omni_accel.describe(pipe))
+    )
     pipe.vae.float()
     plain = omni_accel.tiny_flux_pipeline(seed=0).vae
     # A torch.compile of the VAE or of a coder, put in their place, runs them split (the forward it compiles):

@@ -165,6 +165,8 @@ class RowSplit(InstanceForward):
             return f"a {sample.ndim}-D input: the split takes images and videos"
         height = sample.shape[_rows(sample)]
         if height % self.unit or height < world * self.unit:
+            if self.unit == 1:
+                return f"{height} rows: the split takes one row or more per rank, {world} in all"
             return (
                 f"{height} rows: the split takes a multiple of {self.unit} rows, {self.unit} or more per rank"
             )
