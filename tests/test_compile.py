@@ -160,6 +160,46 @@ def test_describe_says_blocks_run_under_a_users_own_compile():
     assert "run neither the native math nor our attention providers" in report
 
 
+def test_describe_reads_a_torch_compile_wrapper_of_the_transformer_as_the_module_it_compiles():
+    """pipe.transformer = torch.compile(pipe.transformer) after accelerate: describe said the transformer was
+    replaced and 'accelerated by another pipeline' (native) or 'runs as in Diffusers' (routed), while the
+    wrapper runs this pipeline's setup, its calls traced outside the accelerated forward; restore undoes the
+    module inside and leaves the wrapper where the user put it."""
+    torch._dynamo.reset()
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    plain.transformer = torch.compile(plain.transformer, backend="eager")
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    pipe.transformer = wrapper = torch.compile(pipe.transformer, backend="eager")
+    assert torch.equal(_latents(pipe), _latents(plain))
+    report = omni_accel.describe(pipe).components[0]
+    assert report.mode == "native", report
+    assert "torch.compile(FluxTransformer2DModel) put in the pipeline holds its 4 native blocks" in str(
+        report
+    )
+    omni_accel.restore(pipe)
+    assert pipe.transformer is wrapper
+    assert type(wrapper._orig_mod.transformer_blocks[0]) is type(
+        plain.transformer._orig_mod.transformer_blocks[0]
+    )
+
+    sd3 = omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), native=False)
+    sd3.transformer = torch.compile(sd3.transformer, backend="eager")
+    report = omni_accel.describe(sd3).components[0]
+    assert report.mode == "routed", report
+    assert "traces its whole call outside the accelerated forward" in str(report)
+
+
+def test_describe_counts_blocks_a_torch_compile_wrapper_took_the_place_of():
+    """pipe.transformer.transformer_blocks[0] = torch.compile(block): that block runs Diffusers' forward
+    (traced), and describe did not say so."""
+    torch._dynamo.reset()
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0))
+    blocks = pipe.transformer.transformer_blocks
+    blocks[0] = torch.compile(blocks[0], backend="eager")
+    report = str(omni_accel.describe(pipe))
+    assert "a torch.compile of the user's own: 1 of the 4 native blocks" in report, report
+
+
 def _compiler(pipe):
     return omni_accel.describe(pipe).components[0].runtime.compiler
 

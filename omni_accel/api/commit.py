@@ -30,7 +30,7 @@ from ..models.registry import generic_adaptation
 from ..moves import AfterMoves
 from ..utils import versions
 from .placement import role_of
-from .state import GENERIC_SETUP, Component, GenericSetup, HeldPatch, Pipeline, setup_of
+from .state import GENERIC_SETUP, Component, GenericSetup, HeldPatch, Pipeline, setup_of, uncompiled
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ def holders(pipe: Pipeline, transformers: list[nn.Module]) -> list[tuple[str, nn
     runtime."""
     found, seen = [], [*transformers]
     for name, module in pipe.components.items():
-        if not isinstance(module, nn.Module) or any(module is other for other in seen):
+        if not isinstance(module, nn.Module) or any(
+            uncompiled(module) is uncompiled(other) for other in seen
+        ):
             continue
         seen.append(module)
         runtimes = [m.omni_runtime for m in module.modules() if isinstance(m, NativeBlock)]

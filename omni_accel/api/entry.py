@@ -58,6 +58,7 @@ from .state import (
     orphan_owner,
     setup_of,
     state_of,
+    uncompiled,
 )
 from .vae import plan_vae
 
@@ -398,7 +399,9 @@ def describe(pipe: Pipeline) -> AccelerationReport:
             report.planned_attention = resolve_rows(
                 sites, placement_of(held.original), report.selector, strict=False
             )
-        compiled = users_compile(held.original) if isinstance(report.runtime, NativeRuntime) else None
+        set_up = held is not None and setup_of(uncompiled(held.original)) is not None
+        native = isinstance(report.runtime, NativeRuntime)
+        compiled = users_compile(getattr(pipe, component.name), native) if set_up else None
         if compiled is not None:
             report = dataclasses.replace(report, not_accelerated=[*report.not_accelerated, compiled])
         if held is not None:  # read now: enable_cache() and disable_cache() come before or after accelerate

@@ -23,7 +23,17 @@ from ..parallel import vae as vae_split
 from ..report import FP8_CLAIM, ComponentReport, shared_mode
 from ..utils.logging import get_logger
 from .commit import binds, holders
-from .state import STATE_ATTR, Component, GenericSetup, Pipeline, State, is_denoiser, orphan_owner, setup_of
+from .state import (
+    STATE_ATTR,
+    Component,
+    GenericSetup,
+    Pipeline,
+    State,
+    is_denoiser,
+    orphan_owner,
+    setup_of,
+    uncompiled,
+)
 from .vae import split_detail
 
 logger = get_logger(__name__)
@@ -63,18 +73,31 @@ def holder_lines(pipe: Pipeline, state: State, runtime: NativeRuntime) -> list[s
     return lines
 
 
-def users_compile(module: nn.Module) -> str | None:
-    """What a user's own compile (``compile_repeated_blocks()``, ``Module.compile()`` of the transformer or
-    of blocks), made before or after ``accelerate``, does to the native blocks it covers (None: none)."""
-    blocks = [m for m in module.modules() if isinstance(m, NativeBlock)]
-    if module.__dict__.get("_compiled_call_impl") is not None:
+def users_compile(module: nn.Module, native: bool) -> str | None:
+    """What a user's own compile (``compile_repeated_blocks()``, ``Module.compile()``, or a ``torch.compile``
+    wrapper put in the module's or a block's place), made before or after ``accelerate``, does to the native
+    blocks it covers (``native``) or, for another tier, what a wrapper of the module does (None: nothing)."""
+    inner = uncompiled(module)
+    if not native:  # compiled in place, the module's own call enters its scopes; a wrapper traces that call
+        return None if inner is module else _wrapper_note(inner)
+    blocks = [m for m in inner.modules() if isinstance(m, NativeBlock)]
+    if inner is not module:
+        where = (
+            f"torch.compile({type(inner).__name__}) put in the pipeline holds its {len(blocks)} native blocks"
+        )
+    elif module.__dict__.get("_compiled_call_impl") is not None:
         where = f"{type(module).__name__} itself (Module.compile()) holds its {len(blocks)} native blocks"
     else:
-        compiled = sum(block.__dict__.get("_compiled_call_impl") is not None for block in blocks)
+        wrapped = [m._orig_mod for m in module.modules() if isinstance(m, OptimizedModule)]
+        compiled = sum(
+            block.__dict__.get("_compiled_call_impl") is not None or any(block is m for m in wrapped)
+            for block in blocks
+        )
         if not compiled:
             return None
         where = (
-            f"{compiled} of the {len(blocks)} native blocks (compile_repeated_blocks() or Module.compile())"
+            f"{compiled} of the {len(blocks)} native blocks (compile_repeated_blocks(), Module.compile() or "
+            "torch.compile(block) put in its place)"
         )
     return (
         f"a torch.compile of the user's own: {where}; it traces Diffusers' forward of those blocks, so they "
@@ -83,13 +106,25 @@ def users_compile(module: nn.Module) -> str | None:
     )
 
 
+def _wrapper_note(module: nn.Module) -> str:
+    """A ``torch.compile(module)`` wrapper put in the pipeline: Dynamo traces the module's whole call, where
+    the accelerated forward's scopes are not entered (``patches/scoped_calls.py``), so no provider serves its
+    attention in the compiled code."""
+    return (
+        f"a torch.compile of the user's own: torch.compile({type(module).__name__}) put in the pipeline traces "
+        "its whole call outside the accelerated forward, so its attention runs Diffusers' functions, not our "
+        "providers (the lines above count the calls our providers served only). Put the module itself back "
+        "and compile it in place (Module.compile()), or pass compile=True"
+    )
+
+
 def current_report(
     pipe: Pipeline, component: Component, components: list[Component]
 ) -> tuple[ComponentReport, Component | None]:
     """The component's report as things are now, and the accelerated component whose module it holds now
     (None: a module this ``accelerate`` did not set up)."""
-    module = getattr(pipe, component.name, None)
-    held = next((other for other in components if other.original is module), None)
+    module = getattr(pipe, component.name, None)  # a torch.compile wrapper of it runs it as it was set up
+    held = next((other for other in components if uncompiled(other.original) is uncompiled(module)), None)
     if held is None:
         return replaced_report(pipe, component.name, type(component.original).__name__), None
     # A module this pipeline left untouched may hold another pipeline's setup since (from_pipe).
@@ -117,7 +152,7 @@ def current_vae_report(pipe: Pipeline, report: ComponentReport, vae: nn.Module |
     """The VAE's ``report`` as things are now: a VAE put in ``pipe.vae`` after ``accelerate`` is not the
     one ``vae`` it split (or left whole), so its line says so rather than the old VAE's split and counts."""
     module = getattr(pipe, "vae", None)
-    if _uncompiled(module) is vae:
+    if uncompiled(module) is vae:
         return _current_coders(report, vae)
     coders = [getattr(module, name, None) for name in ("decoder", "encoder")]
     detail = f"pipe.vae was replaced after accelerate (it held a {type(vae).__name__}); what it holds now "
@@ -129,7 +164,7 @@ def _current_coders(report: ComponentReport, vae: nn.Module) -> ComponentReport:
     """The VAE's ``report`` with the coders split at ``accelerate`` and replaced since (``pipe.vae.decoder =
     ...``) said as they run now, rather than as the split ones they replaced (and those splits' counts)."""
     replaced = [
-        name for name, coder in report.row_split.items() if _uncompiled(getattr(vae, name, None)) is not coder
+        name for name, coder in report.row_split.items() if uncompiled(getattr(vae, name, None)) is not coder
     ]
     split = {name: coder for name, coder in report.row_split.items() if name not in replaced}
     if report.mode == shared_mode("patch-parallel") and not any(
@@ -153,11 +188,6 @@ def _current_coders(report: ComponentReport, vae: nn.Module) -> ComponentReport:
     return dataclasses.replace(report, mode=mode, detail="; ".join(notes), row_split=split)
 
 
-def _uncompiled(module: Any) -> Any:
-    """The module a ``torch.compile(module)`` wrapper put in its place runs (split as it was, or not)."""
-    return module._orig_mod if isinstance(module, OptimizedModule) else module
-
-
 def _how_coders_run(coders: list[Any], remedy: str) -> str:
     """How a VAE's encoder and decoder put in after ``accelerate`` run: split (copies of split ones, or
     another pipeline's) or as in Diffusers."""
@@ -170,6 +200,7 @@ def _how_coders_run(coders: list[Any], remedy: str) -> str:
 
 def shared_report(name: str, module: nn.Module) -> ComponentReport:
     """A transformer that another pipeline accelerated (``from_pipe`` shares it): its state now."""
+    module = uncompiled(module)  # a torch.compile wrapper put in its place runs it
     setup = setup_of(module)
     if setup is None:
         return ComponentReport(

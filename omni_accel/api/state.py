@@ -14,6 +14,7 @@ from typing import Any
 
 from diffusers import DiffusionPipeline, ModelMixin, ModularPipeline
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 import omni_accel.patches as patches
 
@@ -223,12 +224,15 @@ def held_twice(name: str, first: Component) -> Component:
     return Component(name, module, first.spec, report, shared=True)
 
 
+def uncompiled(module: Any) -> Any:
+    """The module a ``torch.compile(module)`` wrapper put in its place runs (as it was set up, or not)."""
+    return module._orig_mod if isinstance(module, OptimizedModule) else module
+
+
 def is_denoiser(module: Any) -> bool:
     """A Diffusers transformer or UNet (what ``components`` may name): a registered model, a class of
     ``diffusers.models.transformers`` / ``unets``, or a custom ModelMixin named as one."""
-    module = getattr(
-        module, "_orig_mod", module
-    )  # a torch.compile'd one: plan_component says how to accelerate it
+    module = uncompiled(module)  # a torch.compile'd one: plan_component says how to accelerate it
     if not isinstance(module, ModelMixin):
         return False
     cls = type(module)
