@@ -164,6 +164,9 @@ def _vae_checks() -> None:
     layout = ParallelConfig(ulysses=dist.get_world_size())
     off = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=layout, vae_parallel=False)
     assert "forward" not in off.vae.decoder.__dict__ and "patch-parallel" not in str(omni_accel.describe(off))
+    assert "vae (AutoencoderKL): untouched - runs whole on every rank, as vae_parallel=False asks" in str(
+        omni_accel.describe(off)
+    )  # said, not left out
     # A VAE put in after accelerate is described as it runs now, not as the split one it replaced.
     twin, split = copy.deepcopy(pipe), pipe.vae  # the copy's VAE is split as pipe's
     assert "vae (AutoencoderKL): patch-parallel" in str(omni_accel.describe(twin))

@@ -75,8 +75,11 @@ def plan_vae(
             why = "vae_parallel=True splits the VAE over a parallel layout's ranks, and none runs here: it runs whole"
             return [], [ComponentReport("vae", type(vae).__name__, "untouched", why)]
         return [], []
-    if config.vae_parallel is False or not coders:
+    if not coders:
         return [], []
+    if config.vae_parallel is False:  # said, as every option asked off is
+        why = "runs whole on every rank, as vae_parallel=False asks"
+        return [], [ComponentReport("vae", type(vae).__name__, "untouched", why)]
     reasons = {name: vae_split.supports(coder) for name, coder in coders.items()}
     if reasons.get("decoder") is not None:
         if config.vae_parallel:
