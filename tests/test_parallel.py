@@ -358,6 +358,18 @@ def _vae_shared_with_a_sibling() -> None:
         assert "forward" not in pipe.vae.decoder.__dict__ and "forward" not in pipe.vae.encoder.__dict__
 
 
+def _users_compile_under_a_layout() -> None:
+    """A user's Module.compile() of a transformer split by a layout traced Diffusers' forward of its native
+    blocks on one rank's share of the sequence (ulysses: 3% off, silently) or of the weights (tp: a Dynamo
+    shape error); it raises, saying why and what to do."""
+    torch._dynamo.reset()
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(ulysses=2))
+    pipe.transformer.compile(backend="eager")
+    with pytest.raises(RuntimeError, match="a torch.compile of the user's own .* pass compile=True"):
+        _latents(pipe, num_inference_steps=1)
+    omni_accel.restore(pipe)
+
+
 def _graph_keys_under_a_layout() -> None:
     """Our layout hooks let a step be keyed for a CUDA graph (a user's hook still does not), and the key
     holds every rank's slice: 13 and 12 text tokens give rank 1 the same local shape (6 tokens), so a key
@@ -935,6 +947,7 @@ def _two_ranks(rank: int, world: int) -> None:
     _vae_shared_with_a_sibling()
     _a_failed_spread_is_undone()
     _a_failed_auto_spread_is_undone_and_retried()
+    _users_compile_under_a_layout()
     _graph_keys_under_a_layout()
     _modulation_split_over_the_ranks()
     oracle = _oracle()

@@ -228,7 +228,11 @@ class NativeBlock:
         block (``run_as_diffusers``) or where ``prepare()`` (host-side, never traced: the weights read, the
         projection cache, the constants) returns None (its reason counted); else ``run(math, prepared)``,
         ``math`` being the class's math, compiled where the runtime compiles."""
-        prepared = None if self.run_as_diffusers() else prepare()
+        traced = self.run_as_diffusers()
+        layout = self.omni_runtime.layout
+        if traced and layout is not None and layout.splits_blocks:
+            _refuse_traced_split(self.omni_name, layout.description)
+        prepared = None if traced else prepare()
         if prepared is None:
             return diffusers_forward()
         if self.hooks_around():  # the hooks decide on the host, mid-block: eager math
@@ -426,6 +430,22 @@ class NativeBlock:
         for name in _split_path(path):
             module = module._modules[name]
         return module
+
+
+_TRACED_SPLIT = (
+    "a torch.compile of the user's own (torch.compile of the transformer, Module.compile() or "
+    "compile_repeated_blocks()) traces Diffusers' forward of the native blocks, which under tensor or sequence "
+    "parallelism would be wrong (their weights or their sequence are split over the ranks); drop that compile "
+    "and pass compile=True to accelerate to compile the native blocks"
+)
+
+
+@torch.compiler.disable(reason=_TRACED_SPLIT)
+def _refuse_traced_split(name: str, layout: str) -> None:
+    """Raises, run eagerly (a graph break), where a user's compile traces a native block under a layout that
+    splits it: Diffusers' forward there would compute silently wrong results (a fullgraph compile raises
+    Dynamo's error, which quotes the reason)."""
+    raise RuntimeError(f"{name} under {layout}: {_TRACED_SPLIT}.")
 
 
 @functools.cache
