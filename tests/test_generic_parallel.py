@@ -195,6 +195,31 @@ def _compiled_under(name: str, layouts: tuple[dict, ...]) -> None:
         assert "every rank alike" in report, report
 
 
+def _torch_compile_wrapper_under_a_split() -> None:
+    """pipe.transformer = torch.compile(pipe.transformer) under ulysses: the wrapper traces the model's whole
+    call, where its scopes are not entered, so each routed call ran Diffusers' attention over one rank's
+    tokens (3% off, silently); it raises, saying what to do. Compiled in place, it runs split, exactly."""
+    want = _pipeline_images(
+        omni_accel.tiny_flux_pipeline(seed=0), num_inference_steps=1, output_type="latent"
+    )
+    for how in ("wrapper", "in place"):
+        torch._dynamo.reset()
+        pipe = _generic(omni_accel.tiny_flux_pipeline(seed=0), parallel=omni_accel.ParallelConfig(ulysses=2))
+        try:
+            if how == "wrapper":
+                pipe.transformer = torch.compile(pipe.transformer, backend="eager")
+                with pytest.raises(RuntimeError, match="outside the accelerated forward: a torch.compile"):
+                    _pipeline_images(pipe, num_inference_steps=1, output_type="latent")
+            else:
+                pipe.transformer.compile(backend="eager")
+                assert (
+                    _close([_pipeline_images(pipe, num_inference_steps=1, output_type="latent")], [want])
+                    <= 1e-5
+                )
+        finally:
+            omni_accel.restore(pipe)
+
+
 def _pipeline_lora_under_tensor_parallel() -> None:
     """The Diffusers way, on the tiny Qwen-Image pipeline under tp=2: ``load_lora_weights`` (its shape
     checks see full shapes), ``fuse_lora``, ``unfuse_lora`` and ``unload_lora_weights``, each step's images
@@ -536,6 +561,7 @@ CHECKS = (
     _masked_and_uneven,
     _compiled_split,
     _compiled_tensor_parallel,
+    _torch_compile_wrapper_under_a_split,
     _refusals,
     _guidance_over_two_ranks,
     _auto,

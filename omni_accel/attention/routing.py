@@ -104,11 +104,27 @@ def route(
     reads Diffusers' process-wide attention backend (``dispatch_attention_fn`` does; a processor calling
     torch's SDPA itself does not, so neither do we there)."""
     selector = _ACTIVE.get()
-    if selector is None:
-        return None
     role, category = _ROLE.get()
+    if selector is None:
+        _refuse_split_outside_forward(role)
+        return None
     args = (query, key, value, attn_mask, scale, unsupported, mask_rows, follows_backend)
     return route_with(selector, role, category, *args)
+
+
+def _refuse_split_outside_forward(role: str) -> None:
+    """Raises where a routed call runs in a split forward (its tokens split over the ranks) with no accelerated
+    forward's selector in scope: the model's call was traced whole by a ``torch.compile(module)`` wrapper put
+    in the pipeline, where its scopes are not entered, and Diffusers' function would attend over this rank's
+    tokens only (silently wrong)."""
+    if split_forward() is not None:
+        raise RuntimeError(
+            f"Attention role {role!r} runs split over the ranks outside the accelerated forward: a "
+            "torch.compile(module) wrapper put in the pipeline traces the module's whole call, where the "
+            "accelerated forward's scopes are not entered, and Diffusers' attention would see this rank's "
+            "tokens only. Put the module itself back and compile it in place (pipe.transformer = "
+            "pipe.transformer._orig_mod; pipe.transformer.compile()), or pass compile=True to accelerate."
+        )
 
 
 def route_with(
@@ -233,7 +249,9 @@ def diffusers_attention(
     graph names no pipeline, so models of one class share it."""
     selector = _ACTIVE.get()
     out = None
-    if selector is not None:
+    if selector is None:
+        _refuse_split_outside_forward(role)
+    else:
         rows, follows = _READS_ROWS[site](), _FOLLOWS_BACKEND[site]
         out = route_with(selector, role, category, query, key, value, attn_mask, scale, None, rows, follows)
     if out is None:
