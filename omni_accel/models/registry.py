@@ -63,9 +63,22 @@ def _qwenimage_true_cfg_pairs(arguments: dict[str, Any]) -> bool:
     return _import("omni_accel.models.qwenimage:true_cfg_pairs")(arguments)
 
 
+def _cfg_pairs_per_step(arguments: dict[str, Any]) -> Pairing:
+    """Pipelines that call the transformer twice per step (cond, then uncond) while ``guidance_scale > 1``,
+    asking their ``do_classifier_free_guidance`` at every step (a step-end callback may turn it off midway):
+    CogView4's (and its Control), SkyReels-V2's (text-, image-to-video and diffusion forcing), LongCat-Image's
+    (and its edit), Chroma's (text-to-image, img2img, inpaint), ChronoEdit's, Helios's (and its pyramid).
+    ``guidance_scale > 1`` first, for ``parallel="auto"``'s verdict at the first call (a per-step verdict is a
+    function, always true)."""
+    if not arguments.get("guidance_scale", 1.0) > 1:
+        return False
+    return _import("omni_accel.parallel.cfg:guided_per_step")(arguments["self"])
+
+
 def _guidance_scale_above_one(arguments: dict[str, Any]) -> bool:
     """The Stable Diffusion 3 pipelines (text-to-image, img2img, inpaint, ControlNet, PAG) batch both guidance
-    branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``)."""
+    branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``);
+    Ovis-Image's calls the transformer twice per step then, decided once per call."""
     return arguments.get("guidance_scale", 7.0) > 1
 
 
@@ -140,6 +153,19 @@ _SPECS: dict[str, ModelSpec] = {
 }
 
 
+# Models of the generic tier (no spec above: their attention routes found as for any model) whose pipelines
+# call them twice per step (cond, then uncond): the rule that tells when, as ``ModelSpec.cfg_pairing``.
+_GENERIC_PAIRING: dict[str, Callable[[dict[str, Any]], Pairing]] = {
+    "CogView4Transformer2DModel": _cfg_pairs_per_step,
+    "SkyReelsV2Transformer3DModel": _cfg_pairs_per_step,
+    "LongCatImageTransformer2DModel": _cfg_pairs_per_step,
+    "ChromaTransformer2DModel": _cfg_pairs_per_step,
+    "ChronoEditTransformer3DModel": _cfg_pairs_per_step,
+    "HeliosTransformer3DModel": _cfg_pairs_per_step,
+    "OvisImageTransformer2DModel": _guidance_scale_above_one,
+}
+
+
 # ControlNet residuals a forward adds to its image tokens: split as they are (by the same sizes, being as long).
 _RESIDUALS = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
 
@@ -202,12 +228,22 @@ def registered_spec(transformer: nn.Module) -> ModelSpec | None:
 
 def spec_for(transformer: nn.Module) -> ModelSpec | None:
     """The registered spec, or a generic one routing the attention call sites of the model's module and of
-    its attention processors' modules, or None."""
+    its attention processors' modules (with its pipelines' pairing rule, where known), or None."""
     registered = registered_spec(transformer)
     if registered is not None:
         return registered
     routes = tuple(route for name in sorted(_attention_modules(transformer)) for route in _routes_of(name))
-    return ModelSpec(family="generic", attention_routes=routes) if routes else None
+    if not routes:
+        return None
+    pairing = next(
+        (
+            _GENERIC_PAIRING[cls.__name__]
+            for cls in type(transformer).__mro__
+            if cls.__name__ in _GENERIC_PAIRING and cls.__module__.startswith("diffusers.")
+        ),
+        None,
+    )
+    return ModelSpec(family="generic", cfg_pairing=pairing, attention_routes=routes)
 
 
 def _attention_modules(transformer: nn.Module) -> set[str]:

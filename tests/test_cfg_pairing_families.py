@@ -1,0 +1,129 @@
+"""cfg=2 on the pipelines that call a transformer without native blocks twice per guided step (cond, then
+uncond): the registry's pairing rule for each family (``models/registry.py``) pairs the two calls over the
+two ranks, within 1e-5 (fp32) of plain Diffusers on one rank, the ranks bitwise equal, every pair of a step
+counted (the first step of a generic model runs whole: it shows the output's shape). Lucy Edit's Wan
+transformer pairs by the native Wan rule. One spawn (two gloo ranks) runs every check."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+
+import pytest
+import tiny_guided_pipelines as tiny
+import torch
+import torch.distributed as dist
+from multirank import run_multirank
+
+import omni_accel
+
+STEPS = 2
+_IMAGE_CALL = {"guidance_scale": 5.0, "negative_prompt": "a dog", "max_sequence_length": 8}
+
+# builder, call arguments, pairs per pipeline call, native (the first step pairs too)
+CASES: tuple[tuple[Callable, Callable[[], dict], int, bool], ...] = (
+    (tiny.tiny_cogview4_pipeline, lambda: {"guidance_scale": 5.0, "negative_prompt": "a dog"}, STEPS, False),
+    (tiny.tiny_skyreels_v2_pipeline, tiny.video_call, STEPS, False),
+    (
+        tiny.tiny_longcat_image_pipeline,
+        lambda: {"guidance_scale": 5.0, "negative_prompt": "a dog", "enable_prompt_rewrite": False},
+        STEPS,
+        False,
+    ),
+    (tiny.tiny_chroma_pipeline, lambda: dict(_IMAGE_CALL), STEPS, False),
+    (tiny.tiny_ovis_image_pipeline, lambda: dict(_IMAGE_CALL), STEPS, False),
+    (tiny.tiny_chronoedit_pipeline, tiny.chronoedit_call, STEPS, False),
+    (tiny.tiny_helios_pipeline, tiny.helios_call, 2 * STEPS, False),  # two chunks of latent frames
+    (tiny.tiny_lucy_edit_pipeline, tiny.lucy_edit_call, STEPS, True),
+)
+
+
+def _images(pipe, **call) -> torch.Tensor:
+    call = {
+        "prompt": "a cat",
+        "num_inference_steps": STEPS,
+        "height": 32,
+        "width": 32,
+        "output_type": "pt",
+        **call,
+    }
+    out = pipe(**call, generator=torch.Generator().manual_seed(0))
+    return out.frames if hasattr(out, "frames") else out.images
+
+
+def _same_on_every_rank(tensor: torch.Tensor) -> bool:
+    every = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, tensor.contiguous())
+    return all(torch.equal(other, every[0]) for other in every)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _cfg2(pipe):
+    """cfg=2, the VAE decoding whole (its split is tested elsewhere; its exchanges cost seconds on gloo)."""
+    return omni_accel.accelerate(pipe, parallel=omni_accel.ParallelConfig(cfg=2), vae_parallel=False)
+
+
+def _paired_over_two_ranks() -> None:
+    for index, (build, call, pairs, native) in enumerate(CASES):
+        name = build.__name__
+        plain = _images(build(), **call())
+        pipe = _cfg2(build())
+        got = _images(pipe, **call())
+        assert _rel(got, plain) <= 1e-5 and _same_on_every_rank(got), name
+        cfg = omni_accel.describe(pipe).components[0].cfg
+        assert cfg.paired_calls == pairs - (not native), f"{name}: {cfg.describe()}"
+        if index == 0:  # once the output's shape is known, every step pairs
+            again = _images(pipe, **call())
+            assert cfg.paired_calls == 2 * pairs - 1 and torch.equal(again, got), f"{name}: {cfg.describe()}"
+        omni_accel.restore(pipe)
+
+
+def _guidance_off_midway() -> None:
+    """A step-end callback that turns guidance off (Diffusers' dynamic-CFG example): the later steps make one
+    call each, which runs whole, not waiting for a pair."""
+
+    def off(pipe, step, timestep, kwargs):
+        pipe._guidance_scale = 1.0
+        return kwargs
+
+    call = {**tiny.video_call(), "callback_on_step_end": off}
+    plain = _images(tiny.tiny_skyreels_v2_pipeline(), **call)
+    pipe = _cfg2(tiny.tiny_skyreels_v2_pipeline())
+    got = _images(pipe, **call)
+    assert _rel(got, plain) <= 1e-5 and _same_on_every_rank(got)
+    omni_accel.restore(pipe)
+
+
+def _auto_picks_cfg() -> None:
+    """``parallel="auto"``: a first call that runs both branches takes cfg=2 for these families."""
+    for build, call in ((tiny.tiny_cogview4_pipeline, lambda: {"guidance_scale": 5.0}),):
+        plain = _images(build(), **call())
+        pipe = omni_accel.accelerate(build(), parallel="auto", vae_parallel=False)
+        got = _images(pipe, **call())
+        assert _rel(got, plain) <= 1e-5 and _same_on_every_rank(got), build.__name__
+        report = str(omni_accel.describe(pipe))
+        assert "cfg=2) on 2 ranks" in report and omni_accel.describe(pipe).components[0].cfg.paired_calls, (
+            report
+        )
+        omni_accel.restore(pipe)
+
+
+CHECKS = (_paired_over_two_ranks, _guidance_off_midway, _auto_picks_cfg)
+
+
+def _every_check(rank: int, world: int) -> None:
+    failures = []
+    for check in CHECKS:
+        try:
+            check()
+        except Exception:
+            failures.append(f"{check.__name__}:\n{traceback.format_exc()}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.multirank
+def test_two_call_guidance_pairs_over_cfg_ranks():
+    run_multirank(_every_check, 2, timeout=600)

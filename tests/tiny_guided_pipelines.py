@@ -1,0 +1,220 @@
+"""Tiny, offline builds of the pipelines that call a transformer without native blocks twice per guided step
+(cond, then uncond), for the CFG pairing tests (``tests/test_cfg_pairing_families.py``).
+
+Same rules as ``omni_accel.models.tiny_pipelines``: the genuine Diffusers / Transformers classes at toy sizes,
+random weights that follow from ``seed`` alone, nothing downloaded. The Wan-family video pipelines reuse the
+tiny Wan pipeline's UMT5, tokenizer and video VAE. Their prompt cleaning needs the ``ftfy`` package, absent
+here, so they are called with ``prompt_embeds`` (:func:`video_call`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import (
+    ChromaPipeline,
+    ChromaTransformer2DModel,
+    ChronoEditPipeline,
+    ChronoEditTransformer3DModel,
+    CogView4Pipeline,
+    CogView4Transformer2DModel,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    HeliosPipeline,
+    HeliosScheduler,
+    HeliosTransformer3DModel,
+    LongCatImagePipeline,
+    LongCatImageTransformer2DModel,
+    LucyEditPipeline,
+    OvisImagePipeline,
+    OvisImageTransformer2DModel,
+    SkyReelsV2Pipeline,
+    SkyReelsV2Transformer3DModel,
+    WanTransformer3DModel,
+)
+from PIL import Image
+from transformers import GlmConfig, GlmModel, Qwen3Model, T5EncoderModel
+
+from omni_accel.models.tiny_pipelines import (
+    _TEXT_HEADS,
+    _TEXT_HIDDEN,
+    _finish,
+    _image_vae,
+    _qwen3_text,
+    _qwen_tokenizer,
+    _qwen_vl_text_encoder,
+    _randomize_,
+    _seeded,
+    _t5_encoder,
+    _t5_tokenizer,
+    flux_rope_axes,
+    tiny_wan_pipeline,
+)
+
+_HEADS, _HEAD_DIM = 2, 16
+_WIDTH = _HEADS * _HEAD_DIM
+_VIDEO = dict(patch_size=(1, 2, 2), num_attention_heads=_HEADS, attention_head_dim=_HEAD_DIM, out_channels=16)
+_VIDEO |= dict(text_dim=_TEXT_HIDDEN, freq_dim=_WIDTH, ffn_dim=2 * _WIDTH, num_layers=2)
+# FLUX-style image transformers: one double and one single block, 3-axis RoPE
+_IMAGE = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=_HEAD_DIM)
+_IMAGE |= dict(
+    num_attention_heads=_HEADS, joint_attention_dim=_TEXT_HIDDEN, axes_dims_rope=flux_rope_axes(_HEAD_DIM)
+)
+
+
+def _transformer(seed: int, model_class: type, **config: Any) -> torch.nn.Module:
+    with _seeded(seed, "transformer"):
+        model = model_class(**config)
+        _randomize_(model)
+    return model
+
+
+def _video(pipeline_class: type, seed: int, transformer: torch.nn.Module, **extra: Any) -> DiffusionPipeline:
+    """``pipeline_class`` on the tiny Wan pipeline's tokenizer, UMT5 and video VAE (and scheduler, unless
+    ``extra`` gives one)."""
+    wan = tiny_wan_pipeline(seed=seed)
+    parts = dict(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=wan.vae, scheduler=wan.scheduler)
+    return _finish(pipeline_class(**{**parts, **extra}, transformer=transformer), torch.float32, "cpu")
+
+
+def tiny_skyreels_v2_pipeline(seed: int = 0) -> SkyReelsV2Pipeline:
+    return _video(
+        SkyReelsV2Pipeline, seed, _transformer(seed, SkyReelsV2Transformer3DModel, in_channels=16, **_VIDEO)
+    )
+
+
+def tiny_helios_pipeline(seed: int = 0) -> HeliosPipeline:
+    """Helios with a one-stage scheduler (the pyramid pipeline's three stages are ``HeliosPyramidPipeline``'s);
+    call it with a short chunk and history (:func:`helios_call`)."""
+    model = _transformer(seed, HeliosTransformer3DModel, in_channels=16, rope_dim=(4, 6, 6), **_VIDEO)
+    return _video(HeliosPipeline, seed, model, scheduler=HeliosScheduler(stages=1, stage_range=[0, 1]))
+
+
+def tiny_lucy_edit_pipeline(seed: int = 0) -> LucyEditPipeline:
+    """Lucy Edit: a Wan transformer that reads the video's latents beside the noise (twice the channels)."""
+    return _video(LucyEditPipeline, seed, _transformer(seed, WanTransformer3DModel, in_channels=32, **_VIDEO))
+
+
+def tiny_chronoedit_pipeline(seed: int = 0) -> ChronoEditPipeline:
+    """ChronoEdit: the tiny Wan I2V pipeline's CLIP image encoder, image K/V in its cross-attentions."""
+    wan = tiny_wan_pipeline(seed=seed, image_to_video=True)
+    model = _transformer(
+        seed, ChronoEditTransformer3DModel, in_channels=36, image_dim=24, added_kv_proj_dim=_WIDTH, **_VIDEO
+    )
+    image = dict(image_encoder=wan.image_encoder, image_processor=wan.image_processor)
+    return _video(ChronoEditPipeline, seed, model, **image)
+
+
+def tiny_cogview4_pipeline(seed: int = 0) -> CogView4Pipeline:
+    """CogView4 on a toy GLM text model (the T5 test tokenizer's ids) and the tiny 16-channel image VAE."""
+    tokenizer = _t5_tokenizer()
+    config = GlmConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=_TEXT_HIDDEN,
+        intermediate_size=2 * _TEXT_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=_TEXT_HEADS,
+        num_key_value_heads=_TEXT_HEADS,
+        head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with _seeded(seed, "text_encoder"):
+        text_encoder = GlmModel(config)
+    model = _transformer(
+        seed,
+        CogView4Transformer2DModel,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=_HEAD_DIM,
+        num_attention_heads=_HEADS,
+        text_embed_dim=_TEXT_HIDDEN,
+        time_embed_dim=_WIDTH,
+        condition_dim=16,
+        rope_axes_dim=(8, 8),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_shift=0.25,
+        max_shift=0.75,
+        base_image_seq_len=256,
+        use_dynamic_shifting=True,
+        time_shift_type="linear",
+    )
+    pipe = CogView4Pipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=_image_vae(seed, 1.0, 0.0), transformer=model,
+        scheduler=scheduler,
+    )  # fmt: skip
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_longcat_image_pipeline(seed: int = 0) -> LongCatImagePipeline:
+    """LongCat-Image on a toy Qwen2.5-VL text tower (no processor: prompt rewriting is off in the calls), its
+    prompts padded to 8 tokens (the released 512 is the pipeline's ``tokenizer_max_length`` attribute)."""
+    prefix = (
+        "<|im_start|>system\nAs an image captioning expert, generate a descriptive text prompt based on an image "
+        "content, suitable for input to a text-to-image model.<|im_end|>\n<|im_start|>user\n"
+    )
+    tokenizer = _qwen_tokenizer(prefix + "{}<|im_end|>\n<|im_start|>assistant\n")
+    with _seeded(seed, "text_encoder"):  # vision token ids past the vocabulary: never emitted
+        text_encoder = _qwen_vl_text_encoder(tokenizer, [len(tokenizer) + i for i in range(4)], seed)
+    pipe = LongCatImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_image_vae(seed, 1.0, 0.0), text_encoder=text_encoder,
+        tokenizer=tokenizer, text_processor=None, transformer=_transformer(seed, LongCatImageTransformer2DModel,
+        pooled_projection_dim=_TEXT_HIDDEN, **_IMAGE),
+    )  # fmt: skip
+    pipe.tokenizer_max_length = 8
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_chroma_pipeline(seed: int = 0) -> ChromaPipeline:
+    tokenizer = _t5_tokenizer()
+    model = _transformer(
+        seed,
+        ChromaTransformer2DModel,
+        approximator_num_channels=16,
+        approximator_hidden_dim=_WIDTH,
+        approximator_layers=1,
+        **_IMAGE,
+    )
+    pipe = ChromaPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_image_vae(seed, 1.0, 0.0), tokenizer=tokenizer,
+        text_encoder=_t5_encoder(T5EncoderModel, tokenizer, _TEXT_HIDDEN, seed, "text_encoder"), transformer=model,
+    )  # fmt: skip
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_ovis_image_pipeline(seed: int = 0) -> OvisImagePipeline:
+    tokenizer, text_encoder = _qwen3_text(seed, Qwen3Model, 1)
+    model = _transformer(seed, OvisImageTransformer2DModel, out_channels=64, **_IMAGE)
+    pipe = OvisImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_image_vae(seed, 1.0, 0.0), text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=model,
+    )  # fmt: skip
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def _image(seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+
+
+def video_call(**extra: Any) -> dict[str, Any]:
+    """A guided call of the Wan-family video pipelines, on prompt embeddings (see the module's docstring)."""
+    g = torch.Generator().manual_seed(5)
+    embeds = dict(prompt_embeds=torch.randn(1, 6, _TEXT_HIDDEN, generator=g))
+    embeds["negative_prompt_embeds"] = torch.randn(1, 6, _TEXT_HIDDEN, generator=g)
+    return {"prompt": None, **embeds, "guidance_scale": 5.0, "num_frames": 5, **extra}
+
+
+def helios_call() -> dict[str, Any]:
+    return video_call(num_frames=9, num_latent_frames_per_chunk=2, history_sizes=[2, 1, 1])
+
+
+def chronoedit_call(**extra: Any) -> dict[str, Any]:
+    return video_call(image=_image(3), **extra)
+
+
+def lucy_edit_call() -> dict[str, Any]:
+    return video_call(video=[_image(i) for i in range(5)])
