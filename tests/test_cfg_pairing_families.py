@@ -97,17 +97,24 @@ def _guidance_off_midway() -> None:
     omni_accel.restore(pipe)
 
 
+_PIXART_CALL = {**_IMAGE_CALL, "use_resolution_binning": False, "clean_caption": False}
+
+
 def _auto_picks_cfg() -> None:
-    """``parallel="auto"``: a first call that runs both branches takes cfg=2 for these families."""
-    for build, call in ((tiny.tiny_cogview4_pipeline, lambda: {"guidance_scale": 5.0}),):
-        plain = _images(build(), **call())
+    """``parallel="auto"``: a first call that runs both branches takes cfg=2 for these families, and for
+    PixArt-Sigma, whose calls each hold both (halved over the ranks; no ``_cp_plan``: refused before its rule)."""
+    cases = (
+        (tiny.tiny_cogview4_pipeline, {"guidance_scale": 5.0}, "paired_calls", STEPS - 1),
+        (tiny.tiny_pixart_sigma_pipeline, _PIXART_CALL, "split_calls", STEPS),
+    )
+    for build, call, counter, count in cases:
+        plain = _images(build(), **call)
         pipe = omni_accel.accelerate(build(), parallel="auto", vae_parallel=False)
-        got = _images(pipe, **call())
+        got = _images(pipe, **call)
         assert _rel(got, plain) <= 1e-5 and _same_on_every_rank(got), build.__name__
-        report = str(omni_accel.describe(pipe))
-        assert "cfg=2) on 2 ranks" in report and omni_accel.describe(pipe).components[0].cfg.paired_calls, (
-            report
-        )
+        report = omni_accel.describe(pipe)
+        assert "cfg=2) on 2 ranks" in str(report), report
+        assert getattr(report.components[0].cfg, counter) == count, report.components[0].cfg.describe()
         omni_accel.restore(pipe)
 
 

@@ -1,5 +1,6 @@
 """Tiny, offline builds of the pipelines that call a transformer without native blocks twice per guided step
-(cond, then uncond), for the CFG pairing tests (``tests/test_cfg_pairing_families.py``).
+(cond, then uncond), and of PixArt-Sigma's (both branches in one call), for the CFG pairing tests
+(``tests/test_cfg_pairing_families.py``).
 
 Same rules as ``omni_accel.models.tiny_pipelines``: the genuine Diffusers / Transformers classes at toy sizes,
 random weights that follow from ``seed`` alone, nothing downloaded. The Wan-family video pipelines reuse the
@@ -21,6 +22,7 @@ from diffusers import (
     CogView4Pipeline,
     CogView4Transformer2DModel,
     DiffusionPipeline,
+    DPMSolverMultistepScheduler,
     FlowMatchEulerDiscreteScheduler,
     HeliosPipeline,
     HeliosScheduler,
@@ -30,6 +32,8 @@ from diffusers import (
     LucyEditPipeline,
     OvisImagePipeline,
     OvisImageTransformer2DModel,
+    PixArtSigmaPipeline,
+    PixArtTransformer2DModel,
     SkyReelsV2Pipeline,
     SkyReelsV2Transformer3DModel,
     WanTransformer3DModel,
@@ -192,6 +196,30 @@ def tiny_ovis_image_pipeline(seed: int = 0) -> OvisImagePipeline:
     pipe = OvisImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=_image_vae(seed, 1.0, 0.0), text_encoder=text_encoder,
         tokenizer=tokenizer, transformer=model,
+    )  # fmt: skip
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_pixart_sigma_pipeline(seed: int = 0) -> PixArtSigmaPipeline:
+    """PixArt-Sigma (its transformer predicts the variance too: twice the latent channels out). Call it with
+    ``use_resolution_binning=False``: its bins are the released sizes."""
+    tokenizer = _t5_tokenizer()
+    model = _transformer(
+        seed,
+        PixArtTransformer2DModel,
+        num_attention_heads=_HEADS,
+        attention_head_dim=_HEAD_DIM,
+        in_channels=16,
+        out_channels=32,
+        num_layers=2,
+        norm_num_groups=8,
+        cross_attention_dim=_WIDTH,
+        sample_size=16,
+        caption_channels=_TEXT_HIDDEN,
+    )
+    pipe = PixArtSigmaPipeline(
+        tokenizer=tokenizer, text_encoder=_t5_encoder(T5EncoderModel, tokenizer, _TEXT_HIDDEN, seed, "text_encoder"),
+        vae=_image_vae(seed, 1.0, 0.0), transformer=model, scheduler=DPMSolverMultistepScheduler(),
     )  # fmt: skip
     return _finish(pipe, torch.float32, "cpu")
 

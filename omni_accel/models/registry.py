@@ -77,8 +77,9 @@ def _cfg_pairs_per_step(arguments: dict[str, Any]) -> Pairing:
 
 def _guidance_scale_above_one(arguments: dict[str, Any]) -> bool:
     """The Stable Diffusion 3 pipelines (text-to-image, img2img, inpaint, ControlNet, PAG) batch both guidance
-    branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``);
-    Ovis-Image's calls the transformer twice per step then, decided once per call."""
+    branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``), as
+    do PixArt-Alpha's and PixArt-Sigma's (and its PAG); Ovis-Image's calls the transformer twice per step
+    then, decided once per call."""
     return arguments.get("guidance_scale", 7.0) > 1
 
 
@@ -154,15 +155,17 @@ _SPECS: dict[str, ModelSpec] = {
 
 
 # Models of the generic tier (no spec above: their attention routes found as for any model) whose pipelines
-# call them twice per step (cond, then uncond): the rule that tells when, as ``ModelSpec.cfg_pairing``.
-_GENERIC_PAIRING: dict[str, Callable[[dict[str, Any]], Pairing]] = {
-    "CogView4Transformer2DModel": _cfg_pairs_per_step,
-    "SkyReelsV2Transformer3DModel": _cfg_pairs_per_step,
-    "LongCatImageTransformer2DModel": _cfg_pairs_per_step,
-    "ChromaTransformer2DModel": _cfg_pairs_per_step,
-    "ChronoEditTransformer3DModel": _cfg_pairs_per_step,
-    "HeliosTransformer3DModel": _cfg_pairs_per_step,
-    "OvisImageTransformer2DModel": _guidance_scale_above_one,
+# guidance rule is known: ``cfg_pairing`` where they call the model twice per step (cond, then uncond),
+# ``batched_guidance`` where each call holds both branches (as ``ModelSpec``'s).
+_GENERIC_GUIDANCE: dict[str, dict[str, Callable[[dict[str, Any]], Pairing]]] = {
+    "CogView4Transformer2DModel": {"cfg_pairing": _cfg_pairs_per_step},
+    "SkyReelsV2Transformer3DModel": {"cfg_pairing": _cfg_pairs_per_step},
+    "LongCatImageTransformer2DModel": {"cfg_pairing": _cfg_pairs_per_step},
+    "ChromaTransformer2DModel": {"cfg_pairing": _cfg_pairs_per_step},
+    "ChronoEditTransformer3DModel": {"cfg_pairing": _cfg_pairs_per_step},
+    "HeliosTransformer3DModel": {"cfg_pairing": _cfg_pairs_per_step},
+    "OvisImageTransformer2DModel": {"cfg_pairing": _guidance_scale_above_one},
+    "PixArtTransformer2DModel": {"batched_guidance": _guidance_scale_above_one},
 }
 
 
@@ -228,22 +231,22 @@ def registered_spec(transformer: nn.Module) -> ModelSpec | None:
 
 def spec_for(transformer: nn.Module) -> ModelSpec | None:
     """The registered spec, or a generic one routing the attention call sites of the model's module and of
-    its attention processors' modules (with its pipelines' pairing rule, where known), or None."""
+    its attention processors' modules (with its pipelines' guidance rule, where known), or None."""
     registered = registered_spec(transformer)
     if registered is not None:
         return registered
     routes = tuple(route for name in sorted(_attention_modules(transformer)) for route in _routes_of(name))
     if not routes:
         return None
-    pairing = next(
+    guidance = next(
         (
-            _GENERIC_PAIRING[cls.__name__]
+            _GENERIC_GUIDANCE[cls.__name__]
             for cls in type(transformer).__mro__
-            if cls.__name__ in _GENERIC_PAIRING and cls.__module__.startswith("diffusers.")
+            if cls.__name__ in _GENERIC_GUIDANCE and cls.__module__.startswith("diffusers.")
         ),
-        None,
+        {},
     )
-    return ModelSpec(family="generic", cfg_pairing=pairing, attention_routes=routes)
+    return ModelSpec(family="generic", attention_routes=routes, **guidance)
 
 
 def _attention_modules(transformer: nn.Module) -> set[str]:
