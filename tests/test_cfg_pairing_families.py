@@ -2,7 +2,8 @@
 uncond): the registry's pairing rule for each family (``models/registry.py``) pairs the two calls over the
 two ranks, within 1e-5 (fp32) of plain Diffusers on one rank, the ranks bitwise equal, every pair of a step
 counted (the first step of a generic model runs whole: it shows the output's shape). Lucy Edit's Wan
-transformer pairs by the native Wan rule. One spawn (two gloo ranks) runs every check."""
+transformer pairs by the native Wan rule; Lumina 2 with truncated guidance (one call a step past
+``cfg_trunc_ratio``) does not pair. One spawn (two gloo ranks) runs every check."""
 
 from __future__ import annotations
 
@@ -20,21 +21,23 @@ import omni_accel
 STEPS = 2
 _IMAGE_CALL = {"guidance_scale": 5.0, "negative_prompt": "a dog", "max_sequence_length": 8}
 
-# builder, call arguments, pairs per pipeline call, native (the first step pairs too)
-CASES: tuple[tuple[Callable, Callable[[], dict], int, bool], ...] = (
-    (tiny.tiny_cogview4_pipeline, lambda: {"guidance_scale": 5.0, "negative_prompt": "a dog"}, STEPS, False),
-    (tiny.tiny_skyreels_v2_pipeline, tiny.video_call, STEPS, False),
+# builder, call arguments, paired calls in the first pipeline call (a generic model's first step runs whole)
+CASES: tuple[tuple[Callable, Callable[[], dict], int], ...] = (
+    (tiny.tiny_cogview4_pipeline, lambda: {"guidance_scale": 5.0, "negative_prompt": "a dog"}, STEPS - 1),
+    (tiny.tiny_skyreels_v2_pipeline, tiny.video_call, STEPS - 1),
     (
         tiny.tiny_longcat_image_pipeline,
         lambda: {"guidance_scale": 5.0, "negative_prompt": "a dog", "enable_prompt_rewrite": False},
-        STEPS,
-        False,
+        STEPS - 1,
     ),
-    (tiny.tiny_chroma_pipeline, lambda: dict(_IMAGE_CALL), STEPS, False),
-    (tiny.tiny_ovis_image_pipeline, lambda: dict(_IMAGE_CALL), STEPS, False),
-    (tiny.tiny_chronoedit_pipeline, tiny.chronoedit_call, STEPS, False),
-    (tiny.tiny_helios_pipeline, tiny.helios_call, 2 * STEPS, False),  # two chunks of latent frames
-    (tiny.tiny_lucy_edit_pipeline, tiny.lucy_edit_call, STEPS, True),
+    (tiny.tiny_chroma_pipeline, lambda: dict(_IMAGE_CALL), STEPS - 1),
+    (tiny.tiny_ovis_image_pipeline, lambda: dict(_IMAGE_CALL), STEPS - 1),
+    (tiny.tiny_chronoedit_pipeline, tiny.chronoedit_call, STEPS - 1),
+    (tiny.tiny_helios_pipeline, tiny.helios_call, 2 * STEPS - 1),  # two chunks of latent frames
+    (tiny.tiny_lucy_edit_pipeline, tiny.lucy_edit_call, STEPS),  # native Wan blocks: every step
+    (tiny.tiny_lumina2_pipeline, lambda: dict(_IMAGE_CALL), STEPS - 1),
+    # guidance truncated past half the steps (one call a step then): its calls run whole on both ranks
+    (tiny.tiny_lumina2_pipeline, lambda: {**_IMAGE_CALL, "cfg_trunc_ratio": 0.5}, 0),
 )
 
 
@@ -67,17 +70,17 @@ def _cfg2(pipe):
 
 
 def _paired_over_two_ranks() -> None:
-    for index, (build, call, pairs, native) in enumerate(CASES):
+    for index, (build, call, paired) in enumerate(CASES):
         name = build.__name__
         plain = _images(build(), **call())
         pipe = _cfg2(build())
         got = _images(pipe, **call())
         assert _rel(got, plain) <= 1e-5 and _same_on_every_rank(got), name
         cfg = omni_accel.describe(pipe).components[0].cfg
-        assert cfg.paired_calls == pairs - (not native), f"{name}: {cfg.describe()}"
+        assert cfg.paired_calls == paired, f"{name}: {cfg.describe()}"
         if index == 0:  # once the output's shape is known, every step pairs
             again = _images(pipe, **call())
-            assert cfg.paired_calls == 2 * pairs - 1 and torch.equal(again, got), f"{name}: {cfg.describe()}"
+            assert cfg.paired_calls == paired + STEPS and torch.equal(again, got), f"{name}: {cfg.describe()}"
         omni_accel.restore(pipe)
 
 

@@ -30,6 +30,8 @@ from diffusers import (
     LongCatImagePipeline,
     LongCatImageTransformer2DModel,
     LucyEditPipeline,
+    Lumina2Pipeline,
+    Lumina2Transformer2DModel,
     OvisImagePipeline,
     OvisImageTransformer2DModel,
     PixArtSigmaPipeline,
@@ -39,7 +41,7 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from PIL import Image
-from transformers import GlmConfig, GlmModel, Qwen3Model, T5EncoderModel
+from transformers import Gemma2Config, Gemma2Model, GlmConfig, GlmModel, Qwen3Model, T5EncoderModel
 
 from omni_accel.models.tiny_pipelines import (
     _TEXT_HEADS,
@@ -220,6 +222,45 @@ def tiny_pixart_sigma_pipeline(seed: int = 0) -> PixArtSigmaPipeline:
     pipe = PixArtSigmaPipeline(
         tokenizer=tokenizer, text_encoder=_t5_encoder(T5EncoderModel, tokenizer, _TEXT_HIDDEN, seed, "text_encoder"),
         vae=_image_vae(seed, 1.0, 0.0), transformer=model, scheduler=DPMSolverMultistepScheduler(),
+    )  # fmt: skip
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_lumina2_pipeline(seed: int = 0) -> Lumina2Pipeline:
+    """Lumina-Image 2.0 on a toy Gemma 2 text model (the T5 test tokenizer's ids: the pipeline only pads and
+    encodes with it); call it with a short ``max_sequence_length``."""
+    tokenizer = _t5_tokenizer()
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=_TEXT_HIDDEN,
+        intermediate_size=2 * _TEXT_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=_TEXT_HEADS,
+        num_key_value_heads=1,
+        head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with _seeded(seed, "text_encoder"):
+        text_encoder = Gemma2Model(config)
+    model = _transformer(
+        seed,
+        Lumina2Transformer2DModel,
+        sample_size=16,
+        patch_size=2,
+        in_channels=16,
+        hidden_size=_WIDTH,
+        num_layers=1,
+        num_refiner_layers=1,
+        num_attention_heads=_HEADS,
+        num_kv_heads=1,
+        multiple_of=16,
+        axes_dim_rope=(4, 6, 6),
+        axes_lens=(64, 64, 64),
+        cap_feat_dim=_TEXT_HIDDEN,
+    )
+    pipe = Lumina2Pipeline(
+        transformer=model, scheduler=FlowMatchEulerDiscreteScheduler(), vae=_image_vae(seed, 1.0, 0.0),
+        text_encoder=text_encoder, tokenizer=tokenizer,
     )  # fmt: skip
     return _finish(pipe, torch.float32, "cpu")
 

@@ -75,6 +75,12 @@ def _cfg_pairs_per_step(arguments: dict[str, Any]) -> Pairing:
     return _import("omni_accel.parallel.cfg:guided_per_step")(arguments["self"])
 
 
+def _lumina2_cfg_pairs(arguments: dict[str, Any]) -> Pairing:
+    """Lumina-Image 2.0 pairs as :func:`_cfg_pairs_per_step` says while it guides every step: past
+    ``cfg_trunc_ratio`` of the steps it makes one call a step (a ratio under 1: its calls run whole)."""
+    return arguments.get("cfg_trunc_ratio", 1.0) >= 1 and _cfg_pairs_per_step(arguments)
+
+
 def _guidance_scale_above_one(arguments: dict[str, Any]) -> bool:
     """The Stable Diffusion 3 pipelines (text-to-image, img2img, inpaint, ControlNet, PAG) batch both guidance
     branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``), as
@@ -165,6 +171,7 @@ _GENERIC_GUIDANCE: dict[str, dict[str, Callable[[dict[str, Any]], Pairing]]] = {
     "ChronoEditTransformer3DModel": {"cfg_pairing": _cfg_pairs_per_step},
     "HeliosTransformer3DModel": {"cfg_pairing": _cfg_pairs_per_step},
     "OvisImageTransformer2DModel": {"cfg_pairing": _guidance_scale_above_one},
+    "Lumina2Transformer2DModel": {"cfg_pairing": _lumina2_cfg_pairs},
     "PixArtTransformer2DModel": {"batched_guidance": _guidance_scale_above_one},
 }
 
