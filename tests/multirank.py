@@ -109,3 +109,15 @@ def run_multirank(
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise AssertionError(f"ranks exited with codes {bad}")
+
+
+def run_checks(rank: int, world: int, checks) -> None:
+    """A rank's body that runs every check of ``checks`` (functions of no arguments) and raises once with
+    the traceback of each that failed: one launch serves many checks, and one failure hides none."""
+    failures = []
+    for check in checks:
+        try:
+            check()
+        except Exception:
+            failures.append(f"{check.__name__}:\n{traceback.format_exc()}")
+    assert not failures, "\n".join(failures)

@@ -7,14 +7,13 @@ transformer pairs by the native Wan rule; Lumina 2 with truncated guidance (one 
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 
 import pytest
 import tiny_guided_pipelines as tiny
 import torch
 import torch.distributed as dist
-from multirank import run_multirank
+from multirank import run_checks, run_multirank
 
 import omni_accel
 
@@ -124,16 +123,6 @@ def _auto_picks_cfg() -> None:
 CHECKS = (_paired_over_two_ranks, _guidance_off_midway, _auto_picks_cfg)
 
 
-def _every_check(rank: int, world: int) -> None:
-    failures = []
-    for check in CHECKS:
-        try:
-            check()
-        except Exception:
-            failures.append(f"{check.__name__}:\n{traceback.format_exc()}")
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.multirank
 def test_two_call_guidance_pairs_over_cfg_ranks():
-    run_multirank(_every_check, 2, timeout=600)
+    run_multirank(run_checks, 2, CHECKS, timeout=600)

@@ -6,12 +6,11 @@ Diffusers ``_cp_plan`` and builds tiny runs split by that plan through our excha
 from __future__ import annotations
 
 import re
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_multirank
+from multirank import run_checks, run_multirank
 from tiny_transformers import (
     OVERRIDES,
     Holder,
@@ -573,19 +572,9 @@ CHECKS = (
 )
 
 
-def _every_check(rank: int, world: int) -> None:
-    failures = []
-    for check in CHECKS:
-        try:
-            check()
-        except Exception:
-            failures.append(f"{check.__name__}:\n{traceback.format_exc()}")
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.multirank
 def test_generic_tier_splits_every_cp_plan_family_exactly():
-    run_multirank(_every_check, 2, timeout=600)
+    run_multirank(run_checks, 2, CHECKS, timeout=600)
 
 
 def _hybrid(rank: int, world: int) -> None:
