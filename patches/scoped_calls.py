@@ -9,7 +9,11 @@ went through the accelerated one's attention providers. The patched ``__call__``
 attribute ``_omni_accel_scopes`` (``forward_hooks.add_scope``), which only accelerated modules have, and
 enters them in a ``try``/``finally``; a module without it runs the original ``__call__`` unchanged.
 Nothing is entered while Dynamo traces (a context variable cannot be entered there; see
-``attention_roles.py`` for what a trace is told).
+``attention_roles.py`` for what a trace is told). So that a ``torch.compile(module)`` wrapper still runs
+the module in its scopes, Dynamo skips the patched ``__call__``'s own frame where the wrapper starts (its
+first frame): the scopes are entered eagerly, and the frames below it are compiled, as Dynamo does for
+``Module.__call__`` itself. Called inside a larger compiled function, the patched ``__call__`` is traced
+as any code is (no graph break; its scopes are then not entered).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._dynamo.eval_frame import skip_code
 
 from . import is_ours, ours
 
@@ -47,6 +52,7 @@ def apply(cls: type) -> None:
             for leave, token in reversed(entered):
                 leave(token)
 
+    skip_code(__call__.__code__)  # as a first frame only; traced when called in one
     setattr(cls, _ORIGINAL, cls.__dict__.get("__call__"))  # None: inherited
     cls.__call__ = ours(__call__, inherited)
 

@@ -182,11 +182,45 @@ def test_describe_reads_a_torch_compile_wrapper_of_the_transformer_as_the_module
         plain.transformer._orig_mod.transformer_blocks[0]
     )
 
-    sd3 = omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), native=False)
-    sd3.transformer = torch.compile(sd3.transformer, backend="eager")
-    report = omni_accel.describe(sd3).components[0]
-    assert report.mode == "routed", report
-    assert "traces its whole call outside the accelerated forward" in str(report)
+
+def test_a_torch_compile_wrapper_of_a_model_without_native_blocks_runs_our_providers():
+    """pipe.transformer = torch.compile(pipe.transformer) (fullgraph or not) on a routed or generic model:
+    Dynamo traced the module's whole call from its first frame, where the accelerated forward's scopes were
+    not entered, so every attention call ran Diffusers' function and describe said so. The scopes are now
+    entered around the compiled frames: our providers serve the calls, in one graph, and the images are plain
+    Diffusers'. Called from inside a larger compiled function, the model is traced in, with no graph break."""
+    from torch._dynamo.utils import counters
+
+    want = _latents(omni_accel.tiny_sd3_pipeline(seed=0))
+    for fullgraph, options in (
+        (False, {"native": False}),
+        (True, {"native": False, "compile": {"backend": "eager"}}),
+    ):
+        torch._dynamo.reset()
+        counters.clear()
+        pipe = omni_accel.accelerate(omni_accel.tiny_sd3_pipeline(seed=0), **options)
+        pipe.transformer = torch.compile(pipe.transformer, backend="eager", fullgraph=fullgraph)
+        assert torch.equal(_latents(pipe), want)
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+        report = str(omni_accel.describe(pipe))
+        assert "attention resolved: sd3.joint" in report, report
+        if "compile" in options:
+            assert "compiles the module's whole call, our attention providers inside it" in str(report), (
+                report
+            )
+        else:
+            assert "torch.compile" not in str(report), report
+
+    captured = {}
+    transformer = pipe.transformer._orig_mod
+    hook = transformer.register_forward_pre_hook(lambda m, a, k: captured.update(k), with_kwargs=True)
+    _latents(pipe)
+    hook.remove()
+    torch._dynamo.reset()
+    counters.clear()
+    outer = torch.compile(lambda **kw: transformer(**kw)[0] * 2, backend="eager", fullgraph=True)
+    assert torch.equal(outer(**captured), transformer(**captured)[0] * 2)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters)
 
 
 def test_describe_counts_blocks_a_torch_compile_wrapper_took_the_place_of():

@@ -401,7 +401,8 @@ def describe(pipe: Pipeline) -> AccelerationReport:
             )
         set_up = held is not None and setup_of(uncompiled(held.original)) is not None
         native = isinstance(report.runtime, NativeRuntime)
-        compiled = users_compile(getattr(pipe, component.name), native) if set_up else None
+        compiles_blocks = getattr(report.runtime, "compiler", None) is not None
+        compiled = users_compile(getattr(pipe, component.name), native, compiles_blocks) if set_up else None
         if compiled is not None:
             report = dataclasses.replace(report, not_accelerated=[*report.not_accelerated, compiled])
         if held is not None:  # read now: enable_cache() and disable_cache() come before or after accelerate

@@ -73,13 +73,17 @@ def holder_lines(pipe: Pipeline, state: State, runtime: NativeRuntime) -> list[s
     return lines
 
 
-def users_compile(module: nn.Module, native: bool) -> str | None:
+def users_compile(module: nn.Module, native: bool, compiles_blocks: bool) -> str | None:
     """What a user's own compile (``compile_repeated_blocks()``, ``Module.compile()``, or a ``torch.compile``
     wrapper put in the module's or a block's place), made before or after ``accelerate``, does to the native
-    blocks it covers (``native``) or, for another tier, what a wrapper of the module does (None: nothing)."""
+    blocks it covers (``native``) or, for another tier, to the blocks it compiles itself (``compiles_blocks``;
+    None: nothing to say)."""
     inner = uncompiled(module)
-    if not native:  # compiled in place, the module's own call enters its scopes; a wrapper traces that call
-        return None if inner is module else _wrapper_note(inner)
+    if (
+        not native
+    ):  # the module's call enters its scopes, compiled in place or by a wrapper: providers serve it
+        compiled_whole = inner is not module or module.__dict__.get("_compiled_call_impl") is not None
+        return _whole_call_note(inner, module) if compiled_whole and compiles_blocks else None
     blocks = [m for m in inner.modules() if isinstance(m, NativeBlock)]
     if inner is not module:
         where = (
@@ -106,15 +110,15 @@ def users_compile(module: nn.Module, native: bool) -> str | None:
     )
 
 
-def _wrapper_note(module: nn.Module) -> str:
-    """A ``torch.compile(module)`` wrapper put in the pipeline: Dynamo traces the module's whole call, where
-    the accelerated forward's scopes are not entered (``patches/scoped_calls.py``), so no provider serves its
-    attention in the compiled code."""
+def _whole_call_note(inner: nn.Module, module: nn.Module) -> str:
+    """The user compiles the whole call of a module whose repeated blocks we compile: their trace holds the
+    blocks, so our compiled code (and its CUDA graphs) steps aside; our providers still serve the attention
+    inside it (``patches/scoped_calls.py``)."""
+    name = type(inner).__name__
+    where = f"torch.compile({name}) put in the pipeline" if inner is not module else f"{name}.compile()"
     return (
-        f"a torch.compile of the user's own: torch.compile({type(module).__name__}) put in the pipeline traces "
-        "its whole call outside the accelerated forward, so its attention runs Diffusers' functions, not our "
-        "providers (the lines above count the calls our providers served only). Put the module itself back "
-        "and compile it in place (Module.compile()), or pass compile=True"
+        f"a torch.compile of the user's own: {where} compiles the module's whole call, our attention providers "
+        "inside it; our compiled blocks and CUDA graphs step aside for it. Drop that compile to run them"
     )
 
 

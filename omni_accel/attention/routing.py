@@ -114,16 +114,16 @@ def route(
 
 def _refuse_split_outside_forward(role: str) -> None:
     """Raises where a routed call runs in a split forward (its tokens split over the ranks) with no accelerated
-    forward's selector in scope: the model's call was traced whole by a ``torch.compile(module)`` wrapper put
-    in the pipeline, where its scopes are not entered, and Diffusers' function would attend over this rank's
-    tokens only (silently wrong)."""
+    forward's selector in scope: the model's call was traced inside a larger compiled function or module,
+    where its scopes are not entered (``patches/scoped_calls.py``), and Diffusers' function would attend over
+    this rank's tokens only (silently wrong)."""
     if split_forward() is not None:
         raise RuntimeError(
-            f"Attention role {role!r} runs split over the ranks outside the accelerated forward: a "
-            "torch.compile(module) wrapper put in the pipeline traces the module's whole call, where the "
+            f"Attention role {role!r} runs split over the ranks outside the accelerated forward: the model's call "
+            "was traced inside a larger torch.compile (a compiled function or module that calls it), where the "
             "accelerated forward's scopes are not entered, and Diffusers' attention would see this rank's "
-            "tokens only. Put the module itself back and compile it in place (pipe.transformer = "
-            "pipe.transformer._orig_mod; pipe.transformer.compile()), or pass compile=True to accelerate."
+            "tokens only. Compile the model itself instead (pipe.transformer = torch.compile(pipe.transformer), "
+            "or pipe.transformer.compile()), or pass compile=True to accelerate."
         )
 
 

@@ -147,6 +147,9 @@ class RegionForward(InstanceForward):
         super().__init__(block)
         self.name = name
         self.runtime = runtime
+        # Read again at each eager call; what a trace calls: Diffusers marks many block classes
+        # allow_in_graph, and Dynamo cannot read a method off such a class (fullgraph=True failed).
+        self.class_forward = type(block).forward
 
     @property
     def block(self) -> nn.Module:
@@ -162,12 +165,14 @@ class RegionForward(InstanceForward):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block, runtime = self.block, self.runtime
-        forward = type(block).forward
         if self.inner is not None:
             runtime.note_eager("a hook wrapped the block's forward before accelerate")
             return self.inner(*args, **kwargs)
-        if not self.enabled or runtime.compiler is None or torch.compiler.is_dynamo_compiling():
-            return forward(block, *args, **kwargs)  # a compiler tracing us traces the block's forward
+        if torch.compiler.is_dynamo_compiling():  # a compiler tracing us traces the block's forward
+            return self.class_forward(block, *args, **kwargs)
+        self.class_forward = forward = type(block).forward
+        if not self.enabled or runtime.compiler is None:
+            return forward(block, *args, **kwargs)
         reason = runtime.eager_reason(block, args, kwargs)
         if reason is not None:
             runtime.note_eager(reason)
