@@ -186,10 +186,51 @@ def test_patch_outside_its_checked_versions_is_refused(monkeypatch):
 @pytest.mark.parametrize("builder", ["tiny_flux_pipeline", "tiny_wan_pipeline"])
 def test_unknown_role_lists_the_roles_of_the_pipeline(builder):
     pipe = getattr(omni_accel, builder)(seed=0)
-    with pytest.raises(ValueError, match=r"per_role names \['flux.jiont'\].*its roles are \["):
+    with pytest.raises(
+        ValueError,
+        match=r"per_role names \['flux.jiont'\], which no transformer of .*Its attention sites: pipe.transformer "
+        r"\(\w+\): roles \[.*Use one of those roles or categories .* or leave the key out",
+    ):
         omni_accel.accelerate(pipe, attention={"per_role": {"flux.jiont": "sdpa_math"}})
     with pytest.raises(ValueError, match="not accelerated"):
         omni_accel.describe(pipe)
+
+
+def test_a_role_of_another_component_is_taken():
+    """One attention config serves every component: a role that only pipe.transformer_2 has was refused as
+    unknown to pipe.transformer; it applies to the component that has it, and leaves the other alone."""
+    from conftest import random_wan_transformer
+
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    pipe.transformer_2 = random_wan_transformer()
+    omni_accel.accelerate(pipe, attention={"per_role": {"wan.cross": "sdpa_math"}})
+    report = omni_accel.describe(pipe)
+    rows = {c.name: {row[0]: row[2] for row in c.planned_attention} for c in report.components}
+    assert rows["transformer_2"]["wan.cross"] == "sdpa_math"
+    assert set(rows["transformer"].values()) == {"sdpa"}
+    omni_accel.restore(pipe)
+    with pytest.raises(ValueError, match=r"per_role names \['wan.crosss'\].*pipe.transformer_2 \(Wan"):
+        omni_accel.accelerate(pipe, attention={"per_role": {"wan.crosss": "sdpa_math"}})
+    _untouched(pipe)
+
+
+def test_an_attention_scope_naming_no_role_of_any_model_is_refused_at_its_first_call(pipe):
+    """attention_scope(per_role=...) with a misspelt role changed nothing, silently."""
+    omni_accel.accelerate(pipe)
+    call = dict(prompt="a", height=16, width=16, num_inference_steps=1, output_type="latent")
+    with (
+        pytest.raises(
+            ValueError,
+            match=r"attention_scope's per_role names \['flux.jiont'\], which no accel.*"
+            r"pipe.transformer \(FluxTransformer2DModel\): roles \['flux.joint', 'flux.single'\]",
+        ),
+        omni_accel.attention_scope(per_role={"flux.jiont": "sdpa_math"}),
+    ):
+        pipe(**call)
+    with omni_accel.attention_scope(per_role={"flux.joint": "sdpa_math", "cross": "sdpa"}):
+        pipe(**call)
+    decisions = {row[0]: row[2] for row in omni_accel.describe(pipe).components[0].selector.decisions()}
+    assert decisions == {"flux.joint": "sdpa_math", "flux.single": "sdpa"}
 
 
 def test_routed_model_checks_an_explicit_provider_at_accelerate():

@@ -23,7 +23,7 @@ from ..report import AccelerationReport, ComponentReport, step_cache_note
 from ..utils import triton_builds
 from ..utils.logging import get_logger
 from .commit import commit_component, scope_holders
-from .placement import native_sites, placement_of, resolve_rows
+from .placement import check_roles, native_sites, placement_of, resolve_rows
 from .plan import plan_component
 from .reports import (
     borrowed_state,
@@ -216,6 +216,8 @@ def _plan_and_commit(
             if first is None
             else held_twice(name, first)
         )
+    selectors = [c.report.selector for c in components if c.report.selector is not None]
+    check_roles(pipe, config.attention, selectors)
     distributed = parallel is not None and parallel.mesh is not None
     vae_coders, others = plan_vae(pipe, config, distributed)
     if auto_reason is not None:

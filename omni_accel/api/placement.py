@@ -13,7 +13,14 @@ from diffusers.models.modeling_utils import get_parameter_dtype
 from torch import nn
 
 from ..attention.base import AttentionProviderError, AttentionRequest
-from ..attention.selection import AttentionSelector, resolve
+from ..attention.selection import (
+    CATEGORIES,
+    AttentionConfig,
+    AttentionSelector,
+    resolve,
+    sites_listing,
+    unknown_roles,
+)
 from ..models.registry import ModelSpec
 from ..utils.logging import get_logger
 
@@ -48,19 +55,13 @@ def routed_sites(module: nn.Module, spec: ModelSpec) -> list[tuple[str, str, int
 
 
 def check_attention(name: str, module: nn.Module, sites, selector: AttentionSelector) -> None:
-    """Every ``per_role`` key names a role or category of this model, and every explicit choice can serve
-    the model's compute dtype, device and head size, and the log-sum-exp where a ring layout merges with it:
-    both fail at accelerate, not at the first call (the second waits for the first call where the dtype or
-    device is not known before it)."""
-    # The generic categories are valid everywhere: one config may serve pipelines with and without them.
-    known = {site[0] for site in sites} | {site[1] for site in sites} | {"self", "cross"}
-    unknown = sorted(set(selector.config.per_role) - known)
-    if unknown:
-        raise ValueError(
-            f"AttentionConfig.per_role names {unknown}, which pipe.{name} ({type(module).__name__}) does not "
-            f"have; its roles are {sorted({site[0] for site in sites})} and categories "
-            f"{sorted({site[1] for site in sites})}."
-        )
+    """Records the model's roles on ``selector`` (``check_roles`` checks the ``per_role`` keys against those
+    of every component) and checks that every explicit choice can serve the model's compute dtype, device and
+    head size, and the log-sum-exp where a ring layout merges with it: at accelerate, not at the first call
+    (which it waits for where the dtype or device is not known before it)."""
+    selector.know_sites(
+        f"pipe.{name} ({type(module).__name__})", (site[0] for site in sites), (site[1] for site in sites)
+    )
     placement = placement_of(module)
     try:
         resolve_rows([site for site in sites if site[2] is not None], placement, selector, strict=True)
@@ -74,6 +75,19 @@ def check_attention(name: str, module: nn.Module, sites, selector: AttentionSele
         ) from None
     if placement.unknown is not None:
         logger.info("pipe.%s: attention providers are checked at the first call: %s", name, placement.unknown)
+
+
+def check_roles(pipe: object, config: AttentionConfig, selectors: list[AttentionSelector]) -> None:
+    """Every ``per_role`` key names a role or category of an attention site of the pipeline's components
+    (``selectors``: theirs): a typo would otherwise change nothing. A role of any component is valid, as
+    one config serves them all; a component without that role is not affected by it."""
+    unknown = unknown_roles(config.per_role, selectors)
+    if unknown:
+        raise ValueError(
+            f"AttentionConfig.per_role names {unknown}, which no transformer of {type(pipe).__name__} has, so "
+            f"it would change nothing. Its attention sites: {sites_listing(selectors)}. Use one of those roles "
+            f"or categories (the categories {sorted(CATEGORIES)} fit every model), or leave the key out."
+        )
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -233,11 +234,24 @@ def _resolve_diffusers(choice: str, role: str, request: AttentionRequest) -> Res
     return Resolution(provider, chosen, remedy=diffusers_backend.how_to_change(choice))
 
 
-class AttentionSelector:
-    """Resolves and remembers the provider of each (role, request); one per accelerated model."""
+# The categories every model may be given choices for: one config may serve pipelines with and without them.
+CATEGORIES = frozenset({"self", "cross"})
 
-    def __init__(self, config: AttentionConfig | None = None) -> None:
+
+class AttentionSelector:
+    """Resolves and remembers the provider of each (role, request); one per accelerated model.
+    ``sites``: the model's name and the role and category names of its attention sites, once known
+    (``know_sites``): what a ``per_role`` key must name."""
+
+    def __init__(
+        self,
+        config: AttentionConfig | None = None,
+        sites: tuple[str, frozenset[str], frozenset[str]] | None = None,
+    ) -> None:
         self.config = config or AttentionConfig()
+        self.sites: tuple[str, frozenset[str], frozenset[str]] | None = None
+        if sites is not None:
+            self.know_sites(*sites)
         self._cache: dict[tuple, Resolution] = {}
         # The ids of the cached resolutions that served a call (one whose kernel refused every call did not).
         self._served: set[int] = set()
@@ -246,8 +260,14 @@ class AttentionSelector:
         self.served_without_mask: dict[str, int] = {}  # role -> calls whose key-padding mask was dropped
 
     def __reduce__(self):
-        # Unpickled, a selector is a new one with the same config (its decisions are per process).
-        return AttentionSelector, (self.config,)
+        # Unpickled, a selector is a new one with the same config and sites (its decisions are per process).
+        return AttentionSelector, (self.config, self.sites)
+
+    def know_sites(self, model: str, roles: Iterable[str], categories: Iterable[str]) -> None:
+        """Records the roles and categories of ``model``'s attention sites, against which the ``per_role``
+        keys of an ``attention_scope`` are checked at its first call inside one."""
+        self.sites = (model, frozenset(roles), frozenset(categories))
+        _WITH_SITES.add(self)
 
     def resolve(self, role: str, category: str, request: AttentionRequest) -> Resolution:
         """The provider for ``request`` (cached per config, Diffusers' choice, role and request), for a
@@ -264,6 +284,8 @@ class AttentionSelector:
         key = (config, role, category, request, choice, kernel_builds.generation())
         found = self._cache.get(key)
         if found is None:
+            if config is not self.config and self.sites is not None:
+                _check_scope_roles(config)
             found = self._cache[key] = resolve(config, role, category, request, choice)
             log = logger.warning if "skipped" in found.reason else logger.debug
             log("attention %s [%s] -> %s (%s)", role, request.describe(), found.name, found.reason)
@@ -361,6 +383,43 @@ class AttentionSelector:
             reason = found.reason if config == self.config else f"attention_scope: {found.reason}"
             rows.add((role, request.describe(), found.name, reason))
         return sorted(rows)
+
+
+# The selectors of the accelerated models alive (those whose sites are known): an ``attention_scope`` covers
+# every one called inside it, so its ``per_role`` keys may name the roles of any of them.
+_WITH_SITES: weakref.WeakSet[AttentionSelector] = weakref.WeakSet()
+
+
+def unknown_roles(per_role: Iterable[str], selectors: Iterable[AttentionSelector]) -> list[str]:
+    """The keys of ``per_role`` that name no role or category of the sites of ``selectors``' models."""
+    known = set(CATEGORIES)
+    for selector in selectors:
+        if selector.sites is not None:
+            known |= selector.sites[1] | selector.sites[2]
+    return sorted(set(per_role) - known)
+
+
+def sites_listing(selectors: Iterable[AttentionSelector]) -> str:
+    """``model: roles [...], categories [...]`` for each distinct model of ``selectors``, for an error."""
+    rows = {
+        f"{model}: roles {sorted(roles)}, categories {sorted(categories)}"
+        for model, roles, categories in (s.sites for s in selectors if s.sites is not None)
+    }
+    return "; ".join(sorted(rows)) or "none (no attention site of the pipeline runs through omni_accel)"
+
+
+def _check_scope_roles(config: AttentionConfig) -> None:
+    """An ``attention_scope`` whose ``per_role`` names a role no accelerated model has (a typo) would change
+    nothing: raised at its first call inside the block, before any attention runs under it."""
+    selectors = list(_WITH_SITES)
+    unknown = unknown_roles(config.per_role, selectors)
+    if unknown:
+        raise ValueError(
+            f"attention_scope's per_role names {unknown}, which no accelerated model has, so it would change "
+            f"nothing. The accelerated models' attention sites: {sites_listing(selectors)}. Use one of those "
+            f"roles or categories (the categories {sorted(CATEGORIES)} fit every model; describe(pipe) shows the "
+            "role of each site), or leave the key out."
+        )
 
 
 _DEFAULT_SELECTOR = AttentionSelector()
