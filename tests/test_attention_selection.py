@@ -143,6 +143,22 @@ def test_scope_of_a_provider_name_says_where_it_goes():
     assert current_scope() is None
 
 
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"default": ""}, "Unknown attention provider ''"),
+        ({"per_role": []}, "per_role must map role or category names"),
+        ({"per_role": ""}, "per_role must map role or category names"),
+    ],
+)
+def test_scope_checks_falsy_options_as_given(options, error):
+    """attention_scope(default="") ran "auto" and per_role=[] nothing, silently: a falsy value was taken for
+    an option not given."""
+    with pytest.raises((TypeError, ValueError), match=error):
+        attention_scope(**options).__enter__()
+    assert current_scope() is None
+
+
 def test_scope_is_restored_after_an_exception():
     selector = AttentionSelector()
     with pytest.raises(RuntimeError), attention_scope(default="sdpa_math"):

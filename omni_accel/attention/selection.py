@@ -126,8 +126,10 @@ def attention_scope(
     per_role: Mapping[str, str] | None = None,
 ) -> Iterator[AttentionConfig]:
     """Overrides the attention choice of every accelerated model called inside the block."""
-    if config is None:
-        config = AttentionConfig(default=default or "auto", per_role=per_role or {})
+    if config is None:  # a falsy wrong value ("", []) is checked too, not taken for "not given"
+        config = AttentionConfig(
+            default="auto" if default is None else default, per_role={} if per_role is None else per_role
+        )
     elif default is not None or per_role is not None:
         raise TypeError("attention_scope takes either a config or default/per_role, not both.")
     elif not isinstance(config, AttentionConfig):  # checked here: every call in the block would fail on it
