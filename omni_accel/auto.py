@@ -92,14 +92,15 @@ _YES, _NO = ("1", "true", "yes"), ("0", "false", "no")
 
 def options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """``accelerate`` options from ``OMNI_ACCEL_ATTENTION``, ``OMNI_ACCEL_COMPILE`` and
-    ``OMNI_ACCEL_CUDA_GRAPHS`` (1/0; unset: auto), ``OMNI_ACCEL_PARALLEL`` ("tp=2,ulysses=1,..."),
+    ``OMNI_ACCEL_CUDA_GRAPHS`` (1: on, 0: off; unset: auto), ``OMNI_ACCEL_PARALLEL`` ("tp=2,ulysses=1,..."),
     ``OMNI_ACCEL_PROJECTION_CACHE_BYTES``, ``OMNI_ACCEL_QUANTIZE`` ("fp8": lossy, opt-in)."""
     env = os.environ if environ is None else environ
     options: dict[str, Any] = {}
     if env.get("OMNI_ACCEL_ATTENTION"):
         options["attention"] = env["OMNI_ACCEL_ATTENTION"]
-    if _switch(env, "OMNI_ACCEL_COMPILE"):  # 0: the automatic choice, as when unset
-        options["compile"] = True
+    compiled = _switch(env, "OMNI_ACCEL_COMPILE")  # 0: never (the automatic choice compiles the generic tier)
+    if compiled is not None:
+        options["compile"] = compiled
     graphs = _switch(env, "OMNI_ACCEL_CUDA_GRAPHS")
     if graphs is not None:
         options["cuda_graphs"] = graphs

@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omni-accel run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--attention", choices=["auto", *provider_names()])
-    parser.add_argument("--compile", action="store_true", help="compile the repeated blocks")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="compile the repeated blocks (default: the generic tier's on CUDA)",
+    )
     parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
@@ -51,8 +55,8 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     options = auto.options_from_env()
     if args.attention:
         options["attention"] = args.attention
-    if args.compile:
-        options["compile"] = True
+    if args.compile is not None:
+        options["compile"] = args.compile
     if args.cuda_graphs is not None:
         options["cuda_graphs"] = args.cuda_graphs
     if args.projection_cache_bytes is not None:

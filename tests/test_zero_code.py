@@ -197,6 +197,20 @@ def test_options_from_the_environment():
     assert options_from_args(args)["quantize"] == "fp8"
 
 
+def test_compile_turned_off_from_the_environment_or_the_command_line(monkeypatch):
+    """OMNI_ACCEL_COMPILE=0 gave the automatic choice (the generic tier compiles on CUDA), the same as unset,
+    and `omni-accel run` had no way to turn the compile off."""
+    from omni_accel.run import build_parser, options_from_args
+
+    assert options_from_env({"OMNI_ACCEL_COMPILE": "0"}) == {"compile": False}
+    assert options_from_env({"OMNI_ACCEL_COMPILE": ""}) == {}
+    monkeypatch.setenv("OMNI_ACCEL_COMPILE", "1")
+    assert options_from_args(build_parser().parse_args(["--no-compile", "x.py"]))["compile"] is False
+    monkeypatch.setenv("OMNI_ACCEL_COMPILE", "0")
+    assert options_from_args(build_parser().parse_args(["--compile", "x.py"]))["compile"] is True
+    assert options_from_args(build_parser().parse_args(["x.py"]))["compile"] is False
+
+
 def test_a_parallel_degree_of_zero_is_refused_not_dropped():
     """``--tp 0`` ran the script without a layout, as if no degree were given."""
     from omni_accel.run import build_parser, options_from_args
