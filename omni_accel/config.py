@@ -154,7 +154,13 @@ def _attention_config(value: Any) -> AttentionConfig:
 
 def _check_compile_arguments(arguments: Mapping[str, Any]) -> None:
     """Raises at ``accelerate`` what ``torch.compile`` would raise at the first call for ``arguments`` (an
-    unknown keyword, mode, backend or inductor option): making the wrapper checks them and compiles nothing."""
+    unknown keyword, mode, backend or inductor option): making the wrapper checks them and compiles nothing.
+    ``disable=True`` is refused too: it compiles nothing, where the report would say the blocks compiled."""
+    if arguments.get("disable"):
+        raise ValueError(
+            f"compile={dict(arguments)!r} asks to compile with torch.compile's disable=True, which compiles "
+            "nothing; pass compile=False to run the blocks uncompiled, or leave disable out."
+        )
     try:
         torch.compile(_identity, **arguments)
     except Exception as exc:

@@ -78,6 +78,15 @@ def test_compile_arguments_torch_compile_refuses_are_named_at_accelerate(pipe, a
     _untouched(pipe)
 
 
+def test_compile_arguments_that_disable_the_compile_are_refused(pipe):
+    """compile={"disable": True} compiled nothing while describe said the blocks were compiled."""
+    with pytest.raises(ValueError, match=r"disable=True, which compiles nothing; pass compile=False"):
+        omni_accel.accelerate(pipe, compile={"disable": True})
+    _untouched(pipe)
+    omni_accel.accelerate(pipe, compile={"disable": False, "dynamic": False})
+    assert "repeated blocks compiled" in str(omni_accel.describe(pipe))
+
+
 def test_background_compile_with_compile_off_is_refused(pipe):
     with pytest.raises(ValueError, match="compile_in_background=True asks for a compile that compile=False"):
         omni_accel.accelerate(pipe, compile=False, compile_in_background=True)
