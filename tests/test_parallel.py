@@ -1294,6 +1294,13 @@ def test_parallel_config_errors():
         with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds > 0, got"):
             ParallelConfig(timeout_s=timeout)
     assert ParallelConfig(timeout_s=30).timeout_s == 30
+    # batch_guidance=False where no guidance calls are stacked anyway changed nothing, silently
+    for degrees in ({"cfg": 2}, {"cfg": 2, "ulysses": 2}, {}):
+        with pytest.raises(
+            ValueError, match="batch_guidance=False turns off the stacking .* leave batch_guid"
+        ):
+            ParallelConfig(batch_guidance=False, **degrees)
+    assert not ParallelConfig(tp=2, batch_guidance=False).stacks_guidance
 
 
 def test_parallel_without_torchrun_says_how_to_launch(monkeypatch):

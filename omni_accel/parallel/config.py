@@ -85,6 +85,12 @@ class ParallelConfig:
             )
         if not isinstance(self.tuning, LayoutTuning):
             raise ValueError(f"ParallelConfig.tuning must be a LayoutTuning, got {self.tuning!r}.")
+        if not self.batch_guidance and (self.cfg > 1 or self.tp * self.sequence_parallel == 1):
+            raise ValueError(
+                f"{self}: batch_guidance=False turns off the stacking of a step's two guidance calls that only a "
+                "layout with cfg=1 and tp, ulysses or ring above 1 does, so here it would change nothing; leave "
+                "batch_guidance out (with cfg=2 the two branches run on two ranks)."
+            )
 
     @property
     def world_size(self) -> int:
