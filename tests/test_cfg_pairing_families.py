@@ -120,7 +120,26 @@ def _auto_picks_cfg() -> None:
         omni_accel.restore(pipe)
 
 
-CHECKS = (_paired_over_two_ranks, _guidance_off_midway, _auto_picks_cfg)
+def _pag_calls_run_whole() -> None:
+    """Perturbed-attention guidance: its processors cut each call's batch into uncond, cond and perturbed
+    thirds, so half the batch on each rank would perturb the wrong samples; such calls run whole."""
+    from diffusers import StableDiffusion3PAGPipeline
+
+    from omni_accel.models.tiny_pipelines import tiny_sd3_pipeline
+
+    def build():
+        return StableDiffusion3PAGPipeline.from_pipe(tiny_sd3_pipeline(), pag_applied_layers=["blocks.1"])
+
+    call = {"guidance_scale": 5.0, "pag_scale": 3.0, "num_images_per_prompt": 2}
+    plain = _images(build(), **call)
+    pipe = _cfg2(build())
+    got = _images(pipe, **call)
+    assert _rel(got, plain) <= 1e-5 and _same_on_every_rank(got)
+    assert omni_accel.describe(pipe).components[0].cfg.replicated_calls == STEPS
+    omni_accel.restore(pipe)
+
+
+CHECKS = (_paired_over_two_ranks, _guidance_off_midway, _auto_picks_cfg, _pag_calls_run_whole)
 
 
 @pytest.mark.multirank

@@ -20,11 +20,13 @@ plain Diffusers and calls the compiled code when it runs the block.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from diffusers.models import attention_processor
 from torch import nn
 
 from ..attention.selection import AttentionSelector
@@ -228,9 +230,25 @@ def generic_parallel_plan(module: nn.Module, config: ParallelConfig, routed: boo
         sequence=sequence_plan(module, plan),
         tensor=tensor,
         tokens_over_tp=False,  # Diffusers' forward of the blocks: each TP rank holds its share's tokens
-        batched_inputs=batch_dim_arguments,
+        batched_inputs=functools.partial(_batch_of_samples, module),
         output_like=LearnedOutputs(),
     )
+
+
+# Diffusers' perturbed-attention guidance (PAG) processors: a PAG pipeline sets them for its call and stacks
+# [uncond,] cond and perturbed inputs in one batch, which they cut in thirds (halves) to treat each part apart
+_PAG_PROCESSORS = tuple(
+    cls for name, cls in vars(attention_processor).items() if name.startswith("PAG") and isinstance(cls, type)
+)
+
+
+def _batch_of_samples(module: nn.Module, arguments: dict[str, Any]) -> tuple[str, ...] | None:
+    """``batch_dim_arguments``, or None (no telling: the call runs whole on every rank, or its two branches
+    apart) while a PAG processor runs in ``module``: its batch is not one of samples, and a rank given half
+    of it would perturb the wrong part (or fail on a part missing)."""
+    if any(isinstance(getattr(m, "processor", None), _PAG_PROCESSORS) for m in module.modules()):
+        return None
+    return batch_dim_arguments(arguments)
 
 
 def batch_dim_arguments(arguments: dict[str, Any]) -> tuple[str, ...] | None:

@@ -84,8 +84,9 @@ def _lumina2_cfg_pairs(arguments: dict[str, Any]) -> Pairing:
 def _guidance_scale_above_one(arguments: dict[str, Any]) -> bool:
     """The Stable Diffusion 3 pipelines (text-to-image, img2img, inpaint, ControlNet, PAG) batch both guidance
     branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``), as
-    do PixArt-Alpha's and PixArt-Sigma's (and its PAG); Ovis-Image's calls the transformer twice per step
-    then, decided once per call."""
+    do PixArt-Alpha's and PixArt-Sigma's (and its PAG; a PAG call's batch, not one of samples, runs whole on
+    each rank: ``models.generic``); Ovis-Image's calls the transformer twice per step then, decided once per
+    call."""
     return arguments.get("guidance_scale", 7.0) > 1
 
 

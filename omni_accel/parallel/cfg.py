@@ -272,7 +272,7 @@ class GuidanceBranches(HoldsGroups):
         return (
             f"cfg parallel: {self.split_calls} batch-split calls, {self.paired_calls} paired cond/uncond "
             f"calls, {self.replicated_calls} calls computed on both ranks (a batch of one, a pair whose "
-            f"output shape was not known yet, or arguments whose batch dimension could not be told){ordered}"
+            f"output shape was not known yet, arguments whose batch dimension could not be told, or a PAG call, whose batch is not one of samples){ordered}"
         )
 
 
