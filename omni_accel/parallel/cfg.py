@@ -317,6 +317,7 @@ class SplitGuidance(LayoutHook):
         self.cfg, self.output_like, self.output_class = cfg, output_like, output_class
         self.block_lists = block_lists  # whose own hooks keep the branches apart
         self.context = StateManager(_NoState)
+        self.bare_output = False  # the module's forward returns a tensor, not a tuple, without return_dict
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bound_arguments(module, args, kwargs)
@@ -326,6 +327,10 @@ class SplitGuidance(LayoutHook):
 
         def forward(**call: Any) -> torch.Tensor:
             out = self.fn_ref.original_forward(**call, return_dict=False)
+            # Kandinsky 5's forward returns its sample bare, not in a tuple: taken whole, and given back so
+            self.bare_output = isinstance(out, torch.Tensor)
+            if self.bare_output:
+                return out
             if len(out) > 1:  # gathering only the first would drop the others silently
                 raise NotImplementedError(
                     f"{type(module).__name__} returns {len(out)} outputs (video and audio, say), and cfg "
@@ -340,7 +345,9 @@ class SplitGuidance(LayoutHook):
         learn = getattr(self.output_like, "learn", None)  # an output_like that learns shapes from calls
         if learn is not None and self.cfg.pairing:
             learn(arguments, sample)
-        return self.output_class(sample=sample) if return_dict else (sample,)
+        if return_dict:
+            return self.output_class(sample=sample)
+        return sample if self.bare_output else (sample,)
 
     def reset_state(self, module: nn.Module) -> nn.Module:
         return module
