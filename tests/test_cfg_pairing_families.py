@@ -35,6 +35,10 @@ CASES: tuple[tuple[Callable, Callable[[], dict], int], ...] = (
     (tiny.tiny_helios_pipeline, tiny.helios_call, 2 * STEPS - 1),  # two chunks of latent frames
     (tiny.tiny_lucy_edit_pipeline, tiny.lucy_edit_call, STEPS),  # native Wan blocks: every step
     (tiny.tiny_lumina2_pipeline, lambda: dict(_IMAGE_CALL), STEPS - 1),
+    (tiny.tiny_hunyuan_video_pipeline, tiny.hunyuan_video_call, STEPS - 1),
+    (tiny.tiny_kandinsky5_pipeline, tiny.kandinsky5_call, STEPS - 1),
+    (tiny.tiny_krea2_pipeline, tiny.krea2_call, STEPS - 1),
+    (tiny.tiny_nucleusmoe_image_pipeline, tiny.nucleusmoe_image_call, STEPS - 1),
     # guidance truncated past half the steps (one call a step then): its calls run whole on both ranks
     (tiny.tiny_lumina2_pipeline, lambda: {**_IMAGE_CALL, "cfg_trunc_ratio": 0.5}, 0),
 )
@@ -49,8 +53,7 @@ def _images(pipe, **call) -> torch.Tensor:
         "output_type": "pt",
         **call,
     }
-    out = pipe(**call, generator=torch.Generator().manual_seed(0))
-    return out.frames if hasattr(out, "frames") else out.images
+    return pipe(**call, generator=torch.Generator().manual_seed(0))[0]  # images, frames or latents
 
 
 def _same_on_every_rank(tensor: torch.Tensor) -> bool:

@@ -27,11 +27,19 @@ from diffusers import (
     HeliosPipeline,
     HeliosScheduler,
     HeliosTransformer3DModel,
+    HunyuanVideoPipeline,
+    HunyuanVideoTransformer3DModel,
+    Kandinsky5T2VPipeline,
+    Kandinsky5Transformer3DModel,
+    Krea2Pipeline,
+    Krea2Transformer2DModel,
     LongCatImagePipeline,
     LongCatImageTransformer2DModel,
     LucyEditPipeline,
     Lumina2Pipeline,
     Lumina2Transformer2DModel,
+    NucleusMoEImagePipeline,
+    NucleusMoEImageTransformer2DModel,
     OvisImagePipeline,
     OvisImageTransformer2DModel,
     PixArtSigmaPipeline,
@@ -287,3 +295,98 @@ def chronoedit_call(**extra: Any) -> dict[str, Any]:
 
 def lucy_edit_call() -> dict[str, Any]:
     return video_call(video=[_image(i) for i in range(5)])
+
+
+# Pipelines built without text encoders or VAE: called on prompt embeddings for latents (``embedded_call``).
+
+
+def _bare(pipeline_class: type, transformer: torch.nn.Module, **parts: Any) -> DiffusionPipeline:
+    """``pipeline_class`` holding only ``transformer`` and a scheduler (``parts`` names its other slots)."""
+    pipe = pipeline_class(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), **parts)
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_hunyuan_video_pipeline(seed: int = 0) -> HunyuanVideoPipeline:
+    model = _transformer(
+        seed, HunyuanVideoTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=_HEADS,
+        attention_head_dim=_HEAD_DIM, num_layers=1, num_single_layers=1, num_refiner_layers=1,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(4, 6, 6),
+    )  # fmt: skip
+    slots = dict(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    return _bare(HunyuanVideoPipeline, model, vae=None, **slots)
+
+
+def tiny_kandinsky5_pipeline(seed: int = 0) -> Kandinsky5T2VPipeline:
+    model = _transformer(
+        seed, Kandinsky5Transformer3DModel, in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16,
+        out_visual_dim=4, model_dim=_WIDTH, ff_dim=2 * _WIDTH, num_text_blocks=1, num_visual_blocks=1,
+        axes_dims=(4, 6, 6),
+    )  # fmt: skip
+    slots = dict(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    return _bare(Kandinsky5T2VPipeline, model, vae=None, **slots)
+
+
+def tiny_krea2_pipeline(seed: int = 0) -> Krea2Pipeline:
+    model = _transformer(
+        seed, Krea2Transformer2DModel, in_channels=16, num_layers=1, attention_head_dim=_HEAD_DIM,
+        num_attention_heads=_HEADS, num_key_value_heads=1, intermediate_size=_WIDTH, timestep_embed_dim=16,
+        text_hidden_dim=16, num_text_layers=2, text_num_attention_heads=2, text_num_key_value_heads=2,
+        text_intermediate_size=_WIDTH, num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
+        axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    return _bare(Krea2Pipeline, model, vae=None, text_encoder=None, tokenizer=None)
+
+
+def tiny_nucleusmoe_image_pipeline(seed: int = 0) -> NucleusMoEImagePipeline:
+    """NucleusMoE-Image with dense blocks only (two layers: its first three and last are dense)."""
+    model = _transformer(
+        seed, NucleusMoEImageTransformer2DModel, in_channels=64, out_channels=16, num_layers=2,
+        attention_head_dim=2 * _HEAD_DIM, num_attention_heads=_HEADS, joint_attention_dim=16,
+        axes_dims_rope=(8, 12, 12), mlp_ratio=3.0,
+    )  # fmt: skip
+    return _bare(NucleusMoEImagePipeline, model, vae=None, text_encoder=None, processor=None)
+
+
+def _embeddings(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _text(name: str, seed: int, *shape: int, mask: torch.dtype | None = torch.long) -> dict[str, Any]:
+    """``{name}``, and its ``negative_`` twin, of ``shape`` (with masks of ``mask``'s dtype)."""
+    call = {name: _embeddings(seed, *shape), f"negative_{name}": _embeddings(seed + 1, *shape)}
+    if mask is not None:
+        call |= {f"{name}_mask": torch.ones(shape[:2], dtype=mask)}
+        call |= {f"negative_{name}_mask": torch.ones(shape[:2], dtype=mask)}
+    return call
+
+
+def hunyuan_video_call() -> dict[str, Any]:
+    call = _text("prompt_embeds", 1, 1, 5, 16, mask=None) | _text("pooled_prompt_embeds", 3, 1, 8, mask=None)
+    masks = dict(prompt_attention_mask=torch.ones(1, 5, dtype=torch.long))
+    masks["negative_prompt_attention_mask"] = masks["prompt_attention_mask"]
+    return {"prompt": None, **call, **masks, "true_cfg_scale": 4.0, "num_frames": 5, "output_type": "latent"}
+
+
+def kandinsky5_call() -> dict[str, Any]:
+    call = _text("prompt_embeds_qwen", 1, 5, 16, mask=None) | _text("prompt_embeds_clip", 3, 1, 8, mask=None)
+    lengths = dict(prompt_cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+    lengths["negative_prompt_cu_seqlens"] = lengths["prompt_cu_seqlens"]
+    return {
+        "prompt": None,
+        **call,
+        **lengths,
+        "guidance_scale": 3.5,
+        "num_frames": 5,
+        "output_type": "latent",
+    }
+
+
+def krea2_call() -> dict[str, Any]:
+    """Krea 2's embeddings hold several text layers each ([batch, tokens, layers, width])."""
+    call = _text("prompt_embeds", 1, 1, 5, 2, 16, mask=torch.bool)
+    return {"prompt": None, **call, "guidance_scale": 4.5, "output_type": "latent"}
+
+
+def nucleusmoe_image_call() -> dict[str, Any]:
+    call = _text("prompt_embeds", 1, 1, 5, 16)
+    return {"prompt": None, **call, "guidance_scale": 4.0, "output_type": "latent"}

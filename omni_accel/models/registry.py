@@ -7,6 +7,7 @@ Diffusers' ``dispatch_attention_fn`` or (the classic processors) ``F.scaled_dot_
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from collections.abc import Callable, Mapping
@@ -81,12 +82,44 @@ def _lumina2_cfg_pairs(arguments: dict[str, Any]) -> Pairing:
     return arguments.get("cfg_trunc_ratio", 1.0) >= 1 and _cfg_pairs_per_step(arguments)
 
 
+def _hunyuan_video_true_cfg(arguments: dict[str, Any]) -> bool:
+    """HunyuanVideo's pipelines (text-to-video, image-to-video, SkyReels image-to-video) call the transformer
+    twice per step (cond, then uncond) under true CFG: ``true_cfg_scale > 1`` and a negative prompt or both its
+    embeddings, decided once per call (``guidance_scale`` is an input of the guidance-distilled model)."""
+    negative = arguments.get("negative_prompt") is not None or (
+        arguments.get("negative_prompt_embeds") is not None
+        and arguments.get("negative_pooled_prompt_embeds") is not None
+    )
+    return arguments.get("true_cfg_scale", 1.0) > 1 and negative
+
+
+def _kandinsky5_cfg_pairs(arguments: dict[str, Any]) -> Pairing:
+    """Kandinsky 5's pipelines (text-, image-to-video, text-, image-to-image) call the transformer twice per
+    step while ``guidance_scale > 1`` (they encode the negative prompt then), asking ``pipe.guidance_scale``
+    at every step (a step-end callback may lower it midway)."""
+    if not arguments.get("guidance_scale", 5.0) > 1:
+        return False
+    return functools.partial(_scale_above_one, arguments["self"])
+
+
+def _scale_above_one(pipe: Any) -> bool:
+    return pipe.guidance_scale > 1
+
+
+def _krea2_cfg_pairs(arguments: dict[str, Any]) -> Pairing:
+    """Krea 2's pipeline calls the transformer twice per step while ``guidance_scale > 0`` (its
+    ``do_classifier_free_guidance``: a scale of 1 still guides), asked at every step."""
+    if not arguments.get("guidance_scale", 4.5) > 0:
+        return False
+    return _import("omni_accel.parallel.cfg:guided_per_step")(arguments["self"])
+
+
 def _guidance_scale_above_one(arguments: dict[str, Any]) -> bool:
     """The Stable Diffusion 3 pipelines (text-to-image, img2img, inpaint, ControlNet, PAG) batch both guidance
     branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``), as
     do PixArt-Alpha's and PixArt-Sigma's (and its PAG; a PAG call's batch, not one of samples, runs whole on
-    each rank: ``models.generic``); Ovis-Image's calls the transformer twice per step then, decided once per
-    call."""
+    each rank: ``models.generic``); Ovis-Image's and NucleusMoE-Image's call the transformer twice per step
+    then, decided once per call."""
     return arguments.get("guidance_scale", 7.0) > 1
 
 
@@ -173,6 +206,10 @@ _GENERIC_GUIDANCE: dict[str, dict[str, Callable[[dict[str, Any]], Pairing]]] = {
     "HeliosTransformer3DModel": {"cfg_pairing": _cfg_pairs_per_step},
     "OvisImageTransformer2DModel": {"cfg_pairing": _guidance_scale_above_one},
     "Lumina2Transformer2DModel": {"cfg_pairing": _lumina2_cfg_pairs},
+    "HunyuanVideoTransformer3DModel": {"cfg_pairing": _hunyuan_video_true_cfg},
+    "Kandinsky5Transformer3DModel": {"cfg_pairing": _kandinsky5_cfg_pairs},
+    "Krea2Transformer2DModel": {"cfg_pairing": _krea2_cfg_pairs},
+    "NucleusMoEImageTransformer2DModel": {"cfg_pairing": _guidance_scale_above_one},
     "PixArtTransformer2DModel": {"batched_guidance": _guidance_scale_above_one},
 }
 
