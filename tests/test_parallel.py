@@ -1234,6 +1234,43 @@ def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
         omni_accel.describe(pipe)
     )
     omni_accel.restore(pipe)
+    _vae_inputs_differ_per_rank(rank, world)
+
+
+def _vae_inputs_differ_per_rank(rank: int, world: int) -> None:
+    """Each rank's own latents or images (a seed per rank, a data-parallel encode): the split would mix the
+    ranks' rows; each rank runs its own whole, as plain Diffusers does, and describe counts those calls. A video
+    decoder whose first frame chunk split (its cached frames are bands) and whose later chunks differ raises."""
+    plain = omni_accel.tiny_flux_pipeline(seed=0).vae
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(ulysses=world)
+    )
+    g = torch.Generator().manual_seed(rank)
+    z, x = torch.randn(2, 16, 6, 4, generator=g), torch.randn(1, 3, 8, 8, generator=g)
+    with torch.no_grad():
+        assert torch.equal(pipe.vae.decode(z).sample, plain.decode(z).sample)
+        want = plain.encode(x).latent_dist.parameters
+        assert torch.equal(pipe.vae.encode(x).latent_dist.parameters, want)
+        pipe.vae.decode(z[:, :, :, :2] if rank else z[:, :, :, 2:])  # equal shapes, different rows
+        pipe.vae.decode(z[:, :, : 2 + 2 * rank])  # different shapes: gloo refused the halo exchange
+    report = str(omni_accel.describe(pipe))
+    assert "vae decoder: 3 calls ran whole on every rank (the ranks' inputs differ" in report, report
+    assert "vae encoder: 1 calls ran whole on every rank (the ranks' inputs differ" in report, report
+    omni_accel.restore(pipe)
+    importlib.import_module("omni_accel.models.wan")
+    wan_vae = omni_accel.tiny_wan_pipeline(seed=0).vae
+    z = torch.randn(1, wan_vae.config.z_dim, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    first, later = z.clone(), z.clone()
+    first[:, :, 0] += rank
+    later[:, :, 1] += rank
+    with torch.no_grad():
+        want = wan_vae.decode(first).sample
+    got, calls = _split_run(wan_vae.decoder, lambda: wan_vae.decode(first).sample)
+    assert torch.equal(got, want) and calls == 0  # every chunk whole, as the first
+    with pytest.raises(
+        RuntimeError, match="differ from a later chunk on.* or accelerate with vae_parallel=False"
+    ):
+        _split_run(wan_vae.decoder, lambda: wan_vae.decode(later).sample)
 
 
 def _dead_peer(rank: int, world: int, done: str) -> None:

@@ -461,6 +461,12 @@ def _causal_conv_in_bands(conv: torch.nn.Conv3d, bands: Bands, x: torch.Tensor, 
     return torch.nn.Conv3d.forward(conv, F.pad(x, padding))
 
 
+def _continues(args: tuple, kwargs: dict) -> bool:
+    """A frame chunk after the first: its cache (``feat_cache``) holds the frames the chunks before it left."""
+    cache = kwargs.get("feat_cache", args[0] if args else None)
+    return cache is not None and any(frames is not None for frames in cache)
+
+
 register_row_split(
     ("WanDecoder3d", "WanEncoder3d"),
     {
@@ -470,4 +476,5 @@ register_row_split(
             _resample_reason, _resample_in_bands, lambda resample: 2 if _is_downsampling(resample) else 1
         ),
     },
+    continues=_continues,
 )

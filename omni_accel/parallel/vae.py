@@ -1,7 +1,8 @@
 """Patch-parallel VAE: each rank decodes (or encodes) a band of rows, and the result is one rank's.
 
 Under a parallel layout every rank ends the denoising loop with the same latents (and starts an img2img
-call with the same image), so the VAE's work can be split instead of repeated. Split by rows, a VAE's
+call with the same image), so the VAE's work can be split instead of repeated; a call whose inputs differ
+over the ranks (each rank's own latents) runs whole on each (``fingerprint``). Split by rows, a VAE's
 layers each need only:
 
 * a 3x3 convolution: one row from each neighbouring band (a halo exchanged with the neighbours), or the
@@ -30,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -72,11 +74,23 @@ _CODERS = {"Encoder", "Decoder"}  # Diffusers' 2-D VAE halves; models register t
 _LAYERS: dict[str, SplitLayer] = {}  # filled below with Diffusers' shared layers, and by the models
 
 
-def register_row_split(coders: tuple[str, ...], layers: dict[str, SplitLayer]) -> None:
+# Whether a call of a coder (by class name) continues the sequence its last call began, on cached rows of that
+# call (a video coder's frame chunks): it splits as that call did.
+_CONTINUES: dict[str, Callable[[tuple, dict], bool]] = {}
+
+
+def register_row_split(
+    coders: tuple[str, ...],
+    layers: dict[str, SplitLayer],
+    continues: Callable[[tuple, dict], bool] | None = None,
+) -> None:
     """Teaches the row split a model's VAE: the class names of its splittable encoders/decoders and how
-    its own layer classes split (a model file calls this; ``parallel/`` names no model)."""
+    its own layer classes split (a model file calls this; ``parallel/`` names no model); ``continues``: whether
+    a call of those coders, by its arguments, runs on rows cached by the calls before it."""
     _CODERS.update(coders)
     _LAYERS.update(layers)
+    if continues is not None:
+        _CONTINUES.update(dict.fromkeys(coders, continues))
 
 
 def supports(coder: nn.Module) -> str | None:
@@ -138,6 +152,9 @@ class RowSplit(InstanceForward):
         self.unit = math.prod(_row_factor(m) for m in coder.modules()) if unit is None else unit
         self.calls = 0
         self.whole: Counter[str] = Counter()
+        # This thread's last call that started a sequence of cached calls (``register_row_split``'s
+        # ``continues``): ``first`` holds why it ran whole (None: split), which the sequence's calls follow.
+        self._sequence = _PerThread()
 
     def __deepcopy__(self, memo: dict) -> RowSplit:
         # The coder's copy is still empty here (its copy is what holds ours): its unit is ours.
@@ -178,13 +195,41 @@ class RowSplit(InstanceForward):
         # A layer put in or changed since accelerate (a 5x5 convolution) would run on a band alone.
         return supports(self.module)
 
-    def _agreed(self, reason: str | None, device: torch.device) -> str | None:
+    def _agreed(self, reason: str | None, inputs: list[torch.Tensor]) -> str | None:
         """``reason``, or one for every rank where another rank runs the call whole: a hook on one rank's VAE
-        only (a logger on rank 0) would leave the other ranks waiting for its halo rows."""
-        verdict = torch.tensor([int(reason is not None)], dtype=torch.int32, device=device)
+        only (a logger on rank 0) would leave the other ranks waiting for its halo rows; or where the ranks'
+        ``inputs`` differ (each rank's own latents or images, a seed per rank): a split would mix their rows,
+        so each rank runs its own whole, as plain Diffusers does. One all-reduce decides both."""
+        sums = fingerprint(inputs)
+        verdict = torch.cat([sums.new_tensor([int(reason is not None)]), sums, -sums])
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self.group)
-        if reason is None and verdict.item():
+        whole, highest, lowest = verdict[0].item(), verdict[1:3].tolist(), (-verdict[3:]).tolist()
+        if reason is None and highest != lowest:
+            return DIFFERENT_INPUTS
+        if reason is None and whole:
             return "another rank runs it whole (a hook or a layer on that rank's VAE only): every rank does"
+        return reason
+
+    def _whole_reason(self, sample: torch.Tensor, args: tuple, kwargs: dict, world: int) -> str | None:
+        """Why this call runs whole on every rank, or None where it splits: the ranks agree on it, and a call
+        on rows cached by the calls before it (``register_row_split``'s ``continues``) follows the first."""
+        continues = _CONTINUES.get(type(self.module).__name__, lambda args, kwargs: False)(args, kwargs)
+        first = getattr(self._sequence, "first", None) if continues else None
+        if (
+            first is not None and first[0] is not None
+        ):  # its sequence ran whole on every rank, so does the call
+            return first[0]
+        inputs = [sample, *(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))]
+        reason = self._agreed(self._runs_whole(sample, world), inputs)
+        if first is not None and reason == DIFFERENT_INPUTS:
+            raise RuntimeError(
+                f"The ranks' inputs to pipe.vae's {type(self.module).__name__} differ from a later chunk on, after "
+                "its first chunk was split over the ranks by rows (each rank caches its band's frames for the next "
+                "chunk, so it cannot run whole now). Give every rank the same latents or images, or accelerate "
+                "with vae_parallel=False to run each rank's own whole."
+            )
+        if not continues:
+            self._sequence.first = (reason,)
         return reason
 
     def describe(self, name: str) -> list[str]:
@@ -201,7 +246,7 @@ class RowSplit(InstanceForward):
         if not self.enabled:
             return forward(sample, *args, **kwargs)
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        reason = self._agreed(self._runs_whole(sample, world), sample.device)
+        reason = self._whole_reason(sample, args, kwargs, world)
         if reason is not None:
             if not self.whole[reason]:
                 logger.info("VAE %s runs whole on every rank: %s", type(self.module).__name__, reason)
@@ -218,6 +263,35 @@ class RowSplit(InstanceForward):
         return all_gather_sizes(out, rows, out_sizes, self.group)
 
 
+DIFFERENT_INPUTS = (
+    "the ranks' inputs differ (each rank's own latents or images): each rank runs its own whole, as plain "
+    "Diffusers does"
+)
+# How a float's bits read as an integer of its size, and the multiplier that spreads the positions' weights
+# (2**64 / the golden ratio, as an int64, or its 32-bit counterpart).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GOLDEN = {torch.int32: -1640531527, torch.int64: -7046029254386353131}
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Two int64 sums of the tensors' bits, plain (with their shapes) and weighted by position: integer sums
+    (wrapping), so equal inputs give equal sums on every rank whatever the order of summation, and different
+    inputs, but by a tiny chance, different ones. One pass over the inputs, one buffer of positions' weights
+    (32-bit for inputs of 32 bits or fewer), nothing sent anywhere."""
+    sums = torch.zeros(2, dtype=torch.int64, device=tensors[0].device)
+    for x in tensors:
+        bits = x.detach().view(_BITS[x.element_size()]).reshape(-1)
+        if x.element_size() < 4:
+            bits = bits.to(torch.int32)
+        weights = torch.arange(1, bits.numel() + 1, dtype=bits.dtype, device=x.device).mul_(
+            _GOLDEN[bits.dtype]
+        )
+        shape = hash((tuple(x.shape), x.element_size(), x.is_floating_point()))  # the same in every process
+        weighted = weights.mul_(bits).sum(dtype=torch.int64)
+        sums = sums * 31 + torch.stack([bits.sum(dtype=torch.int64) + shape, weighted])
+    return sums
+
+
 class _Shared:
     """A value that copies share: a process group cannot be copied, and a Diffusers hook registered over
     us copies our attributes into its wrapper (``functools.update_wrapper``), which a deep copy copies."""
@@ -227,6 +301,14 @@ class _Shared:
 
     def __deepcopy__(self, memo: dict) -> _Shared:
         return self
+
+
+class _PerThread(threading.local):
+    """Per-thread values; a copy (a hook's wrapper copies our attributes, which a deep copy copies) starts
+    empty."""
+
+    def __deepcopy__(self, memo: dict) -> _PerThread:
+        return _PerThread()
 
 
 def _plain_forward(coder: nn.Module, inner: Callable | None = None) -> Any:
