@@ -1235,6 +1235,7 @@ def _vae_split_as_plain_diffusers(rank: int, world: int) -> None:
     )
     omni_accel.restore(pipe)
     _vae_inputs_differ_per_rank(rank, world)
+    _vae_from_threads(world)
 
 
 def _vae_inputs_differ_per_rank(rank: int, world: int) -> None:
@@ -1271,6 +1272,46 @@ def _vae_inputs_differ_per_rank(rank: int, world: int) -> None:
         RuntimeError, match="differ from a later chunk on.* or accelerate with vae_parallel=False"
     ):
         _split_run(wan_vae.decoder, lambda: wan_vae.decode(later).sample)
+
+
+def _vae_from_threads(world: int) -> None:
+    """Calls from several threads at once (decodes of the split VAE and of a copy of it, an encode) give what
+    plain Diffusers gives: each rank takes the calls one at a time (they patched each other's layers and
+    crossed their collectives: gloo aborted); calls the ranks take in different orders run whole."""
+    import threading
+
+    plain = omni_accel.tiny_flux_pipeline(seed=0).vae
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(ulysses=world)
+    )
+    vaes = [pipe.vae, pipe.vae, copy.deepcopy(pipe.vae)]
+    g = torch.Generator().manual_seed(7)
+    latents = [torch.randn(1, 16, 6 + 2 * i, 4, generator=g) for i in range(len(vaes))]
+    image = torch.randn(1, 3, 16, 8, generator=g)
+    with torch.no_grad():
+        wants = [plain.decode(z).sample for z in latents] + [plain.encode(image).latent_dist.parameters]
+    got, errors = [None] * len(wants), []
+
+    def run(i: int) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    if i < len(vaes):
+                        got[i] = vaes[i].decode(latents[i]).sample
+                    else:
+                        got[i] = pipe.vae.encode(image).latent_dist.parameters
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(wants))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and not any(thread.is_alive() for thread in threads), errors
+    for out, want in zip(got, wants, strict=True):
+        assert ((out - want).abs().max() / want.abs().max()).item() <= 1.5e-6
+    omni_accel.restore(pipe)
 
 
 def _dead_peer(rank: int, world: int, done: str) -> None:
