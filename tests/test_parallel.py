@@ -1257,6 +1257,18 @@ def _vae_inputs_differ_per_rank(rank: int, world: int) -> None:
     report = str(omni_accel.describe(pipe))
     assert "vae decoder: 3 calls ran whole on every rank (the ranks' inputs differ" in report, report
     assert "vae encoder: 1 calls ran whole on every rank (the ranks' inputs differ" in report, report
+    # A VAE moved where the layout's collectives do not run (the CPU under NCCL) runs whole: the agreement's
+    # all-reduce raised "No backend type associated with device type cpu".
+    config, dist.get_backend_config = dist.get_backend_config, lambda group=None: "cuda:nccl"
+    try:
+        with torch.no_grad():
+            assert torch.equal(pipe.vae.decode(z).sample, plain.decode(z).sample)
+    finally:
+        dist.get_backend_config = config
+    assert (
+        "vae decoder: 1 calls ran whole on every rank (its input is on cpu, where the layout's collectives "
+        in (str(omni_accel.describe(pipe)))
+    )
     omni_accel.restore(pipe)
     importlib.import_module("omni_accel.models.wan")
     wan_vae = omni_accel.tiny_wan_pipeline(seed=0).vae

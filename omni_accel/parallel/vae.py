@@ -196,6 +196,13 @@ class RowSplit(InstanceForward):
         # A layer put in or changed since accelerate (a 5x5 convolution) would run on a band alone.
         return supports(self.module)
 
+    def _unreached(self, device: torch.device) -> str | None:
+        """Why the group's collectives cannot run on ``device`` (a VAE moved to the CPU under NCCL), or None."""
+        backends = dist.get_backend_config(self.group)  # "cuda:nccl", "cpu:gloo,cuda:gloo"...
+        if device.type in {entry.split(":")[0] for entry in backends.split(",")}:
+            return None
+        return f"its input is on {device.type}, where the layout's collectives ({backends}) do not run"
+
     def _agreed(self, reason: str | None, inputs: list[torch.Tensor]) -> str | None:
         """``reason``, or one for every rank where another rank runs the call whole: a hook on one rank's VAE
         only (a logger on rank 0) would leave the other ranks waiting for its halo rows; or where the ranks'
@@ -220,6 +227,9 @@ class RowSplit(InstanceForward):
             first is not None and first[0] is not None
         ):  # its sequence ran whole on every rank, so does the call
             return first[0]
+        unreached = self._unreached(sample.device)
+        if unreached is not None:  # no collective can run: every rank whose VAE is there runs it whole
+            return unreached
         inputs = [sample, *(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))]
         reason = self._agreed(self._runs_whole(sample, world), inputs)
         if first is not None and reason == DIFFERENT_INPUTS:
