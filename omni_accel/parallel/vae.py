@@ -221,11 +221,11 @@ class RowSplit(InstanceForward):
     def _whole_reason(self, sample: torch.Tensor, args: tuple, kwargs: dict, world: int) -> str | None:
         """Why this call runs whole on every rank, or None where it splits: the ranks agree on it, and a call
         on rows cached by the calls before it (``register_row_split``'s ``continues``) follows the first."""
-        continues = _CONTINUES.get(type(self.module).__name__, lambda args, kwargs: False)(args, kwargs)
+        rule = _CONTINUES.get(type(self.module).__name__)
+        continues = rule is not None and rule(args, kwargs)
         first = getattr(self._sequence, "first", None) if continues else None
-        if (
-            first is not None and first[0] is not None
-        ):  # its sequence ran whole on every rank, so does the call
+        # A call continuing a sequence that ran whole on every rank runs whole too.
+        if first is not None and first[0] is not None:
             return first[0]
         unreached = self._unreached(sample.device)
         if unreached is not None:  # no collective can run: every rank whose VAE is there runs it whole
