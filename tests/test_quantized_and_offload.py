@@ -12,8 +12,10 @@ import pytest
 import torch
 from accelerate import cpu_offload, init_empty_weights
 from diffusers import FluxPipeline, FluxTransformer2DModel
+from multirank import run_multirank
 
 import omni_accel
+from omni_accel import ParallelConfig
 
 CALL = dict(prompt="a cat", num_inference_steps=2, output_type="latent")
 
@@ -181,3 +183,40 @@ def test_torchao_int8_weight_only_matches_diffusers(when):
     # the reason names the linear as Diffusers does (not our packed projection): each block's 2 calls
     assert "block calls run by Diffusers' forward: 8 (attn.to_q.weight is a Int8Tensor" in report, report
     _assert_planned_for(report, "float32, cpu, head_dim=16")
+
+
+def _int8_mlps(pipe) -> None:
+    """torchao int8 weights for the blocks' MLP linears only: their attention linears stay plain."""
+    quantization = pytest.importorskip("torchao.quantization")
+    quantization.quantize_(
+        pipe.transformer,
+        quantization.Int8WeightOnlyConfig(),
+        filter_fn=lambda module, name: isinstance(module, torch.nn.Linear) and ".ff." in f".{name}",
+    )
+
+
+def _torchao_under_layouts(rank: int, world: int) -> None:
+    torch.set_num_threads(1)
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    _int8_mlps(plain)
+    expected = _latents(plain)
+    weights = {k: v.clone() for k, v in plain.transformer.state_dict().items()}
+    pipe = omni_accel.tiny_flux_pipeline(seed=0)
+    _int8_mlps(pipe)
+    # tp cannot slice a quantized weight: refused before any linear is split (it used to fail in torchao's
+    # cat with the attention linears split already)
+    with pytest.raises(ValueError, match=r"tp=2 cannot split ff\.net\.0\.proj\.weight: it is a Int8Tensor"):
+        omni_accel.accelerate(pipe, parallel=ParallelConfig(tp=2))
+    state = pipe.transformer.state_dict()
+    assert all(torch.equal(state[k], weights[k]) for k in weights if "ff." not in k)
+    assert type(pipe.transformer.transformer_blocks[0]).__name__ == "FluxTransformerBlock"
+    torch.testing.assert_close(_latents(pipe), expected, rtol=0, atol=0)
+    # cfg keeps every weight whole: the quantized blocks run as Diffusers computes them, on both ranks
+    omni_accel.accelerate(pipe, parallel=ParallelConfig(cfg=2))
+    torch.testing.assert_close(_latents(pipe), expected, rtol=0, atol=0)
+
+
+@pytest.mark.multirank
+def test_torchao_weights_under_tensor_parallel_are_refused_clearly():
+    pytest.importorskip("torchao.quantization")
+    run_multirank(_torchao_under_layouts, 2, timeout=240)

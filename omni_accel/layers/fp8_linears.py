@@ -39,8 +39,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..forward_hooks import InstanceForward, OurHook, foreign_forward
+from ..utils.tensor_kinds import quantized_or_absent, tensor_kind
 from .fp8 import Fp8Weight, Fp8Weights, fp8_linear, fp8_reason, weight_only_linear
-from .projection import quantized_or_absent, tensor_kind
 
 MIN_FP8_ROWS = 16  # fewer rows: an e4m3 GEMM does not pay, the weight-only GEMV does
 

@@ -16,11 +16,9 @@ storage and offsets, and the projection is packed again.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +36,7 @@ from ..parallel.token_rows import (
 )
 from ..utils.kernels import HAS_TRITON, kernels_can_run
 from ..utils.storage import contiguous_run
+from ..utils.tensor_kinds import quantized_or_absent, tensor_kind
 from .fp8 import Fp8Rows, Fp8Weight, Fp8Weights, fp8_linear, fp8_reason, weight_only_linear
 
 _PACK_LOCK = threading.Lock()
@@ -80,9 +79,6 @@ def _is_adapter_layer(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "scaling")
 
 
-_COMPUTE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
-
-
 def _plain_linear(module: nn.Module, where: str) -> nn.Linear:
     if type(module) is not nn.Linear:
         raise Unsupported(f"{where} is a {type(module).__name__}, not a plain nn.Linear")
@@ -93,37 +89,6 @@ def _plain_linear(module: nn.Module, where: str) -> nn.Linear:
                 f"{where}.{name} is {tensor_kind(tensor)}: the block runs as the Diffusers module computes"
             )
     return module
-
-
-def quantized_or_absent(tensor: torch.Tensor) -> bool:
-    """A weight our GEMMs cannot read as it is: a tensor subclass that computes its own way (torchao, GGUF:
-    their own matmul), storage in a dtype that is not a compute dtype (float8, int8: layerwise casting or
-    raw quantized data), or one with no data (meta: offloaded)."""
-    return not _plain_class(type(tensor)) or tensor.dtype not in _COMPUTE_DTYPES or tensor.is_meta
-
-
-def _unbound(method: Any) -> Any:
-    return getattr(method, "__func__", method)
-
-
-_PLAIN_TORCH_FUNCTIONS = (_unbound(torch.Tensor.__torch_function__), nn.Parameter.__torch_function__)
-
-
-@functools.cache
-def _plain_class(cls: type) -> bool:
-    """A tensor class that computes as a tensor does: ``Tensor``, ``Parameter`` and subclasses that only add
-    bookkeeping (``utils.watched.WatchedParameter``), not a ``__torch_function__``/``__torch_dispatch__``."""
-    return _unbound(cls.__torch_function__) in _PLAIN_TORCH_FUNCTIONS and _unbound(
-        cls.__torch_dispatch__
-    ) is _unbound(torch.Tensor.__torch_dispatch__)
-
-
-def tensor_kind(tensor: torch.Tensor) -> str:
-    if not _plain_class(type(tensor)):
-        return f"a {type(tensor).__name__} (a quantized or wrapped tensor)"
-    if tensor.is_meta:
-        return "on the meta device (offloaded; loaded by a hook at call time)"
-    return f"stored in {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def _adapters(layer: nn.Module, where: str) -> tuple[nn.Linear, tuple[LowRank, ...]]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..forward_hooks import TRACED
+from ..utils.tensor_kinds import plain_class, tensor_kind
 from .comm import all_gather_dim
 from .held_groups import HoldsGroups
 from .hooks import LayoutHook, register, run_all
@@ -123,6 +124,7 @@ def plan_shards(
         if style.optional and not _has_linear(block, path):
             continue
         linear = _base(block.get_submodule(path))
+        _refuse_unsliceable(linear, path, size)
         if isinstance(style, Colwise):
             dim, parts = 0, _packed(linear, style, linear.out_features, path)
         else:
@@ -140,6 +142,19 @@ def plan_shards(
             )
         shards.append((path, linear, LinearShard(dim, parts, group, rank, size)))
     return shards
+
+
+def _refuse_unsliceable(linear: nn.Module, path: str, size: int) -> None:
+    """A weight that computes its own way (torchao's, GGUF's quantized tensors) has no rows or columns to
+    slice as plain data: sharding it would fail halfway through the model or slice its packed bytes."""
+    for name in ("weight", "bias"):
+        param = linear._parameters.get(name)
+        if param is not None and not plain_class(type(param)):
+            raise ValueError(
+                f"tp={size} cannot split {path}.{name}: it is {tensor_kind(param)}, and tensor parallelism "
+                "slices plain weights only. Load the transformer unquantized for tp, or use a layout that "
+                "keeps every weight whole (cfg; ulysses or ring with native=False)."
+            )
 
 
 def _has_linear(block: nn.Module, path: str) -> bool:
