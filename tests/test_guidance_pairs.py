@@ -84,6 +84,22 @@ def test_calls_that_cannot_stack_run_one_after_the_other(change):
     assert (pairs.stacked_calls, pairs.unstacked_calls) == (0, 1)
 
 
+def test_a_branch_whose_batched_inputs_broadcast_runs_apart():
+    """FLUX's true CFG with two prompts and one negative prompt: the uncond call passes one sample's text
+    beside two samples' latents (the model broadcasts it); stacked, the batches no longer lined up (4 latents
+    beside 3 texts: a crash under ulysses/tp/ring). Such a pair runs one call after the other."""
+    pairs, model = GuidanceBranches(None, BATCHED), _Model()
+    pairs.pairing = True
+    g = torch.Generator().manual_seed(0)
+    two = dict(hidden_states=torch.randn(2, 6, 3, generator=g), timestep=torch.tensor([0.5, 0.5]))
+    cond = _call(0, **two, encoder_hidden_states=torch.randn(2, 4, 3, generator=g))
+    uncond = _call(1, **two)  # one sample's text
+    got = _step(pairs, model, cond, uncond)
+    assert model.batches == [2, 2]
+    assert all(torch.equal(g, w) for g, w in zip(got, _expected(cond, uncond), strict=True))
+    assert (pairs.stacked_calls, pairs.unstacked_calls) == (0, 1)
+
+
 def test_unbatched_tensors_are_compared_again_after_an_in_place_edit():
     pairs, model = GuidanceBranches(None, BATCHED), _Model()
     pairs.pairing = True

@@ -203,7 +203,7 @@ class GuidanceBranches(HoldsGroups):
         if cond.keys() != uncond.keys():
             return None
         stacked, batched = {}, self.batched(cond)
-        if batched is None:
+        if batched is None or not (_one_batch(cond, batched) and _one_batch(uncond, batched)):
             return None
         for name, a in cond.items():
             b = uncond[name]
@@ -284,6 +284,18 @@ def _per_sample(value: Any) -> bool:
         and len(value) > 0
         and not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
     )
+
+
+def _one_batch(call: dict[str, Any], batched: tuple[str, ...]) -> bool:
+    """Whether the batched tensors of one branch's call agree on its batch: a pipeline may pass one negative
+    prompt's embeddings beside two samples' latents (FLUX's true CFG), which the model broadcasts; stacked
+    with the other branch's, they would no longer line up."""
+    sizes = {
+        call[name].shape[0]
+        for name in batched
+        if isinstance(call.get(name), torch.Tensor) and call[name].ndim
+    }
+    return len(sizes) <= 1
 
 
 def _stackable(a: torch.Tensor, b: torch.Tensor) -> bool:
