@@ -214,6 +214,19 @@ def _torchao_under_layouts(rank: int, world: int) -> None:
     # cfg keeps every weight whole: the quantized blocks run as Diffusers computes them, on both ranks
     omni_accel.accelerate(pipe, parallel=ParallelConfig(cfg=2))
     torch.testing.assert_close(_latents(pipe), expected, rtol=0, atol=0)
+    omni_accel.restore(pipe)
+    # parallel="auto" chose ulysses=2 for a call without guidance, whose first block then raised "cannot run
+    # natively"; it says at once what works instead, and with true CFG it takes cfg=2
+    omni_accel.accelerate(pipe, parallel="auto")
+    with pytest.raises(
+        ValueError, match=r"found no layout .*ff\.net\.0\.proj\.weight is a Int8Tensor.*native=False"
+    ):
+        _latents(pipe)
+    guided = dict(CALL, negative_prompt="a dog", true_cfg_scale=3.0)
+    plain_guided = plain(**guided, generator=torch.Generator().manual_seed(0)).images
+    got = pipe(**guided, generator=torch.Generator().manual_seed(0)).images
+    torch.testing.assert_close(got, plain_guided, rtol=0, atol=0)
+    assert "parallel='auto': ParallelConfig(tp=1, ulysses=1, ring=1, cfg=2)" in _report(pipe), _report(pipe)
 
 
 @pytest.mark.multirank

@@ -33,6 +33,7 @@ from ..parallel.routed_attention import LiveSplit
 from ..parallel.tensor import FusedSplit, sum_row_splits
 from ..report import ComponentReport
 from ..utils.logging import get_logger
+from ..utils.tensor_kinds import quantized_or_absent, tensor_kind
 from .state import Component, HeldPatch, Pipeline, state_of
 from .vae import plan_vae, split_vae
 
@@ -155,13 +156,30 @@ def _apply_auto_layout(pipe: DiffusionPipeline, arguments: dict[str, Any]) -> No
 
 
 def _native_choice(component: Component, arguments: dict[str, Any]) -> AutoLayout:
-    """The layout for a native component, by its plan and the call's arguments (``choose_layout``)."""
+    """The layout for a native component, by its plan and the call's arguments (``choose_layout``). Blocks
+    holding a weight the native math cannot read (quantized, offloaded) run Diffusers' forward, which
+    ``tp``, ``ulysses`` and ``ring`` cannot split: only ``cfg=2`` over two ranks serves them."""
     model, module = component.spec.native_model(), component.original
     sequence = model.parallel.sequence
+    guided = model.cfg_pairing is not None and bool(model.cfg_pairing(arguments))
+    unsplittable = _unsplittable_weight(module, model)
+    if unsplittable is not None:
+        if guided and _world_size() == 2:
+            return AutoLayout(
+                ParallelConfig(cfg=2),
+                f"cfg=2: the call runs both guidance branches, and {unsplittable}, so the blocks run "
+                "Diffusers' forward, which tp, ulysses and ring cannot split",
+            )
+        raise ValueError(
+            f"parallel='auto' found no layout for pipe.{component.name} ({type(module).__name__}) on "
+            f"{_world_size()} ranks: {unsplittable}, so its blocks run Diffusers' forward, which tp, ulysses "
+            "and ring of native blocks cannot split (only cfg=2 over two ranks, for a call with guidance). Pass "
+            "native=False (the model's Diffusers _cp_plan then splits its sequence), or load it unquantized."
+        )
     return choose_layout(
         _world_size(),
         module.config[model.parallel.attention_heads],
-        cfg_by_default=model.cfg_pairing is not None and model.cfg_pairing(arguments),
+        cfg_by_default=guided,
         sequence_plan=sequence is not None,
         ring_first=(
             sequence is not None
@@ -170,6 +188,15 @@ def _native_choice(component: Component, arguments: dict[str, Any]) -> AutoLayou
             and ranks_write_each_other()
         ),
     )
+
+
+def _unsplittable_weight(module: nn.Module, model) -> str | None:
+    """``<name> is <kind>`` for the first parameter of a native block the native math cannot read, or None."""
+    for block in native_blocks(module, model):
+        for name, param in block.named_parameters():
+            if quantized_or_absent(param):
+                return f"{block.omni_name}.{name} is {tensor_kind(param)}"
+    return None
 
 
 def _generic_choice(components: list[Component], arguments: dict[str, Any]) -> AutoLayout:
