@@ -1,6 +1,7 @@
 """Every exactness rule of ExactProjectionCache has a test that fails when the rule is broken."""
 
 import importlib
+import threading
 
 import pytest
 import torch
@@ -373,3 +374,19 @@ def test_a_weight_is_the_same_only_while_it_lives():
     del weight, linear
     freed = stored[0][0]
     assert freed != freed  # a freed weight equals nothing, whatever tensor comes to hold its id
+
+
+def test_another_threads_forward_leaves_this_forwards_conditioning_compared():
+    """Two threads' forwards at once (a web server calling one pipeline, or pipelines sharing the transformer):
+    the other's ``begin_forward`` dropped this forward's compared conditioning, so its next projections ran
+    without the cache, counted under a reason naming inference mode or a write, neither of which happened."""
+    cache, lin = ExactProjectionCache(), _linear()
+    stored = _project(cache, lin, _cond())
+    cond = _cond()
+    cache.begin_forward()
+    cache.ensure_prepared(cond)
+    other = threading.Thread(target=cache.begin_forward)  # the other thread's forward starts
+    other.start()
+    other.join()
+    got = cache.project("mod", lin, cond, lambda: lin(F.silu(cond)))
+    assert got.data_ptr() == stored.data_ptr() and (cache.hits, cache.bypasses) == (1, 0)

@@ -34,12 +34,17 @@ those stored under weights that can never come back (freed, or written since: a 
 are dropped with their conditioning at the projection's next miss (at the move itself where the module
 moved: ``drop_moved``), so that they hold neither memory nor the budget that the new weights' outputs need.
 
+Forwards from several threads at once (a server calling one pipeline, pipelines sharing the transformer)
+share the stored outputs; each thread's forward compares its own conditioning, and the bookkeeping is
+locked (never around ``compute``, which may be a collective).
+
 Under tensor or sequence parallelism a projection may be a collective (a row-split linear, the split AdaLN
 modulation): ``agree_over`` makes the ranks decide every hit together, so one rank's miss is every rank's.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -177,6 +182,10 @@ class _Prepared:
     reuse: bool  # held before this call: its stored outputs may be returned
 
 
+def _prepared_key(conditioning: torch.Tensor) -> tuple[int, int]:
+    return threading.get_ident(), id(conditioning)
+
+
 class ExactProjectionCache:
     """See the module docstring. One instance per model; ``max_bytes=0`` disables it at no cost."""
 
@@ -197,7 +206,9 @@ class ExactProjectionCache:
         self._stored_under: dict[str, tuple] = {}  # the module state each projection last stored under
         self._cond_entries: Counter[int] = Counter()  # entries per stored conditioning
         self._cond_buckets: dict[int, tuple] = {}  # each stored conditioning's bucket key
-        self._prepared: dict[int, _Prepared] = {}
+        # (thread, id of the tensor) -> its comparison: each thread's forward compares its own conditioning
+        self._prepared: dict[tuple[int, int], _Prepared] = {}
+        self._lock = threading.RLock()
         self._next_id = 0
         self._bytes = 0
         self._watched = Watcher()
@@ -223,15 +234,16 @@ class ExactProjectionCache:
 
     def clear(self) -> None:
         """Drops every stored conditioning and output (counters are kept) and stops watching parameters."""
-        self._watched.release()
-        self._conds.clear()
-        self._entries.clear()
-        self._keys.clear()
-        self._stored_under.clear()
-        self._cond_entries.clear()
-        self._cond_buckets.clear()
-        self._prepared.clear()
-        self._bytes = 0
+        with self._lock:
+            self._watched.release()
+            self._conds.clear()
+            self._entries.clear()
+            self._keys.clear()
+            self._stored_under.clear()
+            self._cond_entries.clear()
+            self._cond_buckets.clear()
+            self._prepared.clear()
+            self._bytes = 0
 
     def stats(self) -> dict[str, int]:
         return {
@@ -254,25 +266,30 @@ class ExactProjectionCache:
             return
         bits = _bits(conditioning)
         bucket_key = (tuple(bits.shape), bits.dtype, bits.device)
-        bucket = self._conds.get(bucket_key, [])
-        local = self._match(bits, bucket)
-        cond_id = self._admit_conditioning(bucket_key, bits) if local is None else bucket[local][0]
-        if len(self._prepared) >= _MAX_PREPARED:
-            self._prepared.pop(next(iter(self._prepared)))
-        self._prepared[id(conditioning)] = _Prepared(
-            weakref.ref(conditioning), conditioning._version, cond_id, reuse=local is not None
-        )
+        with self._lock:  # matched and admitted at once: two threads' equal or new tensors get one id each
+            bucket = self._conds.get(bucket_key, [])
+            local = self._match(bits, bucket)
+            cond_id = self._admit_conditioning(bucket_key, bits) if local is None else bucket[local][0]
+            if len(self._prepared) >= _MAX_PREPARED:
+                self._prepared.pop(next(iter(self._prepared)))
+            self._prepared[_prepared_key(conditioning)] = _Prepared(
+                weakref.ref(conditioning), conditioning._version, cond_id, reuse=local is not None
+            )
 
     def begin_forward(self) -> None:
         """A forward of the model begins: each conditioning tensor is compared again at its first
         ``ensure_prepared``. A tensor that comes back may have been written where its version counter
-        cannot see (through ``.data``, or a NumPy array sharing its memory) since an earlier forward."""
-        self._prepared.clear()
+        cannot see (through ``.data``, or a NumPy array sharing its memory) since an earlier forward. Only this
+        thread's: another thread's forward in flight keeps its own."""
+        thread = threading.get_ident()
+        with self._lock:
+            for key in [key for key in self._prepared if key[0] == thread]:
+                del self._prepared[key]
 
     def ensure_prepared(self, conditioning: torch.Tensor) -> None:
         """``prepare`` unless this very tensor, unmodified, was already prepared in this forward (see
         ``begin_forward``; a host-side check), so a tensor fed to many projections costs one comparison."""
-        prepared = self._prepared.get(id(conditioning))
+        prepared = self._prepared.get(_prepared_key(conditioning))
         if (
             prepared is None
             or prepared.tensor() is not conditioning
@@ -320,35 +337,41 @@ class ExactProjectionCache:
             not self.enabled or torch.compiler.is_dynamo_compiling()
         ):  # a traced graph must not depend on cache state
             return compute()
-        prepared = self._prepared.get(id(conditioning))
+        prepared = self._prepared.get(_prepared_key(conditioning))
         bypass = self._bypass_reason(module, conditioning, prepared)
-        module_state = None if bypass else _module_state(module, self._watched)
         entry = key = numerics = None
-        if module_state is not None:
-            numerics = _numerics(conditioning.device.type)
-            key = (prepared.cond_id, name)
-            entry = self._entries.get(key)
-            stale = entry.stale_reason(module_state, numerics) if entry is not None else None
-            if stale is not None:
-                self.stale[stale] += 1
-                self._drop(key)
-                entry = None
-        if self._agreed(entry is not None and prepared.reuse):
-            self.hits += 1
+        with self._lock:
+            module_state = None if bypass else _module_state(module, self._watched)
+            if module_state is not None:
+                numerics = _numerics(conditioning.device.type)
+                key = (prepared.cond_id, name)
+                entry = self._entries.get(key)
+                stale = entry.stale_reason(module_state, numerics) if entry is not None else None
+                if stale is not None:
+                    self.stale[stale] += 1
+                    self._drop(key)
+                    entry = None
+        if self._agreed(entry is not None and prepared.reuse):  # a collective: outside the lock
+            with self._lock:
+                self.hits += 1
             return entry.output
+        with self._lock:
+            if module_state is None:
+                self.bypasses += 1
+                self.bypass_reasons[bypass or INFERENCE_WEIGHTS] += 1
+            else:
+                if entry is not None:  # valid, but not yet reusable here or not on every rank: computed again
+                    self._drop(key)
+                self.misses += 1
+                self._drop_outlived(name, module_state)
         if module_state is None:
-            self.bypasses += 1
-            self.bypass_reasons[bypass or INFERENCE_WEIGHTS] += 1
             return compute()
-        if entry is not None:  # valid, but not yet reusable here or not on every rank: computed again
-            self._drop(key)
-        self.misses += 1
-        self._drop_outlived(name, module_state)
         output = self._lookup_precomputed(name, module, conditioning)
         if output is None:
             output = compute()
         if prepared.cond_id is not None:
-            self._admit_entry(key, output, module, module_state, numerics)
+            with self._lock:
+                self._admit_entry(key, output, module, module_state, numerics)
         return output
 
     def _bypass_reason(
@@ -395,7 +418,10 @@ class ExactProjectionCache:
         self._bytes += nbytes
 
     def _drop(self, key: tuple[int, str]) -> None:
-        self._bytes -= self._entries.pop(key).nbytes
+        entry = self._entries.pop(key, None)
+        if entry is None:  # another thread's call dropped it first
+            return
+        self._bytes -= entry.nbytes
         self._keys[key[1]].discard(key)
         self._cond_entries[key[0]] -= 1
 
@@ -403,6 +429,10 @@ class ExactProjectionCache:
         """The module moved (``Module.to`` another dtype or device, ``omni_accel.moves``): drops every output
         stored under weights that can never come back, and the conditionings left with none, now rather than
         at each projection's next miss, so that a model moved off its GPU leaves nothing there."""
+        with self._lock:
+            self._drop_moved()
+
+    def _drop_moved(self) -> None:
         for name, stored_under in list(self._stored_under.items()):
             if _outlived(stored_under):
                 self._drop_outlived_entries(name)
