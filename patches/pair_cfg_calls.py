@@ -31,7 +31,10 @@ def apply(pipe: Any, pairs: Callable[[dict[str, Any]], bool], cfgs: list) -> Non
     signature = inspect.signature(original.__call__)
 
     def __call__(self, *args, **kwargs):
-        rule, branches = vars(self)[_STATE]
+        state = vars(self).get(_STATE)
+        if state is None:  # made from this class by Diffusers (type(pipe).from_pipe(pipe)): a plain call
+            return original.__call__(self, *args, **kwargs)
+        rule, branches = state
         # with the call's defaults: a rule judging a call that leaves one out by a default of its own would
         # misjudge it (Qwen-Image's true_cfg_scale is 4.0 in its signature)
         bound = signature.bind_partial(self, *args, **kwargs)

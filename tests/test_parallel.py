@@ -318,6 +318,21 @@ def _vae_coder_replaced() -> None:
     assert "forward" not in split.__dict__
 
 
+def _sibling_of_the_pairing_class(true_cfg: dict) -> None:
+    """type(pipe).from_pipe(pipe) under cfg=2: Diffusers builds the sibling from the class the pairing gives
+    the pipeline, without its pairing state, and its call raised KeyError; it runs its calls unpaired (as
+    FluxPipeline.from_pipe(pipe)'s does), each as plain Diffusers', and the owner still pairs its own."""
+    call = dict(true_cfg, height=32, width=32, num_inference_steps=2, output_type="latent")
+    want = omni_accel.tiny_flux_pipeline(seed=0)(**call, generator=torch.Generator().manual_seed(0)).images
+    pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(cfg=2))
+    sibling = type(pipe).from_pipe(pipe)
+    for p in (sibling, pipe):
+        got = p(**call, generator=torch.Generator().manual_seed(0)).images
+        assert (got - want).abs().max() <= 1e-5, type(p)
+    assert omni_accel.describe(pipe).components[0].cfg.paired_calls == 2
+    omni_accel.restore(pipe)
+
+
 def _vae_shared_with_a_sibling() -> None:
     """A from_pipe sibling accelerated under a layout, or without one, shares the VAE's split as it shares the
     transformer (a second split over the first ran every call whole): both pipelines' decodes split, and
@@ -974,6 +989,7 @@ def _two_ranks(rank: int, world: int) -> None:
     true_cfg = dict(prompt="a cat", negative_prompt="dark", true_cfg_scale=3.0)
     _check(ParallelConfig(cfg=2), _oracle(**true_cfg), expect="2 paired", **true_cfg)
     _true_cfg_without_cache_context()
+    _sibling_of_the_pairing_class(true_cfg)
     # without a cfg group the two calls of a step run as one call of both branches (text ids compared)
     stacked = "guidance branches stacked in one batch: 2 cond/uncond pairs in one call, 0 pairs run one"
     for layout in (ParallelConfig(ulysses=2), ParallelConfig(tp=2)):
