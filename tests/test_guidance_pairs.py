@@ -225,3 +225,34 @@ def test_guidance_turned_off_midway_by_a_callback_stops_the_pairing():
             assert torch.equal(pairs.run(model, alone, like), _Model()(**alone)), rule
         pairs.finish_call(completed=True)
         assert model.batches == [2, 1, 1]
+
+
+class _Seen(Exception):
+    pass
+
+
+def test_rope_tuples_stay_whole_beside_the_halved_batch():
+    """HunyuanDiT's, CogVideoX's and Allegro's pipelines pass their RoPE as a tuple of tables as long as the
+    sequence: beside a CFG batch of two it looks like one tensor per sample, and the generic tier could not
+    tell the batch at all, so cfg=2 ran every call whole on both ranks. The registry names them unbatched."""
+    import tiny_guided_pipelines as tiny
+
+    from omni_accel.models.generic import generic_parallel_plan
+    from omni_accel.parallel.config import ParallelConfig
+    from omni_accel.parallel.hooks import bound_arguments
+
+    builders = (tiny.tiny_hunyuandit_pipeline, tiny.tiny_cogvideox_pipeline, tiny.tiny_allegro_pipeline)
+    for build, call in (case for case in tiny.batched_calls() if case[0] in builders):
+        pipe, seen = build(), []
+
+        def record(module, args, kwargs, seen=seen):
+            seen.append(bound_arguments(module, args, kwargs))
+            raise _Seen  # the first call's arguments are all this needs
+
+        pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
+        with pytest.raises(_Seen):
+            pipe(**call, num_inference_steps=1)
+        plan = generic_parallel_plan(pipe.transformer, ParallelConfig(cfg=2), routed=True)
+        batched = plan.batched_inputs(seen[0])
+        assert batched is not None and "hidden_states" in batched, build.__name__
+        assert "image_rotary_emb" not in batched and isinstance(seen[0]["image_rotary_emb"], tuple)

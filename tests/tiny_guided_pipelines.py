@@ -1,5 +1,6 @@
 """Tiny, offline builds of the pipelines that call a transformer without native blocks twice per guided step
-(cond, then uncond), and of PixArt-Sigma's (both branches in one call), for the CFG pairing tests
+(cond, then uncond), and of those that batch both branches in one call (PixArt-Sigma, Sana, HunyuanDiT,
+CogVideoX, LTX-Video, Allegro, Mochi, Latte, EasyAnimate, AuraFlow, Lumina-Next), for the CFG tests
 (``tests/test_cfg_pairing_families.py``).
 
 Same rules as ``omni_accel.models.tiny_pipelines``: the genuine Diffusers / Transformers classes at toy sizes,
@@ -15,35 +16,57 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import (
+    AllegroPipeline,
+    AllegroTransformer3DModel,
+    AuraFlowPipeline,
+    AuraFlowTransformer2DModel,
+    AutoencoderKLMagvit,
     ChromaPipeline,
     ChromaTransformer2DModel,
     ChronoEditPipeline,
     ChronoEditTransformer3DModel,
+    CogVideoXDDIMScheduler,
+    CogVideoXPipeline,
+    CogVideoXTransformer3DModel,
     CogView4Pipeline,
     CogView4Transformer2DModel,
     DiffusionPipeline,
     DPMSolverMultistepScheduler,
+    EasyAnimatePipeline,
+    EasyAnimateTransformer3DModel,
     FlowMatchEulerDiscreteScheduler,
     HeliosPipeline,
     HeliosScheduler,
     HeliosTransformer3DModel,
+    HunyuanDiT2DModel,
+    HunyuanDiTPipeline,
     HunyuanVideoPipeline,
     HunyuanVideoTransformer3DModel,
     Kandinsky5T2VPipeline,
     Kandinsky5Transformer3DModel,
     Krea2Pipeline,
     Krea2Transformer2DModel,
+    LattePipeline,
+    LatteTransformer3DModel,
     LongCatImagePipeline,
     LongCatImageTransformer2DModel,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
     LucyEditPipeline,
     Lumina2Pipeline,
     Lumina2Transformer2DModel,
+    LuminaNextDiT2DModel,
+    LuminaPipeline,
+    MochiPipeline,
+    MochiTransformer3DModel,
     NucleusMoEImagePipeline,
     NucleusMoEImageTransformer2DModel,
     OvisImagePipeline,
     OvisImageTransformer2DModel,
     PixArtSigmaPipeline,
     PixArtTransformer2DModel,
+    SanaPipeline,
+    SanaTransformer2DModel,
     SkyReelsV2Pipeline,
     SkyReelsV2Transformer3DModel,
     WanTransformer3DModel,
@@ -390,3 +413,159 @@ def krea2_call() -> dict[str, Any]:
 def nucleusmoe_image_call() -> dict[str, Any]:
     call = _text("prompt_embeds", 1, 1, 5, 16)
     return {"prompt": None, **call, "guidance_scale": 4.0, "output_type": "latent"}
+
+
+# Pipelines that batch both guidance branches in each transformer call, bare as above (``batched_calls``).
+
+
+def _masked_text(seed: int, tokens: int = 5, width: int = 16) -> dict[str, Any]:
+    """``prompt_embeds`` and their ``prompt_attention_mask``, with the negative twins."""
+    call = _text("prompt_embeds", seed, 1, tokens, width)
+    return {key.replace("prompt_embeds_mask", "prompt_attention_mask"): v for key, v in call.items()}
+
+
+def _call(**extra: Any) -> dict[str, Any]:
+    return {"prompt": None, "output_type": "latent", "height": 64, "width": 64, **extra}
+
+
+def tiny_sana_pipeline(seed: int = 0) -> SanaPipeline:
+    model = _transformer(
+        seed, SanaTransformer2DModel, in_channels=4, out_channels=4, num_attention_heads=_HEADS,
+        attention_head_dim=_HEAD_DIM, num_layers=2, num_cross_attention_heads=_HEADS,
+        cross_attention_head_dim=_HEAD_DIM, cross_attention_dim=_WIDTH, caption_channels=16, sample_size=8,
+    )  # fmt: skip
+    return _bare(SanaPipeline, model, vae=None, text_encoder=None, tokenizer=None)
+
+
+def tiny_hunyuandit_pipeline(seed: int = 0) -> HunyuanDiTPipeline:
+    """HunyuanDiT: its 2-D RoPE goes to the model as a (cos, sin) tuple as long as the image tokens. DPM-Solver
+    rather than its DDPM scheduler, whose step from pure noise magnifies rounding ~150x in two steps."""
+    model = _transformer(
+        seed, HunyuanDiT2DModel, num_attention_heads=_HEADS, attention_head_dim=_HEAD_DIM, in_channels=4,
+        patch_size=2, sample_size=8, hidden_size=_WIDTH, num_layers=2, cross_attention_dim=16,
+        cross_attention_dim_t5=16, pooled_projection_dim=8, text_len=5, text_len_t5=6,
+    )  # fmt: skip
+    slots = dict(
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, safety_checker=None
+    )
+    pipe = HunyuanDiTPipeline(
+        transformer=model, scheduler=DPMSolverMultistepScheduler(), vae=None, feature_extractor=None,
+        requires_safety_checker=False, **slots,
+    )  # fmt: skip
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_cogvideox_pipeline(seed: int = 0) -> CogVideoXPipeline:
+    """CogVideoX with its 3-D RoPE (a (cos, sin) tuple, as HunyuanDiT's)."""
+    model = _transformer(
+        seed, CogVideoXTransformer3DModel, num_attention_heads=_HEADS, attention_head_dim=_HEAD_DIM,
+        in_channels=4, out_channels=4, time_embed_dim=_WIDTH, text_embed_dim=16, num_layers=2, sample_width=8,
+        sample_height=8, sample_frames=9, max_text_seq_length=5, use_rotary_positional_embeddings=True,
+    )  # fmt: skip
+    pipe = CogVideoXPipeline(
+        transformer=model, scheduler=CogVideoXDDIMScheduler(), vae=None, text_encoder=None, tokenizer=None
+    )
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_ltx_pipeline(seed: int = 0) -> LTXPipeline:
+    model = _transformer(
+        seed, LTXVideoTransformer3DModel, in_channels=4, out_channels=4, num_attention_heads=_HEADS,
+        attention_head_dim=_HEAD_DIM, cross_attention_dim=_WIDTH, num_layers=2, caption_channels=16,
+    )  # fmt: skip
+    return _bare(LTXPipeline, model, vae=None, text_encoder=None, tokenizer=None)
+
+
+def tiny_allegro_pipeline(seed: int = 0) -> AllegroPipeline:
+    """Allegro (heads of 24: its RoPE splits them in three even parts; a tuple of tuples of tables)."""
+    model = _transformer(
+        seed, AllegroTransformer3DModel, num_attention_heads=_HEADS, attention_head_dim=24, in_channels=4,
+        out_channels=4, num_layers=2, cross_attention_dim=2 * 24, sample_height=8, sample_width=8,
+        sample_frames=3, caption_channels=16,
+    )  # fmt: skip
+    pipe = AllegroPipeline(
+        transformer=model,
+        scheduler=DPMSolverMultistepScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+    )
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_mochi_pipeline(seed: int = 0) -> MochiPipeline:
+    model = _transformer(
+        seed, MochiTransformer3DModel, num_attention_heads=_HEADS, attention_head_dim=_HEAD_DIM, num_layers=2,
+        pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=16, max_sequence_length=5,
+    )  # fmt: skip
+    return _bare(MochiPipeline, model, vae=None, text_encoder=None, tokenizer=None)
+
+
+def tiny_latte_pipeline(seed: int = 0) -> LattePipeline:
+    """Latte (its transformer predicts the variance too: twice the latent channels out)."""
+    model = _transformer(
+        seed, LatteTransformer3DModel, num_attention_heads=_HEADS, attention_head_dim=_HEAD_DIM, in_channels=4,
+        out_channels=8, num_layers=2, cross_attention_dim=_WIDTH, sample_size=8, patch_size=2,
+        norm_type="ada_norm_single", caption_channels=16, video_length=3, num_embeds_ada_norm=1000,
+    )  # fmt: skip
+    pipe = LattePipeline(
+        transformer=model,
+        scheduler=DPMSolverMultistepScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+    )
+    return _finish(pipe, torch.float32, "cpu")
+
+
+def tiny_easyanimate_pipeline(seed: int = 0) -> EasyAnimatePipeline:
+    """EasyAnimate (its loop reads the VAE's latent channels: a toy Magvit VAE)."""
+    model = _transformer(
+        seed, EasyAnimateTransformer3DModel, num_attention_heads=_HEADS, attention_head_dim=_HEAD_DIM,
+        in_channels=4, out_channels=4, patch_size=2, sample_width=8, sample_height=8, num_layers=2,
+        mmdit_layers=2, time_embed_dim=_WIDTH, text_embed_dim=16,
+    )  # fmt: skip
+    blocks = dict(down_block_types=["SpatialDownBlock3D"] * 2, up_block_types=["SpatialUpBlock3D"] * 2)
+    with _seeded(seed, "vae"):
+        vae = AutoencoderKLMagvit(
+            latent_channels=4, block_out_channels=[8, 8], layers_per_block=1, norm_num_groups=4, **blocks
+        )
+    return _bare(EasyAnimatePipeline, model, vae=vae, text_encoder=None, tokenizer=None)
+
+
+def tiny_auraflow_pipeline(seed: int = 0) -> AuraFlowPipeline:
+    model = _transformer(
+        seed, AuraFlowTransformer2DModel, sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1,
+        num_single_dit_layers=1, attention_head_dim=_HEAD_DIM, num_attention_heads=_HEADS, joint_attention_dim=16,
+        caption_projection_dim=_WIDTH, out_channels=4, pos_embed_max_size=64,
+    )  # fmt: skip
+    return _bare(AuraFlowPipeline, model, vae=None, text_encoder=None, tokenizer=None)
+
+
+def tiny_lumina_pipeline(seed: int = 0) -> LuminaPipeline:
+    model = _transformer(
+        seed, LuminaNextDiT2DModel, sample_size=8, patch_size=2, in_channels=4, hidden_size=_WIDTH, num_layers=2,
+        num_attention_heads=_HEADS, num_kv_heads=1, multiple_of=16, cross_attention_dim=16,
+    )  # fmt: skip
+    return _bare(LuminaPipeline, model, vae=None, text_encoder=None, tokenizer=None)
+
+
+def batched_calls() -> tuple[tuple[Any, dict[str, Any]], ...]:
+    """(builder, guided call) of each pipeline above that batches both branches in each transformer call."""
+    video = dict(num_frames=9)
+    return (
+        (tiny_sana_pipeline, _call(**_masked_text(1), negative_prompt=None, guidance_scale=4.5,
+                                   use_resolution_binning=False)),
+        (tiny_hunyuandit_pipeline, _call(**_masked_text(1), **{f"{key}_2": v for key, v in _masked_text(3, 6).items()},
+                                         guidance_scale=5.0, use_resolution_binning=False)),
+        (tiny_cogvideox_pipeline, _call(**_text("prompt_embeds", 1, 1, 5, 16, mask=None), guidance_scale=6.0,
+                                        **video)),
+        (tiny_ltx_pipeline, _call(**_masked_text(1), guidance_scale=3.0, **video)),
+        (tiny_allegro_pipeline, _call(**_masked_text(1), negative_prompt=None, guidance_scale=7.5, **video)),
+        (tiny_mochi_pipeline, _call(**_masked_text(1), guidance_scale=4.5, num_frames=7)),
+        (tiny_latte_pipeline, _call(**_text("prompt_embeds", 1, 1, 5, 16, mask=None), negative_prompt=None,
+                                    guidance_scale=7.5, video_length=3, mask_feature=False)),
+        (tiny_easyanimate_pipeline, _call(**_masked_text(1), guidance_scale=5.0, height=32, width=32, num_frames=5)),
+        (tiny_auraflow_pipeline, _call(**_masked_text(1), guidance_scale=3.5)),
+        (tiny_lumina_pipeline, _call(**_masked_text(1), guidance_scale=4.0)),
+    )  # fmt: skip

@@ -40,7 +40,7 @@ from ..utils.logging import get_logger
 from ..utils.reason_counts import ReasonCounts
 from .base import diffusers_only_reason
 from .compiler import BlockCompiler, CompiledSteps
-from .registry import cp_plan, registered_natives
+from .registry import cp_plan, registered_natives, unbatched_arguments
 
 logger = get_logger(__name__)
 
@@ -243,12 +243,14 @@ _PAG_PROCESSORS = tuple(
 
 
 def _batch_of_samples(module: nn.Module, arguments: dict[str, Any]) -> tuple[str, ...] | None:
-    """``batch_dim_arguments``, or None (no telling: the call runs whole on every rank, or its two branches
-    apart) while a PAG processor runs in ``module``: its batch is not one of samples, and a rank given half
-    of it would perturb the wrong part (or fail on a part missing)."""
+    """``batch_dim_arguments`` of the arguments the registry does not know to be unbatched (RoPE tuples), or
+    None (no telling: the call runs whole on every rank, or its two branches apart) while a PAG processor
+    runs in ``module``: its batch is not one of samples, and a rank given half of it would perturb the wrong
+    part (or fail on a part missing)."""
     if any(isinstance(getattr(m, "processor", None), _PAG_PROCESSORS) for m in module.modules()):
         return None
-    return batch_dim_arguments(arguments)
+    unbatched = unbatched_arguments(module)
+    return batch_dim_arguments({k: v for k, v in arguments.items() if k not in unbatched})
 
 
 def batch_dim_arguments(arguments: dict[str, Any]) -> tuple[str, ...] | None:

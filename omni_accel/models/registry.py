@@ -235,6 +235,25 @@ _CP_PLAN_ADDITIONS: dict[str, dict[str, Any]] = {
 }
 
 
+# Arguments of a forward without a batch dimension that ``batch_dim_arguments`` cannot tell from a call: a
+# tuple of RoPE tables, as long as the sequence, beside a batch of two looks like a list of one tensor per
+# sample, and the call would run whole on every rank under cfg=2.
+_UNBATCHED_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "HunyuanDiT2DModel": ("image_rotary_emb",),
+    "CogVideoXTransformer3DModel": ("image_rotary_emb",),
+    "AllegroTransformer3DModel": ("image_rotary_emb",),
+}
+
+
+def unbatched_arguments(transformer: nn.Module) -> tuple[str, ...]:
+    """The forward arguments of ``transformer``'s class (or the closest listed class in its MRO) that hold no
+    batch dimension although a call cannot tell (``_UNBATCHED_ARGUMENTS``)."""
+    for cls in type(transformer).__mro__:
+        if cls.__name__ in _UNBATCHED_ARGUMENTS and cls.__module__.startswith("diffusers."):
+            return _UNBATCHED_ARGUMENTS[cls.__name__]
+    return ()
+
+
 # Models without native blocks whose Diffusers code defeats our kernels in one place: the ``module:function``
 # that replaces that place, ``function(transformer) -> (what describe says, undos)``.
 _GENERIC_ADAPTATIONS: dict[str, str] = {
