@@ -107,10 +107,13 @@ _PIXART_CALL = {**_IMAGE_CALL, "use_resolution_binning": False, "clean_caption":
 
 def _auto_picks_cfg() -> None:
     """``parallel="auto"``: a first call that runs both branches takes cfg=2 for these families, and for
-    PixArt-Sigma, whose calls each hold both (halved over the ranks; no ``_cp_plan``: refused before its rule)."""
+    those whose calls each hold both (PixArt-Sigma, Sana, HunyuanDiT, CogVideoX, LTX-Video...: halved over the
+    ranks, every call; without a rule, refused, or for LTX-Video's ``_cp_plan`` ulysses=2). HunyuanDiT's,
+    CogVideoX's and Allegro's RoPE tuples, unbatched, stay whole on each rank beside the halves."""
     cases = (
         (tiny.tiny_cogview4_pipeline, {"guidance_scale": 5.0}, "paired_calls", STEPS - 1),
         (tiny.tiny_pixart_sigma_pipeline, _PIXART_CALL, "split_calls", STEPS),
+        *((build, call, "split_calls", STEPS) for build, call in tiny.batched_calls()),
     )
     for build, call, counter, count in cases:
         plain = _images(build(), **call)
@@ -118,8 +121,9 @@ def _auto_picks_cfg() -> None:
         got = _images(pipe, **call)
         assert _rel(got, plain) <= 1e-5 and _same_on_every_rank(got), build.__name__
         report = omni_accel.describe(pipe)
-        assert "cfg=2) on 2 ranks" in str(report), report
-        assert getattr(report.components[0].cfg, counter) == count, report.components[0].cfg.describe()
+        assert "cfg=2) on 2 ranks" in str(report), f"{build.__name__}: {report}"
+        cfg = report.components[0].cfg
+        assert getattr(cfg, counter) == count, f"{build.__name__}: {cfg.describe()}"
         omni_accel.restore(pipe)
 
 
@@ -148,3 +152,16 @@ CHECKS = (_paired_over_two_ranks, _guidance_off_midway, _auto_picks_cfg, _pag_ca
 @pytest.mark.multirank
 def test_two_call_guidance_pairs_over_cfg_ranks():
     run_multirank(run_checks, 2, CHECKS, timeout=600)
+
+
+def test_sana_sprint_runs_no_guidance_on_the_transformer_sana_guides_with():
+    """Sana Sprint's ``guidance_scale`` (4.5 by default) is an input of its guidance-distilled model: its calls
+    hold one branch, so ``parallel="auto"`` must not take cfg=2 for it, as it does for Sana's."""
+    from diffusers import SanaSprintPipeline
+
+    from omni_accel.models.registry import spec_for
+
+    rule = spec_for(tiny.tiny_sana_pipeline().transformer).batched_guidance
+    sprint = SanaSprintPipeline.__new__(SanaSprintPipeline)
+    assert not rule({"self": sprint, "guidance_scale": 4.5})
+    assert rule({"self": tiny.tiny_sana_pipeline(), "guidance_scale": 4.5})

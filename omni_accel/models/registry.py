@@ -118,9 +118,19 @@ def _guidance_scale_above_one(arguments: dict[str, Any]) -> bool:
     """The Stable Diffusion 3 pipelines (text-to-image, img2img, inpaint, ControlNet, PAG) batch both guidance
     branches in each transformer call while ``guidance_scale > 1`` (their ``do_classifier_free_guidance``), as
     do PixArt-Alpha's and PixArt-Sigma's (and its PAG; a PAG call's batch, not one of samples, runs whole on
-    each rank: ``models.generic``); Ovis-Image's and NucleusMoE-Image's call the transformer twice per step
-    then, decided once per call."""
+    each rank: ``models.generic``), HunyuanDiT's (and its ControlNet, PAG), CogVideoX's (text-, image-,
+    video-to-video, Fun Control), LTX-Video's (text-, image-to-video, condition), Allegro's, Mochi's, Latte's,
+    EasyAnimate's (and its control, inpaint), AuraFlow's and Lumina-Next's; Ovis-Image's and
+    NucleusMoE-Image's call the transformer twice per step then, decided once per call."""
     return arguments.get("guidance_scale", 7.0) > 1
+
+
+def _sana_batched_guidance(arguments: dict[str, Any]) -> bool:
+    """Sana's pipelines (text-to-image, ControlNet, PAG) batch both branches while ``guidance_scale > 1`` (their
+    ``do_classifier_free_guidance``); Sana Sprint's, on the same transformer, define no such thing and never
+    guide: their ``guidance_scale`` is an input of the guidance-distilled model."""
+    guides = hasattr(type(arguments["self"]), "do_classifier_free_guidance")
+    return guides and _guidance_scale_above_one(arguments)
 
 
 _TRANSFORMERS = "diffusers.models.transformers"
@@ -211,6 +221,16 @@ _GENERIC_GUIDANCE: dict[str, dict[str, Callable[[dict[str, Any]], Pairing]]] = {
     "Krea2Transformer2DModel": {"cfg_pairing": _krea2_cfg_pairs},
     "NucleusMoEImageTransformer2DModel": {"cfg_pairing": _guidance_scale_above_one},
     "PixArtTransformer2DModel": {"batched_guidance": _guidance_scale_above_one},
+    "SanaTransformer2DModel": {"batched_guidance": _sana_batched_guidance},
+    "HunyuanDiT2DModel": {"batched_guidance": _guidance_scale_above_one},
+    "CogVideoXTransformer3DModel": {"batched_guidance": _guidance_scale_above_one},
+    "LTXVideoTransformer3DModel": {"batched_guidance": _guidance_scale_above_one},
+    "AllegroTransformer3DModel": {"batched_guidance": _guidance_scale_above_one},
+    "MochiTransformer3DModel": {"batched_guidance": _guidance_scale_above_one},
+    "LatteTransformer3DModel": {"batched_guidance": _guidance_scale_above_one},
+    "EasyAnimateTransformer3DModel": {"batched_guidance": _guidance_scale_above_one},
+    "AuraFlowTransformer2DModel": {"batched_guidance": _guidance_scale_above_one},
+    "LuminaNextDiT2DModel": {"batched_guidance": _guidance_scale_above_one},
 }
 
 
