@@ -353,6 +353,28 @@ def test_a_call_our_providers_cannot_split_is_not_compiled_while_a_model_is_spli
     assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
 
 
+def test_a_compiled_call_gradients_flow_through_while_a_model_is_split_is_plain_diffusers(monkeypatch):
+    """While a model of the process is split, a compiled call a gradient flows through traces Diffusers'
+    function behind a check that refuses it under a split forward only: a model that is not split computes
+    plain Diffusers' outputs and gradients through it."""
+    from tiny_transformers import build
+
+    from omni_accel.parallel import routed_attention
+
+    model, inputs = build("FluxTransformer2DModel")
+    plain = copy.deepcopy(model)
+    omni_accel.accelerate(Holder(model), native=False)
+    monkeypatch.setattr(routed_attention, "LIVE_SPLITS", 1)
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="eager")(**inputs, return_dict=False)[0]
+    want = plain(**inputs, return_dict=False)[0]
+    assert torch.equal(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    grads = dict(model.named_parameters())
+    assert all(torch.equal(grads[name].grad, p.grad) for name, p in plain.named_parameters())
+
+
 @pytest.mark.parametrize(
     ("family", "options"),
     [

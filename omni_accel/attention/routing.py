@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..parallel import routed_attention
-from ..parallel.routed_attention import attend_split, split_forward
+from ..parallel.routed_attention import attend_split, gradients_refused, split_forward
 from .key_padding import attend_kept, kept_keys
 from .selection import AttentionSelector
 
@@ -286,10 +286,35 @@ def traced_call(
     scale: float | None,
 ) -> torch.Tensor | None:
     """While Dynamo traces a call site: the op for an accelerated model's call (BSHD), or None to trace
-    Diffusers' function (no role entered, or gradients may be needed: the op has no backward)."""
-    if torch.is_grad_enabled():
-        return None
+    Diffusers' function (no role entered, or a gradient flows through it: the op has no backward). Where
+    a gradient flows while a model of the process is split, Diffusers' function is traced behind
+    ``refuse_split_gradient``: under a split forward it would attend over this rank's tokens only, and an
+    eager call there raises (``attend_split``). Whether a gradient flows is known at trace time (Dynamo
+    guards on the inputs' ``requires_grad``); ``LIVE_SPLITS`` is in the guards."""
     traced = traced_route()
     if traced is None:
         return None
-    return diffusers_attention(query, key, value, attn_mask, *traced, scale, site)
+    if gradient_reason(query, key, value) is None:
+        return diffusers_attention(query, key, value, attn_mask, *traced, scale, site)
+    if not routed_attention.LIVE_SPLITS:
+        return None
+    return _ORIGINALS[site](refuse_split_gradient(query, traced[0]), key, value, attn_mask, scale)
+
+
+@torch.library.custom_op("omni_accel::refuse_split_gradient", mutates_args=())
+def refuse_split_gradient(query: torch.Tensor, role: str) -> torch.Tensor:
+    """In a compiled graph, ahead of Diffusers' function for a call a gradient flows through: raises as the
+    eager call does where a split forward is in flight at run time, else passes ``query`` on (a copy: an
+    op's output may not alias its input). A check in the graph, not a graph break, so that the call
+    stays in the trace that knows its role."""
+    if split_forward() is not None:
+        raise gradients_refused(role)
+    return query.clone()
+
+
+@refuse_split_gradient.register_fake
+def _(query, role):
+    return torch.empty_like(query)
+
+
+refuse_split_gradient.register_autograd(lambda ctx, grad: (grad, None))

@@ -58,6 +58,14 @@ def split_forward() -> SequenceState | None:
     return state if state is not None and state.degree > 1 else None
 
 
+def gradients_refused(role: str) -> NotImplementedError:
+    """What a call that gradients flow through raises under a split forward, eager or compiled."""
+    return NotImplementedError(
+        f"Attention role {role!r}: gradients under sequence parallelism are not supported (its exchanges "
+        "are not differentiable); run the training step on one GPU."
+    )
+
+
 def attend_split(
     state: SequenceState,
     attend: RoutedAttend,
@@ -72,10 +80,7 @@ def attend_split(
     """Attention of this rank's queries over every rank's keys (BSHD), exact. ``attend`` takes an explicit
     ``scale`` (None: the kernel's own, ``1/sqrt(head size)``)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise NotImplementedError(
-            f"Attention role {role!r}: gradients under sequence parallelism are not supported (its exchanges "
-            "are not differentiable); run the training step on one GPU."
-        )
+        raise gradients_refused(role)
     if not state.streams:  # nothing split yet: every rank holds every token
         return attend(query, key, value, attn_mask, scale, False)
     q_len, kv_len = query.shape[1], key.shape[1]
