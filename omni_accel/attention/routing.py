@@ -12,7 +12,9 @@ at trace time which role the calls below them belong to (``trace_enter``, see
 ``patches/attention_roles.py``), and the patched call site puts ``diffusers_attention`` in the graph, a
 custom op that routes at run time as ``route`` does, with the selector of the forward in flight. A plain
 Diffusers model of the same class that a user compiles elsewhere in the process traces Diffusers' function
-as it is; the role is part of Dynamo's guards, so the two never share compiled code.
+as it is; the role is part of Dynamo's guards, so the two never share compiled code. While a model of the
+process is split over ranks, a call site traced with no role (a graph break inside an attention module)
+puts the op in too, taking the role in scope at run time (``traced_route``).
 """
 
 from __future__ import annotations
@@ -194,10 +196,26 @@ def trace_leave() -> bool:
     return True
 
 
-@torch.compiler.assume_constant_result
+# The role a traced call takes at run time, from the context variable (``diffusers_attention``).
+RUNTIME_ROLE = ("", "")
+
+
 def traced_route() -> tuple[str, str] | None:
-    """At trace time: (role, category) of the attention call being traced, or None when no accelerated
-    model's attention module entered one in this trace."""
+    """At trace time: (role, category) of the attention call being traced; ``RUNTIME_ROLE`` when no
+    accelerated model's attention module entered one in this trace while a model of the process is split;
+    else None (the call site traces Diffusers' function). A graph break inside an attention module (a
+    processor's own, a hook's) compiles the call site in a frame of its own, where the trace knows no role
+    while the forward in flight may be split: Diffusers' function would attend over one rank's tokens
+    only, so the call routes at run time as an eager one does. Traced, not run at trace time, so that
+    ``LIVE_SPLITS`` is in the guards."""
+    entry = _entered_route()
+    if entry is None and routed_attention.LIVE_SPLITS:
+        return RUNTIME_ROLE
+    return entry
+
+
+@torch.compiler.assume_constant_result
+def _entered_route() -> tuple[str, str] | None:
     entry = getattr(_TRACED, "route", None)
     if entry is None or entry[0] is not torch._guards.TracingContext.try_get():
         return None
@@ -246,7 +264,9 @@ def diffusers_attention(
     """A routed Diffusers attention call inside a compiled graph (BSHD): served at run time as ``route``
     serves an eager one, by the selector of the accelerated forward in flight (its scope, Diffusers'
     process-wide backend, a kernel refusing the tensors), else by the call site's Diffusers function. The
-    graph names no pipeline, so models of one class share it."""
+    graph names no pipeline, so models of one class share it. ``RUNTIME_ROLE``: the role in scope now."""
+    if (role, category) == RUNTIME_ROLE:
+        role, category = _ROLE.get()
     selector = _ACTIVE.get()
     out = None
     if selector is None:
@@ -308,7 +328,7 @@ def refuse_split_gradient(query: torch.Tensor, role: str) -> torch.Tensor:
     op's output may not alias its input). A check in the graph, not a graph break, so that the call
     stays in the trace that knows its role."""
     if split_forward() is not None:
-        raise gradients_refused(role)
+        raise gradients_refused(role or _ROLE.get()[0])
     return query.clone()
 
 
