@@ -8,7 +8,9 @@ patched forward reads the instance attribute ``_omni_accel_route`` (the role and
 accelerated models' modules have: eagerly it enters the role for the call; while Dynamo traces it tells
 the trace (``routing.trace_enter``), and Dynamo guards on the attribute's value, so blocks of one role share
 one graph and a plain model (no attribute) never shares ours. A module without
-the attribute runs the original forward unchanged.
+the attribute runs the original forward unchanged. Where Dynamo starts a frame at the patched forward (a
+graph break inside the attention module resumes there), it skips that frame, so the role is entered eagerly
+around the compiled frames below it, as ``scoped_calls.py`` does for the model's call.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._dynamo.eval_frame import skip_code
 
 from omni_accel.attention.routing import enter_role, leave_role, trace_enter, trace_leave
 
@@ -46,6 +49,7 @@ def apply(cls: type) -> None:
         finally:
             leave_role(token)
 
+    skip_code(forward.__code__)  # as a first frame only: the role entered eagerly; traced when called in one
     setattr(cls, _ORIGINAL, cls.__dict__.get("forward"))  # None: inherited
     cls.forward = ours(forward, inherited)
 
