@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import random_lora
-from diffusers import AutoencoderKLWan
+from diffusers import AutoencoderKLWan, FluxPipeline
 from multirank import run_multirank
 
 import omni_accel
@@ -956,6 +956,7 @@ def _two_ranks(rank: int, world: int) -> None:
         _wan_forward, ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(tp=2)
     )
     _bf16_as_accurate_as_one_rank(_wan_guided_latents, ParallelConfig(ulysses=2), ParallelConfig(tp=2))
+    _pipeline_calls_from_threads(rank)
     _vae_checks()
     _vae_hooks_under_the_split()
     _vae_coder_replaced()
@@ -1339,6 +1340,76 @@ def _vae_from_threads(world: int) -> None:
     assert not errors and not any(thread.is_alive() for thread in threads), errors
     for out, want in zip(got, wants, strict=True):
         assert ((out - want).abs().max() / want.abs().max()).item() <= 1.5e-6
+    omni_accel.restore(pipe)
+
+
+def _pipeline_calls_from_threads(rank: int) -> None:
+    """Two threads per rank calling a pipeline and a sibling (``from_pipe``) at once (a web server), two calls
+    each, give what plain Diffusers' threads give: each rank runs the calls that communicate one at a time, in an order every rank
+    agrees on (the threads' collectives crossed: gloo aborted both ranks), and each thread pairs its own
+    guidance calls (another thread's end of call dropped its waiting conditional result)."""
+    import threading
+
+    plain = omni_accel.tiny_flux_pipeline(seed=0)
+    prompts = ["a cat", "a dog in a hat", "a red car", "dark"]
+    with torch.no_grad():  # text encoding is done first: a tokenizer in threads is not deterministic
+        embeds = [plain.encode_prompt(prompt=p, prompt_2=None)[:2] for p in prompts]
+
+    def call(i: int) -> dict:
+        negative = embeds[(i + 1) % len(embeds)]
+        return dict(
+            prompt_embeds=embeds[i][0],
+            pooled_prompt_embeds=embeds[i][1],
+            negative_prompt_embeds=negative[0],
+            negative_pooled_prompt_embeds=negative[1],
+            true_cfg_scale=2.0,
+            num_inference_steps=2,
+            height=32,
+            width=32 + 16 * (i % 2),
+            output_type="pt",
+            generator=torch.Generator().manual_seed(i),
+        )
+
+    def in_threads(pipe) -> list[torch.Tensor]:
+        """Thread 0 calls ``pipe`` (its guidance calls pair), thread 1 a sibling sharing its transformer and
+        VAE, with a scheduler of its own (plain Diffusers' scheduler keeps a call's step)."""
+        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        pipes = [pipe, FluxPipeline.from_pipe(pipe, scheduler=scheduler)]
+        got, errors = [None] * 4, []
+
+        def run(thread: int) -> None:
+            try:
+                with torch.no_grad():
+                    for i in (thread, thread + 2):
+                        got[i] = pipes[thread](**call(i)).images
+            except Exception as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors and not any(thread.is_alive() for thread in threads), errors
+        return got
+
+    wants = in_threads(plain)
+    for layout in (ParallelConfig(tp=2), ParallelConfig(ulysses=2), ParallelConfig(cfg=2)):
+        pipe = omni_accel.accelerate(omni_accel.tiny_flux_pipeline(seed=0), parallel=layout)
+        for got, want in zip(in_threads(pipe), wants, strict=True):
+            assert (got - want).abs().max().item() <= 1e-5, layout
+        omni_accel.restore(pipe)
+    # calls whose inputs differ over the ranks never meet: every rank raises, before any collective of them
+    pipe = omni_accel.accelerate(
+        omni_accel.tiny_flux_pipeline(seed=0), parallel=ParallelConfig(tp=2, timeout_s=2)
+    )
+    refused = "no call with the same inputs waiting on all of them.*serialise"
+    with pytest.raises(RuntimeError, match=refused), torch.no_grad():
+        pipe(**{**call(rank), "true_cfg_scale": 1.0})
+    with torch.no_grad():  # and the next calls run as before
+        got = pipe(**{**call(0), "true_cfg_scale": 1.0, "output_type": "latent"}).images
+        want = plain(**{**call(0), "true_cfg_scale": 1.0, "output_type": "latent"}).images
+    assert (got - want).abs().max().item() <= 1e-5
     omni_accel.restore(pipe)
 
 

@@ -28,6 +28,7 @@ waiting result is NaN until then, so a pipeline that read it early would show it
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from .comm import all_gather_dim
 from .held_groups import HoldsGroups
 from .hooks import LayoutHook, bound_arguments
 from .sequence_hooks import foreign_block_hooks
+from .turns import turns
 
 _BRANCHES = ("cond", "uncond")
 
@@ -61,6 +63,29 @@ def _guides(pipe: Any) -> bool:
     return bool(pipe.do_classifier_free_guidance)
 
 
+class _CallState(threading.local):
+    """A pipeline call's pairing state, one per thread: calls from several threads at once (a web server's,
+    of one pipeline or of ``from_pipe`` siblings sharing the transformer) each pair their own calls. A copy
+    (of a deep-copied pipeline) starts empty."""
+
+    def __init__(self) -> None:
+        self.pairing: Pairing = False
+        self.branch: str | None = None
+        self.pending: tuple[dict[str, Any], torch.Tensor] | None = None
+        self.same: dict[tuple, tuple] = {}
+        self.unpaired = False
+
+    def __deepcopy__(self, memo: dict) -> _CallState:
+        return _CallState()
+
+
+def _per_call(name: str) -> property:
+    """An attribute of the thread's call state (``_CallState``)."""
+    return property(
+        lambda self: getattr(self._call, name), lambda self, value: setattr(self._call, name, value)
+    )
+
+
 class GuidanceBranches(HoldsGroups):
     """How a layout runs a CFG step's two branches: over the two ranks of ``group`` (CFG parallelism), or,
     with ``group`` None, stacked in one call. ``batched_inputs``: the forward arguments with a batch
@@ -78,25 +103,30 @@ class GuidanceBranches(HoldsGroups):
         self.rank = 0 if group is None else dist.get_rank(group)
         self._batched = batched_inputs if callable(batched_inputs) else tuple(batched_inputs)
         self._per_sample = frozenset(per_sample_inputs)  # lists of one tensor per sample (see ParallelPlan)
-        self.pairing = False  # set for the duration of a pipeline call whose calls pair (see patches)
-        self.branch: str | None = None  # the pipeline's cache_context of the call in flight
-        self._pending: tuple[dict[str, Any], torch.Tensor] | None = None
-        self._same: dict[tuple, tuple] = {}  # verdicts on unbatched tensor pairs, for one pipeline call
-        self._unpaired = False  # this step's conditional call ran at once: its unconditional one does too
+        # Per thread: whether the pipeline call pairs (set for its duration, see patches); the branch of
+        # the call in flight (its cache_context); the conditional call waiting for its pair; verdicts on
+        # unbatched tensor pairs, for one pipeline call; whether this step's conditional call ran at once
+        # (its unconditional one then does too).
+        self._call = _CallState()
         self.split_calls = self.paired_calls = self.replicated_calls = 0
         self.stacked_calls = self.unstacked_calls = self.hooked_calls = 0
         self.ordered_calls = 0  # paired calls made outside any cache_context: paired by their order
+
+    branch = _per_call("branch")
+    _pending = _per_call("pending")
+    _same = _per_call("same")
+    _unpaired = _per_call("unpaired")
 
     @property
     def pairing(self) -> bool:
         """Whether the call in flight pairs: the pairing rule's verdict for the pipeline call, or, where the
         rule gave a function (``guided_per_step``), that function's verdict now."""
-        pairing = self._pairing
+        pairing = self._call.pairing
         return bool(pairing()) if callable(pairing) else pairing
 
     @pairing.setter
     def pairing(self, value: Pairing) -> None:
-        self._pairing = value
+        self._call.pairing = value
 
     def run(
         self,
@@ -122,10 +152,16 @@ class GuidanceBranches(HoldsGroups):
             self.replicated_calls += 1  # one sample, or no telling which arguments carry the batch
             return model(**kwargs)
         self.split_calls += 1
-        out = model(**self._half(kwargs))
-        if isinstance(out, list | tuple):  # one tensor per sample, as the per-sample inputs came
-            return list(all_gather_dim(torch.stack(list(out)), 0, self.group).unbind(0))
-        return all_gather_dim(out, 0, self.group)
+        with turns().turn(kwargs):
+            out = model(**self._half(kwargs))
+            if isinstance(out, list | tuple):  # one tensor per sample, as the per-sample inputs came
+                return list(all_gather_dim(torch.stack(list(out)), 0, self.group).unbind(0))
+            return all_gather_dim(out, 0, self.group)
+
+    def waiting(self) -> dict[str, Any] | None:
+        """This thread's conditional call waiting for its pair (its inputs), or None."""
+        pending = self._pending
+        return None if pending is None else pending[0]
 
     def _batch_of(self, name: str, value: Any) -> int:
         return len(value) if name in self._per_sample else value.shape[0]
@@ -182,8 +218,9 @@ class GuidanceBranches(HoldsGroups):
         self.paired_calls += 1
         if self.group is None:
             return self._stacked(model, cond_kwargs, kwargs, buffer)
-        mine = model(**(cond_kwargs if self.rank == 0 else kwargs))
-        both = all_gather_dim(mine.unsqueeze(0), 0, self.group)
+        with turns().turn((cond_kwargs, kwargs)):
+            mine = model(**(cond_kwargs if self.rank == 0 else kwargs))
+            both = all_gather_dim(mine.unsqueeze(0), 0, self.group)
         buffer.copy_(both[0])
         return both[1]
 
@@ -307,6 +344,26 @@ class _NoState:
         pass
 
 
+class _ContextPerThread(StateManager):
+    """Diffusers' StateManager whose cache context is the setting thread's: the pipeline's
+    ``cache_context("cond")`` in one thread must not name the branch of another thread's call."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        super().__init__(_NoState)
+
+    @property
+    def _context(self) -> Any:
+        return getattr(self._local, "context", None)
+
+    @_context.setter
+    def _context(self, value: Any) -> None:
+        self._local.context = value
+
+    def __deepcopy__(self, memo: dict) -> _ContextPerThread:
+        return _ContextPerThread()
+
+
 class SplitGuidance(LayoutHook):
     """Runs the module's forward through ``GuidanceBranches``. ``output_like(module, arguments)`` is an empty
     tensor shaped like the output (or None where it is not known yet: that pair then runs whole on every
@@ -328,7 +385,7 @@ class SplitGuidance(LayoutHook):
         super().__init__()
         self.cfg, self.output_like, self.output_class = cfg, output_like, output_class
         self.block_lists = block_lists  # whose own hooks keep the branches apart
-        self.context = StateManager(_NoState)
+        self.context = _ContextPerThread()
         self.bare_output = False  # the module's forward returns a tensor, not a tuple, without return_dict
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .cfg import GuidanceBranches, SplitGuidance
-from .hooks import SubmoduleHooks, register
+from .hooks import LayoutHook, SubmoduleHooks, register
 from .mesh import ParallelState
 from .peer_memory import choose_transports
 from .sequence_hooks import (
@@ -36,6 +36,7 @@ from .sequence_hooks import (
 )
 from .tensor import TensorPlan, apply_tensor_parallel, plan_shards
 from .token_rows import Rows, split_pays
+from .turns import turns
 
 _HOOK_PREFIX = "omni_accel."
 
@@ -158,4 +159,23 @@ def parallelize(
         layout.cfg = GuidanceBranches(state.group("cfg"), plan.batched_inputs, plan.per_sample_inputs)
         hook = SplitGuidance(layout.cfg, plan.output_like, output_class, tuple(plan.tensor))
         layout.undo.append(register(transformer, hook, _HOOK_PREFIX + "cfg_split"))
+    if layout.splits_blocks or layout.cfg is not None:
+        turns().timeout_s = config.timeout_s
+    if layout.splits_blocks:  # every forward communicates: in turn with other threads' (outermost)
+        layout.undo.append(register(transformer, InTurn(layout.cfg), _HOOK_PREFIX + "turn"))
     return layout
+
+
+class InTurn(LayoutHook):
+    """Runs each forward in its turn among the process's calls that communicate (``turns``), by a
+    fingerprint of its arguments and, where the call pairs with this thread's waiting conditional call,
+    of that call's. It decides nothing a step graph computes (a layout hook: graphs stay on)."""
+
+    def __init__(self, cfg: GuidanceBranches | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        waiting = None if self.cfg is None else self.cfg.waiting()
+        with turns().turn((args, kwargs, waiting)):
+            return self.fn_ref.original_forward(*args, **kwargs)

@@ -47,6 +47,7 @@ from torch import nn
 from ..forward_hooks import InstanceForward, hooked_submodule
 from ..utils.logging import get_logger
 from .comm import all_gather_sizes
+from .turns import turns
 
 logger = get_logger(__name__)
 
@@ -256,7 +257,8 @@ class RowSplit(InstanceForward):
         forward = self._forward()
         if not self.enabled:
             return forward(sample, *args, **kwargs)
-        with _calls_over(self.group):
+        # in turn with the process's other calls that communicate (a transformer forward in another thread)
+        with turns().turn([sample, args, kwargs], vae=True), _calls_over(self.group):
             return self._call(forward, sample, args, kwargs)
 
     def _call(self, forward: Callable, sample: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
