@@ -32,7 +32,6 @@ import copy
 import functools
 import math
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -257,8 +256,10 @@ class RowSplit(InstanceForward):
         forward = self._forward()
         if not self.enabled:
             return forward(sample, *args, **kwargs)
-        # in turn with the process's other calls that communicate (a transformer forward in another thread)
-        with turns().turn([sample, args, kwargs], vae=True), _calls_over(self.group):
+        # One at a time with the process's other calls that communicate (a transformer forward, a split call
+        # of another thread), in the order every rank takes them (``turns``): the layers are band-aware for
+        # the call in flight only.
+        with turns().turn([sample, args, kwargs], vae=True):
             return self._call(forward, sample, args, kwargs)
 
     def _call(self, forward: Callable, sample: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -318,20 +319,6 @@ class _Shared:
 
     def __deepcopy__(self, memo: dict) -> _Shared:
         return self
-
-
-_GROUP_LOCKS: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.RLock] = weakref.WeakKeyDictionary()
-_GROUP_LOCKS_LOCK = threading.Lock()
-
-
-def _calls_over(group: dist.ProcessGroup) -> threading.RLock:
-    """The lock a process's split calls over ``group`` take, one at a time (calls from several threads, of
-    any coder split over the group): their collectives pair with the other ranks' in the order each rank
-    issues them, and the layers are band-aware for the call in flight only. A rank taking the calls in
-    another order than its peers pairs different calls: their inputs differ, so they agree to run whole
-    (``fingerprint``), each as plain Diffusers, and the next pair meets."""
-    with _GROUP_LOCKS_LOCK:
-        return _GROUP_LOCKS.setdefault(group, threading.RLock())
 
 
 class _PerThread(threading.local):
