@@ -323,9 +323,13 @@ def lucy_edit_call() -> dict[str, Any]:
 # Pipelines built without text encoders or VAE: called on prompt embeddings for latents (``embedded_call``).
 
 
-def _bare(pipeline_class: type, transformer: torch.nn.Module, **parts: Any) -> DiffusionPipeline:
-    """``pipeline_class`` holding only ``transformer`` and a scheduler (``parts`` names its other slots)."""
-    pipe = pipeline_class(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), **parts)
+def _bare(
+    pipeline_class: type, transformer: torch.nn.Module, scheduler: Any = None, **parts: Any
+) -> DiffusionPipeline:
+    """``pipeline_class`` holding only ``transformer`` and a scheduler (flow matching unless given; ``parts``
+    names its other slots)."""
+    scheduler = FlowMatchEulerDiscreteScheduler() if scheduler is None else scheduler
+    pipe = pipeline_class(transformer=transformer, scheduler=scheduler, **parts)
     return _finish(pipe, torch.float32, "cpu")
 
 
@@ -483,14 +487,9 @@ def tiny_allegro_pipeline(seed: int = 0) -> AllegroPipeline:
         out_channels=4, num_layers=2, cross_attention_dim=2 * 24, sample_height=8, sample_width=8,
         sample_frames=3, caption_channels=16,
     )  # fmt: skip
-    pipe = AllegroPipeline(
-        transformer=model,
-        scheduler=DPMSolverMultistepScheduler(),
-        vae=None,
-        text_encoder=None,
-        tokenizer=None,
+    return _bare(
+        AllegroPipeline, model, DPMSolverMultistepScheduler(), vae=None, text_encoder=None, tokenizer=None
     )
-    return _finish(pipe, torch.float32, "cpu")
 
 
 def tiny_mochi_pipeline(seed: int = 0) -> MochiPipeline:
@@ -508,14 +507,9 @@ def tiny_latte_pipeline(seed: int = 0) -> LattePipeline:
         out_channels=8, num_layers=2, cross_attention_dim=_WIDTH, sample_size=8, patch_size=2,
         norm_type="ada_norm_single", caption_channels=16, video_length=3, num_embeds_ada_norm=1000,
     )  # fmt: skip
-    pipe = LattePipeline(
-        transformer=model,
-        scheduler=DPMSolverMultistepScheduler(),
-        vae=None,
-        text_encoder=None,
-        tokenizer=None,
+    return _bare(
+        LattePipeline, model, DPMSolverMultistepScheduler(), vae=None, text_encoder=None, tokenizer=None
     )
-    return _finish(pipe, torch.float32, "cpu")
 
 
 def tiny_easyanimate_pipeline(seed: int = 0) -> EasyAnimatePipeline:
