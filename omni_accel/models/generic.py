@@ -242,12 +242,20 @@ _PAG_PROCESSORS = tuple(
 )
 
 
+def _runs_pag(module: nn.Module) -> bool:
+    """A PAG processor set on ``module`` (read from its ``__dict__``: ``getattr`` of a missing attribute runs
+    ``Module.__getattr__``, which raises, at every module of every split call), or one as the module."""
+    return isinstance(module.__dict__.get("processor"), _PAG_PROCESSORS) or isinstance(
+        module, _PAG_PROCESSORS
+    )
+
+
 def _batch_of_samples(module: nn.Module, arguments: dict[str, Any]) -> tuple[str, ...] | None:
     """``batch_dim_arguments`` of the arguments the registry does not know to be unbatched (RoPE tuples), or
     None (no telling: the call runs whole on every rank, or its two branches apart) while a PAG processor
     runs in ``module``: its batch is not one of samples, and a rank given half of it would perturb the wrong
     part (or fail on a part missing)."""
-    if any(isinstance(getattr(m, "processor", None), _PAG_PROCESSORS) for m in module.modules()):
+    if any(_runs_pag(m) for m in module.modules()):
         return None
     unbatched = unbatched_arguments(module)
     return batch_dim_arguments({k: v for k, v in arguments.items() if k not in unbatched})
