@@ -144,21 +144,27 @@ def tiny_chronoedit_pipeline(seed: int = 0) -> ChronoEditPipeline:
     return _video(ChronoEditPipeline, seed, model, **image)
 
 
-def tiny_cogview4_pipeline(seed: int = 0) -> CogView4Pipeline:
-    """CogView4 on a toy GLM text model (the T5 test tokenizer's ids) and the tiny 16-channel image VAE."""
-    tokenizer = _t5_tokenizer()
-    config = GlmConfig(
+def _toy_text_model(config_class: type, model_class: type, tokenizer: Any, seed: int, kv_heads: int) -> Any:
+    """A two-layer decoder text model of ``model_class`` over the tokenizer's ids (CogView4's GLM, Lumina 2's
+    Gemma 2), its weights seeded as the pipeline's ``text_encoder``."""
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=_TEXT_HIDDEN,
         intermediate_size=2 * _TEXT_HIDDEN,
         num_hidden_layers=2,
         num_attention_heads=_TEXT_HEADS,
-        num_key_value_heads=_TEXT_HEADS,
+        num_key_value_heads=kv_heads,
         head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
         pad_token_id=tokenizer.pad_token_id,
     )
     with _seeded(seed, "text_encoder"):
-        text_encoder = GlmModel(config)
+        return model_class(config)
+
+
+def tiny_cogview4_pipeline(seed: int = 0) -> CogView4Pipeline:
+    """CogView4 on a toy GLM text model (the T5 test tokenizer's ids) and the tiny 16-channel image VAE."""
+    tokenizer = _t5_tokenizer()
+    text_encoder = _toy_text_model(GlmConfig, GlmModel, tokenizer, seed, kv_heads=_TEXT_HEADS)
     model = _transformer(
         seed,
         CogView4Transformer2DModel,
@@ -261,18 +267,7 @@ def tiny_lumina2_pipeline(seed: int = 0) -> Lumina2Pipeline:
     """Lumina-Image 2.0 on a toy Gemma 2 text model (the T5 test tokenizer's ids: the pipeline only pads and
     encodes with it); call it with a short ``max_sequence_length``."""
     tokenizer = _t5_tokenizer()
-    config = Gemma2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=_TEXT_HIDDEN,
-        intermediate_size=2 * _TEXT_HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=_TEXT_HEADS,
-        num_key_value_heads=1,
-        head_dim=_TEXT_HIDDEN // _TEXT_HEADS,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with _seeded(seed, "text_encoder"):
-        text_encoder = Gemma2Model(config)
+    text_encoder = _toy_text_model(Gemma2Config, Gemma2Model, tokenizer, seed, kv_heads=1)
     model = _transformer(
         seed,
         Lumina2Transformer2DModel,
